@@ -1,0 +1,203 @@
+"""The local host: runs a job as processes on this machine (`keyshift run`).
+
+Starts the coordinator and one process per stage instance on loopback, watches them, drains the
+job at the end of its duration or on Ctrl-C, and stops every process it started on every path,
+crashes included. A child that dies makes the run fail with its name and last log lines.
+Used by `keyshift.operator.cli`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import signal
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from keyshift.operator.processes import Child
+from keyshift.runtime.job import JobSpec
+from keyshift.runtime.transport import JsonClient, TransportError
+
+COORDINATOR_SERVICE = "keyshift.Coordinator"
+STATUS_INTERVAL = 0.5
+
+
+class RunError(RuntimeError):
+    """The job could not start or did not finish cleanly; the message says which part and why."""
+
+
+@dataclass
+class RunResult:
+    status: dict[str, Any]
+    interrupted: bool
+    log_dir: Path
+    history: list[dict[str, Any]] = field(default_factory=list)
+
+
+class LocalJob:
+    """A job's processes on this machine; use as a context manager so they always stop."""
+
+    def __init__(
+        self,
+        spec: JobSpec,
+        job_file: Path,
+        log_dir: Path | None = None,
+        host: str = "127.0.0.1",
+        coordinator_port: int = 0,
+        start_timeout: float = 30.0,
+        register_timeout: float = 30.0,
+    ) -> None:
+        self.spec = spec
+        self.job_file = job_file
+        self.host = host
+        self.coordinator_port = coordinator_port
+        self.start_timeout = start_timeout
+        self.register_timeout = register_timeout
+        self.log_dir = log_dir or Path(tempfile.mkdtemp(prefix=f"keyshift-{spec.name}-"))
+        self.coordinator: Child | None = None
+        self.instances: dict[str, Child] = {}
+        self.client: JsonClient | None = None
+        self.address = ""
+
+    def __enter__(self) -> LocalJob:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def children(self) -> list[Child]:
+        return [*([self.coordinator] if self.coordinator else []), *self.instances.values()]
+
+    def start(self) -> None:
+        ready = self.log_dir / "coordinator.ready"
+        ready.unlink(missing_ok=True)
+        self.coordinator = Child(
+            "coordinator",
+            [
+                "-m", "keyshift.runtime.coordinator",
+                "--job", str(self.job_file),
+                "--host", self.host,
+                "--port", str(self.coordinator_port),
+                "--ready-file", str(ready),
+                "--register-timeout", str(self.register_timeout),
+            ],
+            self.log_dir / "coordinator.log",
+        )  # fmt: skip
+        deadline = time.monotonic() + self.start_timeout
+        while not ready.exists():
+            code = self.coordinator.exit_code()
+            if code is not None:
+                raise RunError(self._crash_message(self.coordinator, code))
+            if time.monotonic() > deadline:
+                raise RunError(f"coordinator did not start within {self.start_timeout:.0f} s")
+            time.sleep(0.05)
+        info = json.loads(ready.read_text())
+        self.address = f"{self.host}:{info['port']}"
+        self.client = JsonClient(self.address, COORDINATOR_SERVICE)
+        for stage in self.spec.stages():
+            for index in range(stage.parallelism):
+                self.start_instance(stage.name, index)
+
+    def start_instance(self, stage: str, index: int) -> Child:
+        name = f"{stage}/{index}"
+        child = Child(
+            name,
+            ["-m", "keyshift.runtime.instance", "--coordinator", self.address,
+             "--stage", stage, "--index", str(index), "--host", self.host],
+            self.log_dir / f"{stage}-{index}.log",
+        )  # fmt: skip
+        self.instances[name] = child
+        return child
+
+    def status(self) -> dict[str, Any]:
+        assert self.client is not None
+        result: dict[str, Any] = self.client.call("Status", timeout=5.0)
+        return result
+
+    def drain(self) -> None:
+        if self.client is not None:
+            self.client.call("Drain", timeout=5.0)
+
+    def check_children(self, expect_exit: bool) -> None:
+        """Raise RunError if a child died unexpectedly (any exit while running, non-zero ever)."""
+        for child in self.children():
+            code = child.exit_code()
+            if code is None:
+                continue
+            if code != 0 or (not expect_exit and child is self.coordinator):
+                raise RunError(self._crash_message(child, code))
+
+    def _crash_message(self, child: Child, code: int) -> str:
+        how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
+        tail = child.tail()
+        lines = (
+            f"\n  last log lines ({child.log_path}):\n    " + tail.replace("\n", "\n    ")
+            if tail
+            else ""
+        )
+        return f"{child.name} (pid {child.pid}) {how}{lines}"
+
+    def stop(self, grace: float = 3.0) -> None:
+        """Stop every process this job started, whatever state they are in."""
+        if self.client is not None:
+            with contextlib.suppress(TransportError):
+                self.client.call("Shutdown", timeout=2.0)
+        for child in reversed(self.children()):
+            child.stop(grace)
+        if self.client is not None:
+            self.client.close()
+            self.client = None
+
+
+def run_job(
+    job: LocalJob,
+    duration: float | None,
+    on_status: Callable[[dict[str, Any]], None] = lambda status: None,
+    drain_timeout: float = 60.0,
+) -> RunResult:
+    """Run a started job until it finishes, its duration ends or Ctrl-C; then drain it."""
+    interrupted = threading.Event()
+    previous = signal.signal(signal.SIGINT, lambda *_: interrupted.set())
+    history: list[dict[str, Any]] = []
+    try:
+        started = time.monotonic()
+        drain_deadline: float | None = None
+        while True:
+            job.check_children(expect_exit=False)
+            try:
+                status = job.status()
+            except TransportError as exc:
+                job.check_children(expect_exit=False)
+                raise RunError(f"coordinator stopped answering: {exc}") from None
+            history.append(status)
+            on_status(status)
+            phase = status["phase"]
+            if phase == "failed":
+                raise RunError("job failed: " + "; ".join(status["errors"]))
+            if phase == "finished":
+                break
+            out_of_time = duration is not None and time.monotonic() - started >= duration
+            if drain_deadline is None and (interrupted.is_set() or out_of_time):
+                job.drain()
+                drain_deadline = time.monotonic() + drain_timeout
+            if drain_deadline is not None and time.monotonic() > drain_deadline:
+                raise RunError(f"job did not drain within {drain_timeout:.0f} s")
+            time.sleep(STATUS_INTERVAL)
+        # Instances exit by themselves once finished; give them a moment, then check codes.
+        deadline = time.monotonic() + 10.0
+        while (
+            any(c.exit_code() is None for c in job.instances.values())
+            and time.monotonic() < deadline
+        ):
+            time.sleep(0.05)
+        job.check_children(expect_exit=True)
+        return RunResult(
+            status=status, interrupted=interrupted.is_set(), log_dir=job.log_dir, history=history
+        )
+    finally:
+        signal.signal(signal.SIGINT, previous)

@@ -1,0 +1,336 @@
+"""The job definition: pydantic models of a pipeline, loadable from YAML.
+
+A job is source -> stateless map/filter (chained into the source stage) -> key_by -> one keyed
+stateful operator -> sink. The local host validates a job file with `load_job` before it starts
+anything; the coordinator and every instance receive the same validated model. The Python API
+in `keyshift.runtime.pipeline` builds these models too.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Discriminator,
+    Field,
+    Tag,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+
+from keyshift.runtime.records import RESERVED_FIELDS
+
+FieldType = Literal["int", "float", "str", "bool"]
+AggregateFunction = Literal["count", "sum", "min", "max", "mean"]
+STAGE_NAME_PATTERN = r"^[a-z][a-z0-9-]{0,39}$"
+
+
+class JobError(ValueError):
+    """A job definition that cannot run; the message names the field and the reason."""
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+def resolve_function(path: str) -> Callable[..., Any]:
+    """Import `module:qualname` and return the callable, or raise JobError saying why not."""
+    module_name, sep, qualname = path.partition(":")
+    if not sep or not module_name or not qualname:
+        raise JobError(f"{path!r} is not of the form 'module:function'")
+    try:
+        target: Any = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise JobError(f"cannot import module {module_name!r} for {path!r}: {exc}") from exc
+    for part in qualname.split("."):
+        try:
+            target = getattr(target, part)
+        except AttributeError as exc:
+            raise JobError(f"module {module_name!r} has no attribute {qualname!r}") from exc
+    if not callable(target):
+        raise JobError(f"{path!r} is not callable")
+    return target  # type: ignore[no-any-return]
+
+
+def _kind_or(default: str) -> Discriminator:
+    """A discriminator on `kind` that lets a job file leave out the most common kind."""
+
+    def pick(value: Any) -> str | None:
+        if isinstance(value, dict):
+            return str(value.get("kind", default))
+        return getattr(value, "kind", None)
+
+    return Discriminator(pick)
+
+
+def _check_function_path(path: str) -> str:
+    try:
+        resolve_function(path)
+    except JobError as exc:
+        raise ValueError(str(exc)) from exc
+    return path
+
+
+class ConstantProfile(_Model):
+    kind: Literal["constant"] = "constant"
+    rate: float = Field(ge=0, description="records per second")
+
+
+class StepProfile(_Model):
+    kind: Literal["step"]
+    rate: float = Field(ge=0, description="records per second before the step")
+    to: float = Field(ge=0, description="records per second from `at` on")
+    at: float = Field(ge=0, description="seconds after start")
+
+
+class RampProfile(_Model):
+    kind: Literal["ramp"]
+    rate: float = Field(ge=0, description="records per second at the start")
+    to: float = Field(ge=0, description="records per second at the end of the ramp")
+    over: float = Field(gt=0, description="ramp duration in seconds; the rate holds after it")
+
+
+class SineProfile(_Model):
+    kind: Literal["sine"]
+    rate: float = Field(ge=0, description="mean records per second")
+    amplitude: float = Field(ge=0, description="records per second above and below the mean")
+    period: float = Field(gt=0, description="seconds per cycle")
+
+    @model_validator(mode="after")
+    def _non_negative(self) -> SineProfile:
+        if self.amplitude > self.rate:
+            raise ValueError("amplitude must not exceed rate (the rate would go negative)")
+        return self
+
+
+class PointsProfile(_Model):
+    kind: Literal["points"]
+    points: list[tuple[float, float]] = Field(
+        min_length=1,
+        description="(seconds after start, records per second); each holds until the next",
+    )
+
+    @field_validator("points")
+    @classmethod
+    def _ordered(cls, points: list[tuple[float, float]]) -> list[tuple[float, float]]:
+        times = [t for t, _ in points]
+        if times != sorted(times) or len(set(times)) != len(times):
+            raise ValueError("point times must be strictly increasing")
+        if any(t < 0 or r < 0 for t, r in points):
+            raise ValueError("point times and rates must be >= 0")
+        return points
+
+
+LoadProfile = Annotated[
+    Annotated[ConstantProfile, Tag("constant")]
+    | Annotated[StepProfile, Tag("step")]
+    | Annotated[RampProfile, Tag("ramp")]
+    | Annotated[SineProfile, Tag("sine")]
+    | Annotated[PointsProfile, Tag("points")],
+    _kind_or("constant"),
+]
+
+
+class GeneratorSource(_Model):
+    kind: Literal["generator"] = "generator"
+    profile: LoadProfile | None = Field(
+        default=None, description="load over time; none means as fast as the pipeline takes"
+    )
+    keys: int = Field(default=10_000, ge=1, le=1 << 40, description="number of distinct keys")
+    distribution: Literal["uniform", "zipf"] = "uniform"
+    zipf_exponent: float = Field(default=1.0, gt=0, le=5)
+    seed: int = Field(default=0, ge=0)
+    total: int | None = Field(
+        default=None, ge=0, description="stop after this many records (all instances together)"
+    )
+
+
+class IngestSource(_Model):
+    """Rows pushed by clients (PySpark writers, `keyshift.runtime.ingest_client`)."""
+
+    kind: Literal["ingest"]
+    port: int = Field(default=0, ge=0, le=65535, description="0 picks a free port")
+
+
+SourceConfig = Annotated[
+    Annotated[GeneratorSource, Tag("generator")] | Annotated[IngestSource, Tag("ingest")],
+    _kind_or("generator"),
+]
+
+
+class LogSink(_Model):
+    kind: Literal["log"] = "log"
+    path: str = Field(default="out", description="directory of the output log")
+    format: Literal["jsonl", "parquet", "none"] = Field(
+        default="jsonl", description="'none' keeps offsets and metrics but writes no files"
+    )
+    segment_records: int = Field(default=100_000, ge=1, description="records per segment file")
+
+
+class FunctionSink(_Model):
+    kind: Literal["function"]
+    function: str = Field(description="module:function called with each pyarrow.RecordBatch")
+
+    _check = field_validator("function")(_check_function_path)
+
+
+SinkConfig = Annotated[
+    Annotated[LogSink, Tag("log")] | Annotated[FunctionSink, Tag("function")], _kind_or("log")
+]
+
+
+class Transform(_Model):
+    map: str | None = Field(default=None, description="module:function(record) -> record")
+    filter: str | None = Field(default=None, description="module:function(record) -> bool")
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> Transform:
+        if (self.map is None) == (self.filter is None):
+            raise ValueError("a transform has exactly one of 'map' or 'filter'")
+        _check_function_path(self.map or self.filter or "")
+        return self
+
+
+class AggregateOperator(_Model):
+    kind: Literal["aggregate"] = "aggregate"
+    function: AggregateFunction = "count"
+    field: str | None = Field(default=None, description="numeric field aggregated (not for count)")
+
+
+class ProcessOperator(_Model):
+    kind: Literal["process"]
+    function: str = Field(description="module:function(state, record) -> (state, output or None)")
+
+    _check = field_validator("function")(_check_function_path)
+
+
+OperatorConfig = Annotated[
+    Annotated[AggregateOperator, Tag("aggregate")] | Annotated[ProcessOperator, Tag("process")],
+    _kind_or("aggregate"),
+]
+
+
+class Stage(_Model):
+    name: str = Field(pattern=STAGE_NAME_PATTERN)
+    parallelism: int = Field(default=1, ge=1, le=256)
+
+
+class SourceStage(Stage):
+    name: str = Field(default="source", pattern=STAGE_NAME_PATTERN)
+    config: SourceConfig = Field(default_factory=GeneratorSource)
+    transforms: list[Transform] = Field(default_factory=list)
+
+
+class KeyedStage(Stage):
+    name: str = Field(default="keyed", pattern=STAGE_NAME_PATTERN)
+    key_by: str = Field(default="key", description="the field whose value is the key")
+    operator: OperatorConfig = Field(default_factory=AggregateOperator)
+
+
+class SinkStage(Stage):
+    name: str = Field(default="sink", pattern=STAGE_NAME_PATTERN)
+    config: SinkConfig = Field(default_factory=LogSink)
+
+
+class Batching(_Model):
+    max_records: int = Field(default=8192, ge=1, le=1 << 20, description="flush at this size")
+    linger_ms: float = Field(default=5.0, ge=0, le=10_000, description="flush after this wait")
+    credits: int = Field(
+        default=8, ge=1, le=1024, description="batches in flight per channel (bounds memory)"
+    )
+
+
+class JobSpec(_Model):
+    name: str = Field(pattern=STAGE_NAME_PATTERN)
+    max_key_groups: int = Field(default=4096, ge=1, le=1 << 16)
+    fields: dict[str, FieldType] = Field(
+        default_factory=lambda: dict[str, FieldType](key="int", value="float"),
+        description="the record schema after the transforms",
+    )
+    source: SourceStage = Field(default_factory=SourceStage)
+    keyed: KeyedStage = Field(default_factory=KeyedStage)
+    sink: SinkStage = Field(default_factory=SinkStage)
+    batching: Batching = Field(default_factory=Batching)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> JobSpec:
+        names = [self.source.name, self.keyed.name, self.sink.name]
+        if len(set(names)) != len(names):
+            raise ValueError(f"stage names must be distinct, got {names}")
+        if self.keyed.key_by not in self.fields:
+            raise ValueError(
+                f"keyed.key_by {self.keyed.key_by!r} is not one of fields {list(self.fields)}"
+            )
+        if self.fields[self.keyed.key_by] not in ("int", "str"):
+            raise ValueError("keyed.key_by must name an 'int' or 'str' field")
+        op = self.keyed.operator
+        if isinstance(op, AggregateOperator):
+            if op.function == "count":
+                if op.field is not None and op.field not in self.fields:
+                    raise ValueError(f"keyed.operator.field {op.field!r} is not a field")
+            elif op.field is None:
+                raise ValueError(f"keyed.operator.field is required for {op.function!r}")
+            elif self.fields.get(op.field) not in ("int", "float"):
+                raise ValueError(f"keyed.operator.field {op.field!r} must be an int or float field")
+        generated = {"key": "int", "value": "float"}
+        generator = isinstance(self.source.config, GeneratorSource)
+        if generator and not self.source.transforms and self.fields != generated:
+            raise ValueError(
+                f"the generator makes records {generated}; with no transforms to reshape "
+                f"them, fields must be exactly that (got {self.fields})"
+            )
+        if self.keyed.parallelism > self.max_key_groups:
+            raise ValueError("keyed.parallelism must not exceed max_key_groups")
+        return self
+
+    @field_validator("fields")
+    @classmethod
+    def _no_reserved(cls, fields: dict[str, FieldType]) -> dict[str, FieldType]:
+        reserved = sorted(set(fields) & RESERVED_FIELDS)
+        if reserved:
+            raise ValueError(f"field names {reserved} are reserved for record metadata")
+        if not fields:
+            raise ValueError("a job needs at least one field")
+        return fields
+
+    def stages(self) -> list[Stage]:
+        return [self.source, self.keyed, self.sink]
+
+
+def _format_errors(exc: ValidationError, origin: str) -> str:
+    lines = [f"invalid job {origin}:"]
+    for err in exc.errors():
+        loc = ".".join(str(p) for p in err["loc"] if not str(p).startswith("function-"))
+        lines.append(f"  {loc or '(top level)'}: {err['msg']}")
+    return "\n".join(lines)
+
+
+def parse_job(data: Any, origin: str = "definition") -> JobSpec:
+    """Validate a job given as plain data; raise JobError naming each bad field and why."""
+    if not isinstance(data, dict):
+        raise JobError(f"invalid job {origin}: the top level must be a mapping")
+    try:
+        return JobSpec.model_validate(data)
+    except ValidationError as exc:
+        raise JobError(_format_errors(exc, origin)) from None
+
+
+def load_job(path: str | Path) -> JobSpec:
+    """Read and validate a YAML job file."""
+    p = Path(path)
+    try:
+        text = p.read_text()
+    except OSError as exc:
+        raise JobError(f"cannot read job file {p}: {exc.strerror}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise JobError(f"job file {p} is not valid YAML: {exc}") from None
+    return parse_job(data, origin=f"file {p}")

@@ -1,0 +1,30 @@
+"""Process lifecycle helpers for keyshift's own processes (coordinator and instances).
+
+`die_with_parent` makes a process end when the host that started it ends, even when the host is
+killed with SIGKILL and cannot clean up (Linux PR_SET_PDEATHSIG, set by the child itself so the
+host can spawn without a fork-time hook, which gRPC does not survive). Called first thing by the
+`main` of the coordinator and of stage instances.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import sys
+
+PARENT_ENV = "KEYSHIFT_PARENT_PID"
+_PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent() -> None:
+    """If a host set KEYSHIFT_PARENT_PID, die with it (no-op elsewhere, e.g. in a pod)."""
+    expected = os.environ.get(PARENT_ENV)
+    if not expected:
+        return
+    if sys.platform == "linux":
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    # The parent may have died before prctl took effect.
+    if os.getppid() != int(expected):
+        os._exit(1)

@@ -1,0 +1,209 @@
+"""Every Prometheus metric keyshift exports, defined in one place, and the per-process registry.
+
+Each coordinator and stage instance serves its own registry over HTTP. Names are `keyshift_*`;
+labels are job, stage and instance. The sink's latency histogram takes whole batches of
+observations (numpy), because one `observe` call per record would cost more than the record.
+Used by the stage instances, the coordinator, and the tests that check what is exported.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator, Sequence
+from enum import StrEnum
+from typing import Any
+
+import numpy as np
+from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
+from prometheus_client.core import HistogramMetricFamily
+from prometheus_client.registry import Collector
+
+LABELS = ("job", "stage", "instance")
+LATENCY_BUCKETS: tuple[float, ...] = (
+    0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0,
+)  # fmt: skip
+
+
+class MetricName(StrEnum):
+    RECORDS_IN = "keyshift_records_in_total"
+    RECORDS_OUT = "keyshift_records_out_total"
+    BUSY_SECONDS = "keyshift_busy_seconds_total"
+    IDLE_SECONDS = "keyshift_idle_seconds_total"
+    BACKPRESSURED_SECONDS = "keyshift_backpressured_seconds_total"
+    QUEUE_DEPTH = "keyshift_input_queue_batches"
+    QUEUE_RECORDS = "keyshift_input_queue_records"
+    LATENCY = "keyshift_end_to_end_latency_seconds"
+    STATE_KEYS = "keyshift_state_keys"
+    STATE_BYTES = "keyshift_state_bytes"
+    PARALLELISM = "keyshift_stage_parallelism"
+    INVALID_RECORDS = "keyshift_invalid_records_total"
+    SOURCE_TARGET_RATE = "keyshift_source_target_rate"
+    JOB_PARALLELISM = "keyshift_job_stage_parallelism"
+    JOB_PHASE = "keyshift_job_phase"
+
+
+COUNTERS = (
+    MetricName.RECORDS_IN,
+    MetricName.RECORDS_OUT,
+    MetricName.BUSY_SECONDS,
+    MetricName.IDLE_SECONDS,
+    MetricName.BACKPRESSURED_SECONDS,
+)
+
+HELP: dict[MetricName, str] = {
+    MetricName.RECORDS_IN: "Records received by this instance.",
+    MetricName.RECORDS_OUT: "Records emitted by this instance.",
+    MetricName.BUSY_SECONDS: "Seconds spent processing records (DS2's useful time).",
+    MetricName.IDLE_SECONDS: "Seconds spent waiting for input.",
+    MetricName.BACKPRESSURED_SECONDS: "Seconds spent waiting for downstream credit.",
+    MetricName.QUEUE_DEPTH: "Batches waiting in this instance's input queue.",
+    MetricName.QUEUE_RECORDS: "Records waiting in this instance's input queue.",
+    MetricName.LATENCY: "Ingest-to-sink latency of records, in seconds.",
+    MetricName.STATE_KEYS: "Keys held in this instance's keyed state.",
+    MetricName.STATE_BYTES: "Estimated bytes of this instance's keyed state.",
+    MetricName.PARALLELISM: "Current parallelism of this instance's stage.",
+    MetricName.INVALID_RECORDS: "Records rejected because they do not fit the job's schema.",
+    MetricName.SOURCE_TARGET_RATE: "Records per second the source's load profile asks for now.",
+    MetricName.JOB_PARALLELISM: "Parallelism of each stage, as the coordinator assigns it.",
+    MetricName.JOB_PHASE: "1 for the job's current phase, 0 for the others.",
+}
+
+
+class BatchHistogram(Collector):
+    """A Prometheus histogram fed with numpy arrays of observations and weights."""
+
+    def __init__(self, name: str, doc: str, buckets: Sequence[float], labels: dict[str, str]):
+        self._name = name
+        self._doc = doc
+        self._bounds = np.asarray(buckets, dtype=np.float64)
+        self._labels = labels
+        self._counts = np.zeros(len(buckets) + 1, dtype=np.int64)
+        self._sum = 0.0
+        self._lock = threading.Lock()
+
+    def observe_many(self, values: np.ndarray, weights: np.ndarray | None = None) -> None:
+        idx = np.searchsorted(self._bounds, values, side="left")
+        counts = np.bincount(idx, weights=weights, minlength=len(self._counts)).astype(np.int64)
+        total = float(np.dot(values, weights) if weights is not None else values.sum())
+        with self._lock:
+            self._counts += counts
+            self._sum += total
+
+    def bucket_counts(self) -> list[int]:
+        """Non-cumulative counts per bucket, the last one above the highest bound."""
+        with self._lock:
+            return list(self._counts.tolist())
+
+    def collect(self) -> Iterator[HistogramMetricFamily]:
+        with self._lock:
+            cumulative = np.cumsum(self._counts).tolist()
+            total = self._sum
+        family = HistogramMetricFamily(self._name, self._doc, labels=list(self._labels))
+        bounds = [*(repr(float(b)) for b in self._bounds), "+Inf"]
+        family.add_metric(
+            list(self._labels.values()), list(zip(bounds, cumulative, strict=True)), total
+        )
+        yield family
+
+
+class InstanceMetrics:
+    """The metrics of one process, in their own registry, served on their own port."""
+
+    def __init__(self, job: str, stage: str, instance: str) -> None:
+        self.registry = CollectorRegistry()
+        self.labels = {"job": job, "stage": stage, "instance": instance}
+        values = list(self.labels.values())
+
+        def gauge(name: MetricName) -> Any:
+            return Gauge(name, HELP[name], LABELS, registry=self.registry).labels(*values)
+
+        self.totals: dict[MetricName, float] = dict.fromkeys(COUNTERS, 0.0)
+        self._counters = {
+            name: Counter(
+                name.removesuffix("_total"), HELP[name], LABELS, registry=self.registry
+            ).labels(*values)
+            for name in COUNTERS
+        }
+        self.invalid_counter = Counter(
+            MetricName.INVALID_RECORDS.removesuffix("_total"),
+            HELP[MetricName.INVALID_RECORDS],
+            (*LABELS, "reason"),
+            registry=self.registry,
+        )
+        self.queue_depth = gauge(MetricName.QUEUE_DEPTH)
+        self.queue_records = gauge(MetricName.QUEUE_RECORDS)
+        self.state_keys = gauge(MetricName.STATE_KEYS)
+        self.state_bytes = gauge(MetricName.STATE_BYTES)
+        self.parallelism = gauge(MetricName.PARALLELISM)
+        self.source_target_rate = gauge(MetricName.SOURCE_TARGET_RATE)
+        self.latency = BatchHistogram(
+            MetricName.LATENCY, HELP[MetricName.LATENCY], LATENCY_BUCKETS, self.labels
+        )
+        self.registry.register(self.latency)
+        self.invalid_total = 0
+
+    def count(self, name: MetricName, amount: float) -> None:
+        """Add to one of the COUNTERS; `totals` keeps the values for reports."""
+        self.totals[name] += amount
+        self._counters[name].inc(amount)
+
+    def invalid(self, reason: str, count: int = 1) -> None:
+        self.invalid_counter.labels(*self.labels.values(), reason).inc(count)
+        self.invalid_total += count
+
+    def serve(self, host: str, port: int) -> int:
+        """Serve /metrics; return the bound port (0 picks a free one)."""
+        server, _thread = start_http_server(port, addr=host, registry=self.registry)
+        return int(server.server_port)
+
+
+def quantile_from_buckets(counts: Sequence[int], q: float) -> float | None:
+    """The q-quantile of non-cumulative bucket counts, interpolated inside its bucket."""
+    total = sum(counts)
+    if total == 0:
+        return None
+    rank = q * total
+    bounds = (0.0, *LATENCY_BUCKETS)
+    seen = 0
+    for i, count in enumerate(counts):
+        if seen + count >= rank and count:
+            if i >= len(LATENCY_BUCKETS):
+                return LATENCY_BUCKETS[-1]
+            lo, hi = bounds[i], bounds[i + 1]
+            return lo + (hi - lo) * (rank - seen) / count
+        seen += count
+    return LATENCY_BUCKETS[-1]
+
+
+PHASES = ("starting", "running", "draining", "finished", "stopping", "failed")
+
+
+class CoordinatorMetrics:
+    """The coordinator's view: parallelism per stage and the job's phase."""
+
+    def __init__(self, job: str) -> None:
+        self.registry = CollectorRegistry()
+        self.job = job
+        self._parallelism = Gauge(
+            MetricName.JOB_PARALLELISM,
+            HELP[MetricName.JOB_PARALLELISM],
+            ("job", "stage"),
+            registry=self.registry,
+        )
+        self._phase = Gauge(
+            MetricName.JOB_PHASE,
+            HELP[MetricName.JOB_PHASE],
+            ("job", "phase"),
+            registry=self.registry,
+        )
+
+    def set_parallelism(self, stage: str, parallelism: int) -> None:
+        self._parallelism.labels(self.job, stage).set(parallelism)
+
+    def set_phase(self, phase: str) -> None:
+        for name in PHASES:
+            self._phase.labels(self.job, name).set(1 if name == phase else 0)
+
+    def serve(self, host: str, port: int) -> int:
+        server, _thread = start_http_server(port, addr=host, registry=self.registry)
+        return int(server.server_port)

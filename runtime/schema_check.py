@@ -1,0 +1,60 @@
+"""Checks records against the job's schema and turns the valid ones into Arrow columns.
+
+Records produced by user functions (and, later, rows ingested from clients) may not fit the job's
+`fields`. Each bad record is rejected with a reason; the valid records around it are kept.
+Used by the source stage instances.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import pyarrow as pa
+
+from keyshift.runtime.records import ARROW_TYPES
+
+_ACCEPTS: Mapping[str, tuple[type, ...]] = {
+    "int": (int,),
+    "float": (float, int),
+    "str": (str,),
+    "bool": (bool,),
+}
+
+
+@dataclass
+class Checked:
+    columns: dict[str, pa.Array]
+    kept: list[int]  # positions of the valid records in the input
+    rejected: list[tuple[Mapping[str, Any] | Any, str]] = field(default_factory=list)
+
+
+def why_invalid(record: Any, fields: Mapping[str, str]) -> str | None:
+    """The reason a record does not fit `fields`, or None when it does."""
+    if not isinstance(record, Mapping):
+        return f"not a record (got {type(record).__name__})"
+    for name, kind in fields.items():
+        if name not in record or record[name] is None:
+            return f"missing field {name!r}"
+        value = record[name]
+        # bool is an int in Python; a bool in an int field is almost always a mistake.
+        if not isinstance(value, _ACCEPTS[kind]) or (kind != "bool" and isinstance(value, bool)):
+            return f"field {name!r} should be {kind}, got {type(value).__name__}"
+    return None
+
+
+def check_records(records: Sequence[Any], fields: Mapping[str, str]) -> Checked:
+    kept: list[int] = []
+    rejected: list[tuple[Any, str]] = []
+    for i, record in enumerate(records):
+        reason = why_invalid(record, fields)
+        if reason is None:
+            kept.append(i)
+        else:
+            rejected.append((record, reason))
+    columns = {
+        name: pa.array([records[i][name] for i in kept], type=ARROW_TYPES[kind])
+        for name, kind in fields.items()
+    }
+    return Checked(columns=columns, kept=kept, rejected=rejected)

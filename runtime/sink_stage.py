@@ -1,0 +1,66 @@
+"""The sink stage loop: measure end-to-end latency, and append updates to the ordered output
+log (or hand them to a user's function).
+
+Called by `keyshift.runtime.instance` for instances of the job's sink stage.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from keyshift.runtime.instance import InstanceContext
+from keyshift.runtime.job import FunctionSink, resolve_function
+from keyshift.runtime.metrics import MetricName
+from keyshift.runtime.output_log import OutputLogWriter
+from keyshift.runtime.records import GROUP, INGEST_TIME, decode, now_us
+
+FLUSH_INTERVAL = 1.0
+
+
+def run(ctx: InstanceContext) -> None:
+    spec = ctx.spec
+    config = spec.sink.config
+    if isinstance(config, FunctionSink):
+        function = resolve_function(config.function)
+        writer = None
+    else:
+        function = None
+        writer = OutputLogWriter(config.path, ctx.index, config.format, config.segment_records)
+    upstream = ctx.upstream_count(spec.keyed.name)
+    ctx.metrics.parallelism.set(ctx.stage_parallelism())
+    ended = 0
+    metrics = ctx.metrics
+    last_flush = time.monotonic()
+    while ended < upstream:
+        ctx.check()
+        t_wait = time.perf_counter()
+        delivery = ctx.inbox.get(timeout=0.1)
+        metrics.count(MetricName.IDLE_SECONDS, time.perf_counter() - t_wait)
+        if writer is not None and time.monotonic() - last_flush >= FLUSH_INTERVAL:
+            writer.flush()
+            last_flush = time.monotonic()
+        if delivery is None:
+            continue
+        if delivery.payload is None:
+            ended += 1
+            continue
+        t0 = time.perf_counter()
+        batch = decode(delivery.payload)
+        delivery.release()
+        batch = batch.drop_columns([GROUP])
+        if function is not None:
+            function(batch)
+        else:
+            assert writer is not None
+            writer.append(batch)
+            ctx.extra_stats["output_offset"] = writer.end_offset
+        latency = (now_us() - batch.column(INGEST_TIME).to_numpy()) / 1e6
+        weights = batch.column("n").to_numpy() if "n" in batch.schema.names else None
+        metrics.latency.observe_many(np.maximum(latency, 0.0), weights)
+        metrics.count(MetricName.RECORDS_IN, batch.num_rows)
+        metrics.count(MetricName.BUSY_SECONDS, time.perf_counter() - t0)
+    if writer is not None:
+        writer.close()
+        ctx.extra_stats["output_offset"] = writer.end_offset

@@ -1,0 +1,397 @@
+"""Keyed state: key group -> key -> value, with per-key and per-group access counts (hotness).
+
+Two stores share one interface. `AggregateState` keeps running count/sum/min/max per key in
+numpy columns and updates them a whole batch at a time; `ProcessState` keeps one Python value per
+key for a user's per-record function. Both snapshot and restore by key group or by key as Arrow
+batches, which is what live migration moves. Used by the keyed stage instances.
+"""
+
+from __future__ import annotations
+
+import pickle
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+import pyarrow as pa
+
+from keyshift.runtime.records import EVENT_TIME, GROUP, INGEST_TIME, SEQ, SOURCE
+
+GROUP_COL = "group"
+KEY_COL = "key"
+HITS_COL = "hits"
+
+
+class KeyedState(Protocol):
+    """What migration and metrics need from a keyed store."""
+
+    @property
+    def key_count(self) -> int: ...
+
+    def bytes_estimate(self) -> int: ...
+
+    def group_hits(self) -> np.ndarray: ...
+
+    def snapshot_groups(self, groups: Iterable[int]) -> pa.RecordBatch: ...
+
+    def snapshot_keys(self, keys: Sequence[Any]) -> pa.RecordBatch: ...
+
+    def restore(self, snapshot: pa.RecordBatch) -> None: ...
+
+    def drop_groups(self, groups: Iterable[int]) -> int: ...
+
+
+@dataclass(frozen=True)
+class Update:
+    """The output of applying one batch: one row per key that changed, as an Arrow batch."""
+
+    batch: pa.RecordBatch
+    records: int
+
+
+def _key_array(keys: list[Any], key_type: pa.DataType) -> pa.Array:
+    return pa.array(keys, type=key_type)
+
+
+class AggregateState:
+    """Running aggregates per key in numpy columns, updated a batch at a time."""
+
+    _INITIAL = 1024
+
+    def __init__(self, function: str, max_key_groups: int, key_type: pa.DataType) -> None:
+        self.function = function
+        self.max_key_groups = max_key_groups
+        self.key_type = key_type
+        self._index: dict[Any, int] = {}
+        self._keys: list[Any] = []
+        self._free: list[int] = []
+        self._count = np.zeros(self._INITIAL, dtype=np.int64)
+        self._sum = np.zeros(self._INITIAL, dtype=np.float64)
+        self._min = np.full(self._INITIAL, np.inf)
+        self._max = np.full(self._INITIAL, -np.inf)
+        self._hits = np.zeros(self._INITIAL, dtype=np.int64)
+        self._group = np.full(self._INITIAL, -1, dtype=np.int32)
+        self._group_hits = np.zeros(max_key_groups, dtype=np.int64)
+
+    @property
+    def key_count(self) -> int:
+        return len(self._index)
+
+    def bytes_estimate(self) -> int:
+        # Columns plus the dict entry, the key object and its slot in the key list.
+        per_key = 6 * 8 + 4 + 100
+        return len(self._index) * per_key
+
+    def group_hits(self) -> np.ndarray:
+        return self._group_hits
+
+    def _grow(self, needed: int) -> None:
+        size = len(self._count)
+        if needed <= size:
+            return
+        new = max(needed, size * 2)
+        self._count = np.concatenate([self._count, np.zeros(new - size, dtype=np.int64)])
+        self._sum = np.concatenate([self._sum, np.zeros(new - size)])
+        self._min = np.concatenate([self._min, np.full(new - size, np.inf)])
+        self._max = np.concatenate([self._max, np.full(new - size, -np.inf)])
+        self._hits = np.concatenate([self._hits, np.zeros(new - size, dtype=np.int64)])
+        self._group = np.concatenate([self._group, np.full(new - size, -1, dtype=np.int32)])
+
+    def _allocate(self, keys: list[Any], groups: np.ndarray) -> np.ndarray:
+        slots = np.empty(len(keys), dtype=np.int64)
+        reuse = min(len(self._free), len(keys))
+        if reuse:
+            slots[:reuse] = self._free[-reuse:]
+            del self._free[-reuse:]
+        fresh = len(keys) - reuse
+        if fresh:
+            start = len(self._keys)
+            self._keys.extend([None] * fresh)
+            self._grow(start + fresh)
+            slots[reuse:] = np.arange(start, start + fresh)
+        slot_list = slots.tolist()
+        for key, slot in zip(keys, slot_list, strict=True):
+            self._index[key] = slot
+            self._keys[slot] = key
+        self._group[slots] = groups
+        return slots
+
+    def _slots(self, keys: list[Any], groups: np.ndarray) -> np.ndarray:
+        get = self._index.get
+        slots = np.fromiter((get(k, -1) for k in keys), dtype=np.int64, count=len(keys))
+        missing = np.flatnonzero(slots < 0)
+        if len(missing):
+            new_keys = [keys[i] for i in missing.tolist()]
+            slots[missing] = self._allocate(new_keys, groups[missing])
+        return slots
+
+    def values(self, slots: np.ndarray) -> np.ndarray:
+        fn = self.function
+        result: np.ndarray
+        if fn == "count":
+            result = self._count[slots]
+        elif fn == "sum":
+            result = self._sum[slots]
+        elif fn == "min":
+            result = self._min[slots]
+        elif fn == "max":
+            result = self._max[slots]
+        else:
+            result = self._sum[slots] / self._count[slots]
+        return result
+
+    def apply(self, batch: pa.RecordBatch, key_field: str, value_field: str | None) -> Update:
+        """Apply every record of `batch`; return one output row per key it touched."""
+        n = batch.num_rows
+        if n == 0:
+            return Update(batch=self._empty_output(), records=0)
+        key_col = batch.column(key_field)
+        if pa.types.is_string(key_col.type):
+            encoded = key_col.dictionary_encode()
+            codes = encoded.indices.to_numpy().astype(np.int64)
+            dictionary: pa.Array | None = encoded.dictionary
+        else:
+            codes = key_col.to_numpy()
+            dictionary = None
+        groups = batch.column(GROUP).to_numpy()
+        order = np.argsort(codes)
+        sorted_codes = codes[order]
+        starts = np.concatenate(([0], np.flatnonzero(sorted_codes[1:] != sorted_codes[:-1]) + 1))
+        counts = np.diff(np.append(starts, n))
+        unique_codes = sorted_codes[starts]
+        if dictionary is not None:
+            keys = dictionary.take(pa.array(unique_codes)).to_pylist()
+        else:
+            keys = unique_codes.tolist()
+        slots = self._slots(keys, groups[order[starts]])
+        self._count[slots] += counts
+        self._hits[slots] += counts
+        if value_field is not None and self.function != "count":
+            vals = batch.column(value_field).to_numpy(zero_copy_only=False).astype(np.float64)
+            vals = vals[order]
+            self._sum[slots] += np.add.reduceat(vals, starts)
+            self._min[slots] = np.minimum(self._min[slots], np.minimum.reduceat(vals, starts))
+            self._max[slots] = np.maximum(self._max[slots], np.maximum.reduceat(vals, starts))
+        self._group_hits += np.bincount(groups, minlength=self.max_key_groups)
+        event = batch.column(EVENT_TIME).to_numpy()[order]
+        ingest = batch.column(INGEST_TIME).to_numpy()[order]
+        out = pa.RecordBatch.from_arrays(
+            [
+                _key_array(keys, self.key_type),
+                pa.array(self.values(slots)),
+                pa.array(counts),
+                pa.array(np.maximum.reduceat(event, starts)),
+                pa.array(np.minimum.reduceat(ingest, starts)),
+                pa.array(self._group[slots]),
+            ],
+            schema=self.output_schema(),
+        )
+        return Update(batch=out, records=n)
+
+    def output_schema(self) -> pa.Schema:
+        value_type = pa.int64() if self.function == "count" else pa.float64()
+        return pa.schema(
+            [
+                pa.field(KEY_COL, self.key_type),
+                pa.field("value", value_type),
+                pa.field("n", pa.int64()),
+                pa.field(EVENT_TIME, pa.int64()),
+                pa.field(INGEST_TIME, pa.int64()),
+                pa.field(GROUP, pa.int32()),
+            ]
+        )
+
+    def _empty_output(self) -> pa.RecordBatch:
+        return pa.RecordBatch.from_pylist([], schema=self.output_schema())
+
+    def _live_slots(self) -> np.ndarray:
+        return np.flatnonzero(self._group[: len(self._keys)] >= 0)
+
+    def snapshot_slots(self, slots: np.ndarray) -> pa.RecordBatch:
+        keys = [self._keys[s] for s in slots.tolist()]
+        return pa.RecordBatch.from_arrays(
+            [
+                pa.array(self._group[slots]),
+                _key_array(keys, self.key_type),
+                pa.array(self._hits[slots]),
+                pa.array(self._count[slots]),
+                pa.array(self._sum[slots]),
+                pa.array(self._min[slots]),
+                pa.array(self._max[slots]),
+            ],
+            names=[GROUP_COL, KEY_COL, HITS_COL, "count", "sum", "min", "max"],
+        )
+
+    def snapshot_groups(self, groups: Iterable[int]) -> pa.RecordBatch:
+        live = self._live_slots()
+        wanted = np.fromiter(groups, dtype=np.int32)
+        return self.snapshot_slots(live[np.isin(self._group[live], wanted)])
+
+    def snapshot_keys(self, keys: Sequence[Any]) -> pa.RecordBatch:
+        slots = [self._index[k] for k in keys if k in self._index]
+        return self.snapshot_slots(np.asarray(slots, dtype=np.int64))
+
+    def restore(self, snapshot: pa.RecordBatch) -> None:
+        """Add the keys of a snapshot; a key already present is an ownership error."""
+        keys = snapshot.column(KEY_COL).to_pylist()
+        clash = [k for k in keys if k in self._index]
+        if clash:
+            raise ValueError(
+                f"restore would duplicate state of {len(clash)} keys, e.g. {clash[0]!r}"
+            )
+        groups = snapshot.column(GROUP_COL).to_numpy()
+        slots = self._allocate(keys, groups)
+        hits = snapshot.column(HITS_COL).to_numpy()
+        self._hits[slots] = hits
+        self._count[slots] = snapshot.column("count").to_numpy()
+        self._sum[slots] = snapshot.column("sum").to_numpy()
+        self._min[slots] = snapshot.column("min").to_numpy()
+        self._max[slots] = snapshot.column("max").to_numpy()
+        np.add.at(self._group_hits, groups, hits)
+
+    def _drop_slots(self, slots: np.ndarray) -> None:
+        for slot in slots.tolist():
+            del self._index[self._keys[slot]]
+            self._keys[slot] = None
+        np.subtract.at(self._group_hits, self._group[slots], self._hits[slots])
+        self._group[slots] = -1
+        self._count[slots] = 0
+        self._sum[slots] = 0.0
+        self._min[slots] = np.inf
+        self._max[slots] = -np.inf
+        self._hits[slots] = 0
+        self._free.extend(slots.tolist())
+
+    def drop_groups(self, groups: Iterable[int]) -> int:
+        live = self._live_slots()
+        slots = live[np.isin(self._group[live], np.fromiter(groups, dtype=np.int32))]
+        self._drop_slots(slots)
+        return len(slots)
+
+    def get(self, key: Any) -> float | int | None:
+        slot = self._index.get(key)
+        if slot is None:
+            return None
+        return self.values(np.array([slot])).tolist()[0]  # type: ignore[no-any-return]
+
+    def items(self) -> dict[Any, float | int]:
+        live = self._live_slots()
+        return dict(
+            zip([self._keys[s] for s in live.tolist()], self.values(live).tolist(), strict=True)
+        )
+
+
+ProcessFunction = Callable[[Any, dict[str, Any]], tuple[Any, Any]]
+
+
+class ProcessState:
+    """One Python value per key, updated record by record by a user's function."""
+
+    def __init__(
+        self, function: ProcessFunction, max_key_groups: int, key_type: pa.DataType
+    ) -> None:
+        self.function = function
+        self.max_key_groups = max_key_groups
+        self.key_type = key_type
+        self._groups: dict[int, dict[Any, Any]] = {}
+        self._hits: dict[Any, int] = {}
+        self._group_hits = np.zeros(max_key_groups, dtype=np.int64)
+
+    @property
+    def key_count(self) -> int:
+        return len(self._hits)
+
+    def bytes_estimate(self) -> int:
+        sample = next((v for g in self._groups.values() for v in g.values()), None)
+        per_value = len(pickle.dumps(sample)) if sample is not None else 0
+        return self.key_count * (per_value + 150)
+
+    def group_hits(self) -> np.ndarray:
+        return self._group_hits
+
+    def apply(self, batch: pa.RecordBatch, key_field: str) -> tuple[list[dict[str, Any]], int]:
+        """Run the function over each record in order; return its outputs with their metadata."""
+        outputs: list[dict[str, Any]] = []
+        for record in batch.to_pylist():
+            key = record[key_field]
+            group = record[GROUP]
+            per_group = self._groups.setdefault(group, {})
+            state, out = self.function(per_group.get(key), record)
+            if state is None:
+                # Returning None deletes the key's state, as in Flink's ValueState.clear().
+                per_group.pop(key, None)
+                self._hits.pop(key, None)
+            else:
+                per_group[key] = state
+                self._hits[key] = self._hits.get(key, 0) + 1
+            self._group_hits[group] += 1
+            if out is not None:
+                outputs.append(
+                    {
+                        KEY_COL: key,
+                        "value": out,
+                        EVENT_TIME: record[EVENT_TIME],
+                        INGEST_TIME: record[INGEST_TIME],
+                        SOURCE: record[SOURCE],
+                        SEQ: record[SEQ],
+                        GROUP: group,
+                    }
+                )
+        return outputs, batch.num_rows
+
+    def _snapshot(self, entries: list[tuple[int, Any, Any]]) -> pa.RecordBatch:
+        return pa.RecordBatch.from_arrays(
+            [
+                pa.array([g for g, _, _ in entries], type=pa.int32()),
+                _key_array([k for _, k, _ in entries], self.key_type),
+                pa.array([self._hits.get(k, 0) for _, k, _ in entries], type=pa.int64()),
+                pa.array([pickle.dumps(v) for _, _, v in entries], type=pa.binary()),
+            ],
+            names=[GROUP_COL, KEY_COL, HITS_COL, "state"],
+        )
+
+    def snapshot_groups(self, groups: Iterable[int]) -> pa.RecordBatch:
+        entries = [(g, k, v) for g in groups for k, v in self._groups.get(g, {}).items()]
+        return self._snapshot(entries)
+
+    def snapshot_keys(self, keys: Sequence[Any]) -> pa.RecordBatch:
+        wanted = set(keys)
+        entries = [
+            (g, k, v) for g, per in self._groups.items() for k, v in per.items() if k in wanted
+        ]
+        return self._snapshot(entries)
+
+    def restore(self, snapshot: pa.RecordBatch) -> None:
+        groups = snapshot.column(GROUP_COL).to_pylist()
+        keys = snapshot.column(KEY_COL).to_pylist()
+        clash = [k for k in keys if k in self._hits]
+        if clash:
+            raise ValueError(
+                f"restore would duplicate state of {len(clash)} keys, e.g. {clash[0]!r}"
+            )
+        hits = snapshot.column(HITS_COL).to_pylist()
+        for g, k, h, blob in zip(
+            groups, keys, hits, snapshot.column("state").to_pylist(), strict=True
+        ):
+            self._groups.setdefault(g, {})[k] = pickle.loads(blob)
+            self._hits[k] = h
+            self._group_hits[g] += h
+
+    def drop_groups(self, groups: Iterable[int]) -> int:
+        dropped = 0
+        for g in groups:
+            per = self._groups.pop(g, {})
+            for k in per:
+                self._group_hits[g] -= self._hits.pop(k, 0)
+            dropped += len(per)
+        return dropped
+
+    def get(self, key: Any) -> Any:
+        for per in self._groups.values():
+            if key in per:
+                return per[key]
+        return None
+
+    def items(self) -> dict[Any, Any]:
+        return {k: v for per in self._groups.values() for k, v in per.items()}

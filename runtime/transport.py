@@ -1,0 +1,288 @@
+"""gRPC transport: data channels with credit-based flow control, and JSON control calls.
+
+Data: a sender opens one bidirectional `keyshift.Data/Push` stream per downstream instance and
+sends encoded batches; the receiver grants credits, one per batch it has taken off its bounded
+inbox, so a slow stage stops its senders instead of growing a queue. Control: unary calls whose
+bodies are JSON (coordinator registration, reports, status) plus a server stream of commands.
+Messages are raw bytes (no generated code): a one-byte kind, then the body.
+Used by the coordinator, the stage instances and the local host's client.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import queue
+import struct
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent import futures
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+
+log = logging.getLogger(__name__)
+
+MAX_MESSAGE = 256 * 1024 * 1024
+GRPC_OPTIONS = [
+    ("grpc.max_send_message_length", MAX_MESSAGE),
+    ("grpc.max_receive_message_length", MAX_MESSAGE),
+    ("grpc.so_reuseport", 0),
+]
+DATA_SERVICE = "keyshift.Data"
+HELLO, BATCH, END, CREDIT = b"H", b"B", b"E", b"C"
+
+
+class TransportError(RuntimeError):
+    """A peer that cannot be reached, died, or broke the protocol."""
+
+
+class PortInUseError(TransportError):
+    pass
+
+
+def start_server(
+    address: str, handlers: list[grpc.GenericRpcHandler[Any, Any]], max_workers: int = 64
+) -> tuple[grpc.Server, int]:
+    """Start a gRPC server on host:port (port 0 = any free one); return it and its port."""
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grpc"),
+        handlers=handlers,
+        options=GRPC_OPTIONS,
+    )
+    try:
+        port = server.add_insecure_port(address)
+    except RuntimeError as exc:
+        raise PortInUseError(f"cannot listen on {address}: port already in use ({exc})") from None
+    if port == 0:
+        raise PortInUseError(f"cannot listen on {address}: port already in use")
+    server.start()
+    return server, port
+
+
+# --- control: JSON unary calls and a command stream -------------------------------------
+
+
+def json_handler(
+    service: str,
+    unary: dict[str, Callable[[dict[str, Any]], dict[str, Any]]],
+    streams: dict[str, Callable[[dict[str, Any], grpc.ServicerContext], Iterator[dict[str, Any]]]]
+    | None = None,
+) -> grpc.GenericRpcHandler[Any, Any]:
+    def unary_call(fn: Callable[[dict[str, Any]], dict[str, Any]]) -> Any:
+        def call(request: bytes, context: grpc.ServicerContext) -> bytes:
+            try:
+                body = json.loads(request) if request else {}
+            except ValueError:
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request is not JSON")
+            try:
+                return json.dumps(fn(body)).encode()
+            except ControlError as exc:
+                context.abort(exc.code, str(exc))
+            raise AssertionError("unreachable")
+
+        return grpc.unary_unary_rpc_method_handler(call)
+
+    def stream_call(
+        fn: Callable[[dict[str, Any], grpc.ServicerContext], Iterator[dict[str, Any]]],
+    ) -> Any:
+        def call(request: bytes, context: grpc.ServicerContext) -> Iterator[bytes]:
+            for item in fn(json.loads(request) if request else {}, context):
+                yield json.dumps(item).encode()
+
+        return grpc.unary_stream_rpc_method_handler(call)
+
+    methods = {name: unary_call(fn) for name, fn in unary.items()}
+    methods.update({name: stream_call(fn) for name, fn in (streams or {}).items()})
+    return grpc.method_handlers_generic_handler(service, methods)
+
+
+class ControlError(Exception):
+    """A control request that is refused; the message goes back to the caller."""
+
+    def __init__(self, message: str, code: grpc.StatusCode = grpc.StatusCode.FAILED_PRECONDITION):
+        super().__init__(message)
+        self.code = code
+
+
+class JsonClient:
+    """Calls a JSON control service; every failure becomes a TransportError naming the peer."""
+
+    def __init__(self, address: str, service: str) -> None:
+        self.address = address
+        self.service = service
+        self._channel = grpc.insecure_channel(address, options=GRPC_OPTIONS)
+
+    def call(self, method: str, body: dict[str, Any] | None = None, timeout: float = 10.0) -> Any:
+        stub = self._channel.unary_unary(f"/{self.service}/{method}", None, None)
+        try:
+            reply = stub(json.dumps(body or {}).encode(), timeout=timeout)
+        except grpc.RpcError as exc:
+            raise TransportError(_describe(exc, self.address, method)) from None
+        return json.loads(reply)
+
+    def stream(self, method: str, body: dict[str, Any]) -> Iterator[dict[str, Any]]:
+        stub = self._channel.unary_stream(f"/{self.service}/{method}", None, None)
+        try:
+            for item in stub(json.dumps(body).encode()):
+                yield json.loads(item)
+        except grpc.RpcError as exc:
+            raise TransportError(_describe(exc, self.address, method)) from None
+
+    def wait_ready(self, timeout: float) -> None:
+        try:
+            grpc.channel_ready_future(self._channel).result(timeout=timeout)
+        except grpc.FutureTimeoutError:
+            raise TransportError(f"no answer from {self.address} within {timeout:.0f} s") from None
+
+    def close(self) -> None:
+        self._channel.close()
+
+
+def _describe(exc: grpc.RpcError, address: str, method: str) -> str:
+    code = exc.code() if isinstance(exc, grpc.Call) else None
+    details = exc.details() if isinstance(exc, grpc.Call) else str(exc)
+    if code == grpc.StatusCode.UNAVAILABLE:
+        return f"{address} is unreachable ({method}): {details}"
+    return f"{method} at {address} failed: {details}"
+
+
+# --- data: credit-based streams -----------------------------------------------------------
+
+
+@dataclass
+class Delivery:
+    """One message taken from the inbox: a batch payload, or the end of a sender's stream."""
+
+    sender: str
+    payload: bytes | None  # None: the sender has finished
+    _grant: Callable[[], None]
+
+    def release(self) -> None:
+        """Hand the sender's credit back; call once the payload is processed or copied."""
+        self._grant()
+
+
+class Inbox:
+    """The bounded input of one instance, fed by all its senders' Push streams."""
+
+    def __init__(self) -> None:
+        self.credits = 0
+        self._opened = threading.Event()
+        self._queue: queue.Queue[Delivery] = queue.Queue()
+        self.failures: queue.Queue[str] = queue.Queue()
+
+    def open(self, credits_per_sender: int) -> None:
+        """Start granting credits; senders that connected earlier wait until now."""
+        self.credits = credits_per_sender
+        self._opened.set()
+
+    def handler(self) -> grpc.GenericRpcHandler[Any, Any]:
+        return grpc.method_handlers_generic_handler(
+            DATA_SERVICE, {"Push": grpc.stream_stream_rpc_method_handler(self._push)}
+        )
+
+    def get(self, timeout: float) -> Delivery | None:
+        try:
+            return self._queue.get(timeout=timeout)
+        except queue.Empty:
+            return None
+
+    def depth(self) -> int:
+        return self._queue.qsize()
+
+    def _push(self, requests: Iterator[bytes], context: grpc.ServicerContext) -> Iterator[bytes]:
+        self._opened.wait()
+        grants: queue.Queue[int | None] = queue.Queue()
+        grants.put(self.credits)
+        sender = {"name": "?"}
+
+        def grant() -> None:
+            grants.put(1)
+
+        def read() -> None:
+            ended = False
+            try:
+                for message in requests:
+                    kind, body = message[:1], message[1:]
+                    if kind == HELLO:
+                        sender["name"] = json.loads(body)["sender"]
+                    elif kind == BATCH:
+                        self._queue.put(Delivery(sender["name"], body, grant))
+                    elif kind == END:
+                        ended = True
+                        self._queue.put(Delivery(sender["name"], None, lambda: None))
+            except grpc.RpcError:
+                pass
+            if not ended:
+                self.failures.put(sender["name"])
+            grants.put(None)
+
+        threading.Thread(target=read, name="inbox-reader", daemon=True).start()
+        while True:
+            n = grants.get()
+            if n is None:
+                return
+            yield CREDIT + struct.pack("<I", n)
+
+
+class Outlet:
+    """The sending end of one data channel, to one downstream instance."""
+
+    def __init__(self, address: str, sender: str) -> None:
+        self.address = address
+        self._channel = grpc.insecure_channel(address, options=GRPC_OPTIONS)
+        self._requests: queue.Queue[bytes | None] = queue.Queue()
+        self._credits = 0
+        self._cv = threading.Condition()
+        self._error: str | None = None
+        self._closed = False
+        self._requests.put(HELLO + json.dumps({"sender": sender}).encode())
+        call = self._channel.stream_stream(f"/{DATA_SERVICE}/Push", None, None)
+        self._responses = call(iter(self._requests.get, None))
+        self._reader = threading.Thread(target=self._read_credits, name="outlet", daemon=True)
+        self._reader.start()
+
+    def _read_credits(self) -> None:
+        try:
+            for message in self._responses:
+                if message[:1] == CREDIT:
+                    with self._cv:
+                        self._credits += struct.unpack("<I", message[1:5])[0]
+                        self._cv.notify_all()
+            error = None if self._closed else f"{self.address} closed the data stream"
+        except grpc.RpcError as exc:
+            error = None if self._closed else _describe(exc, self.address, "Push")
+        with self._cv:
+            self._error = error or self._error
+            if error:
+                self._cv.notify_all()
+
+    def send(self, payload: bytes, deadline: float | None = None) -> float:
+        """Send one encoded batch once a credit is free; return the seconds spent waiting."""
+        start = time.perf_counter()
+        with self._cv:
+            while self._credits == 0 and self._error is None:
+                if deadline is not None and time.monotonic() > deadline:
+                    raise TransportError(f"no credit from {self.address} before the deadline")
+                self._cv.wait(0.1)
+            if self._error is not None:
+                raise TransportError(self._error)
+            self._credits -= 1
+        self._requests.put(BATCH + payload)
+        return time.perf_counter() - start
+
+    def finish(self, timeout: float = 30.0) -> None:
+        """Tell the receiver this sender is done, and close the stream."""
+        self._closed = True
+        self._requests.put(END)
+        self._requests.put(None)
+        self._reader.join(timeout)
+        self._channel.close()
+
+    def abort(self) -> None:
+        self._closed = True
+        self._requests.put(None)
+        self._channel.close()
