@@ -7,6 +7,7 @@ and exit code 2 before anything starts; a run that fails exits 1.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -14,7 +15,7 @@ from pathlib import Path
 from rich.console import Console
 
 from keyshift.operator.live_view import LiveView, final_report
-from keyshift.operator.local_host import LocalJob, RunError, run_job
+from keyshift.operator.local_host import LocalJob, RunError, interrupt_flag, run_job
 from keyshift.runtime.job import JobError, load_job
 
 
@@ -71,20 +72,25 @@ def cmd_run(args: argparse.Namespace, console: Console) -> int:
     started = time.monotonic()
     view = LiveView(console, enabled=not args.no_view)
     try:
-        with LocalJob(
-            spec,
-            args.job,
-            log_dir=args.log_dir,
-            coordinator_port=args.port,
-            register_timeout=args.register_timeout,
-        ) as job:
+        with (
+            interrupt_flag() as interrupted,
+            LocalJob(
+                spec,
+                args.job,
+                log_dir=args.log_dir,
+                coordinator_port=args.port,
+                register_timeout=args.register_timeout,
+            ) as job,
+        ):
             job.start()
             console.print(
                 f"job {spec.name}: coordinator at {job.address}, logs in {job.log_dir}",
                 highlight=False,
             )
             with view:
-                result = run_job(job, args.duration, lambda s: view.update(s, time.monotonic()))
+                result = run_job(
+                    job, args.duration, interrupted, lambda s: view.update(s, time.monotonic())
+                )
     except RunError as exc:
         console.print(f"[bold red]error:[/] {exc}", highlight=False)
         return 1
@@ -98,6 +104,10 @@ def cmd_run(args: argparse.Namespace, console: Console) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    # Job files name user functions as module:function relative to where the user runs us, as
+    # `python -m` would see them; the instance processes inherit the same working directory.
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
     console = Console()
     if args.command == "run":
         return cmd_run(args, console)

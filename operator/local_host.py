@@ -14,7 +14,8 @@ import signal
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -63,6 +64,7 @@ class LocalJob:
         self.instances: dict[str, Child] = {}
         self.client: JsonClient | None = None
         self.address = ""
+        self.coordinator_metrics_port = 0
 
     def __enter__(self) -> LocalJob:
         return self
@@ -98,6 +100,7 @@ class LocalJob:
             time.sleep(0.05)
         info = json.loads(ready.read_text())
         self.address = f"{self.host}:{info['port']}"
+        self.coordinator_metrics_port = int(info["metrics_port"])
         self.client = JsonClient(self.address, COORDINATOR_SERVICE)
         for stage in self.spec.stages():
             for index in range(stage.parallelism):
@@ -154,50 +157,56 @@ class LocalJob:
             self.client = None
 
 
+@contextmanager
+def interrupt_flag() -> Iterator[threading.Event]:
+    """Turn Ctrl-C into a flag for the duration of the block, so a run can drain in order."""
+    interrupted = threading.Event()
+    previous = signal.signal(signal.SIGINT, lambda *_: interrupted.set())
+    try:
+        yield interrupted
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 def run_job(
     job: LocalJob,
     duration: float | None,
+    interrupted: threading.Event,
     on_status: Callable[[dict[str, Any]], None] = lambda status: None,
     drain_timeout: float = 60.0,
 ) -> RunResult:
-    """Run a started job until it finishes, its duration ends or Ctrl-C; then drain it."""
-    interrupted = threading.Event()
-    previous = signal.signal(signal.SIGINT, lambda *_: interrupted.set())
+    """Run a started job until it finishes, its duration ends or `interrupted`; then drain it."""
     history: list[dict[str, Any]] = []
-    try:
-        started = time.monotonic()
-        drain_deadline: float | None = None
-        while True:
+    started = time.monotonic()
+    drain_deadline: float | None = None
+    while True:
+        job.check_children(expect_exit=False)
+        try:
+            status = job.status()
+        except TransportError as exc:
             job.check_children(expect_exit=False)
-            try:
-                status = job.status()
-            except TransportError as exc:
-                job.check_children(expect_exit=False)
-                raise RunError(f"coordinator stopped answering: {exc}") from None
-            history.append(status)
-            on_status(status)
-            phase = status["phase"]
-            if phase == "failed":
-                raise RunError("job failed: " + "; ".join(status["errors"]))
-            if phase == "finished":
-                break
-            out_of_time = duration is not None and time.monotonic() - started >= duration
-            if drain_deadline is None and (interrupted.is_set() or out_of_time):
-                job.drain()
-                drain_deadline = time.monotonic() + drain_timeout
-            if drain_deadline is not None and time.monotonic() > drain_deadline:
-                raise RunError(f"job did not drain within {drain_timeout:.0f} s")
-            time.sleep(STATUS_INTERVAL)
-        # Instances exit by themselves once finished; give them a moment, then check codes.
-        deadline = time.monotonic() + 10.0
-        while (
-            any(c.exit_code() is None for c in job.instances.values())
-            and time.monotonic() < deadline
-        ):
-            time.sleep(0.05)
-        job.check_children(expect_exit=True)
-        return RunResult(
-            status=status, interrupted=interrupted.is_set(), log_dir=job.log_dir, history=history
-        )
-    finally:
-        signal.signal(signal.SIGINT, previous)
+            raise RunError(f"coordinator stopped answering: {exc}") from None
+        history.append(status)
+        on_status(status)
+        phase = status["phase"]
+        if phase == "failed":
+            raise RunError("job failed: " + "; ".join(status["errors"]))
+        if phase == "finished":
+            break
+        out_of_time = duration is not None and time.monotonic() - started >= duration
+        if drain_deadline is None and (interrupted.is_set() or out_of_time):
+            job.drain()
+            drain_deadline = time.monotonic() + drain_timeout
+        if drain_deadline is not None and time.monotonic() > drain_deadline:
+            raise RunError(f"job did not drain within {drain_timeout:.0f} s")
+        interrupted.wait(STATUS_INTERVAL) if drain_deadline is None else time.sleep(STATUS_INTERVAL)
+    # Instances exit by themselves once finished; give them a moment, then check their codes.
+    deadline = time.monotonic() + 10.0
+    while time.monotonic() < deadline and any(
+        c.exit_code() is None for c in job.instances.values()
+    ):
+        time.sleep(0.05)
+    job.check_children(expect_exit=True)
+    return RunResult(
+        status=status, interrupted=interrupted.is_set(), log_dir=job.log_dir, history=history
+    )

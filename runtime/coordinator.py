@@ -60,6 +60,7 @@ class Coordinator:
         self.errors: list[str] = []
         self.assignment = Assignment.contiguous(spec.max_key_groups, spec.keyed.parallelism)
         self.instances: dict[tuple[str, int], InstanceRecord] = {}
+        self._drain_requested = False
         self._lock = threading.RLock()
         self.stopped = threading.Event()
         self.metrics = CoordinatorMetrics(spec.name)
@@ -124,6 +125,8 @@ class Coordinator:
                 topology = self._topology()
                 for record in self.instances.values():
                     record.commands.put(topology)
+                if self._drain_requested:
+                    self._start_draining()
             return {"job": self.spec.model_dump(mode="json")}
 
     def watch(self, body: dict[str, Any], context: grpc.ServicerContext) -> Any:
@@ -168,12 +171,19 @@ class Coordinator:
                     self.phase = "finished"
             return {}
 
+    def _start_draining(self) -> None:
+        self.phase = "draining"
+        for i in range(self.spec.source.parallelism):
+            self.instances[(self.spec.source.name, i)].commands.put({"type": "drain"})
+
     def drain(self, body: dict[str, Any]) -> dict[str, Any]:
+        """Stop the sources; the rest of the job finishes what is in flight, then ends."""
         with self._lock:
-            if self.phase in ("running",):
-                self.phase = "draining"
-                for i in range(self.spec.source.parallelism):
-                    self.instances[(self.spec.source.name, i)].commands.put({"type": "drain"})
+            if self.phase == "running":
+                self._start_draining()
+            elif self.phase == "starting":
+                # Honoured as soon as every instance has registered and knows the topology.
+                self._drain_requested = True
             return {"phase": self.phase}
 
     def status(self, body: dict[str, Any]) -> dict[str, Any]:

@@ -1,0 +1,34 @@
+# The two commands: `make demo` runs the main job, `make test` runs the whole suite.
+# Both create the virtualenv and install everything they need on a fresh machine.
+
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed-stamp
+PYTHON ?= python3
+
+.PHONY: demo test lint typecheck unit bench clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e '.[dev]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/keyshift run examples/clicks.yaml --duration 30
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+typecheck: $(STAMP)
+	tools/typecheck.sh
+
+test: lint typecheck
+	$(VENV)/bin/pytest
+
+bench: $(STAMP)
+	$(VENV)/bin/keyshift bench throughput
+
+clean:
+	rm -rf $(VENV) .typecheck .mypy_cache .ruff_cache .pytest_cache out

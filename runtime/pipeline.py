@@ -1,0 +1,357 @@
+"""A small Python API that builds a job: the same graph a YAML job file describes.
+
+Users' Python scripts and tests build jobs with it; it produces the same `JobSpec` a YAML file
+does. Each step returns a new `Pipeline` (the old one is unchanged); `build()` hands the
+collected data to `keyshift.runtime.job.parse_job`, so every field is validated in one place,
+and `to_yaml()` writes a job file that `load_job` reads back to an equal `JobSpec`.
+
+Functions (map, filter, process, sink) run in other processes, which import them by name: they
+are stored as "module:qualname" strings and must be defined at module level in an importable
+module.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, replace
+from typing import Any, Literal
+
+import yaml
+
+from keyshift.runtime.job import (
+    ConstantProfile,
+    FieldType,
+    JobError,
+    JobSpec,
+    PointsProfile,
+    RampProfile,
+    SineProfile,
+    StepProfile,
+    parse_job,
+    resolve_function,
+)
+
+UserFunction = Callable[..., Any] | str
+"""A module-level function, or its "module:qualname" path."""
+
+Profile = (
+    Mapping[str, Any] | ConstantProfile | StepProfile | RampProfile | SineProfile | PointsProfile
+)
+
+ORDER = (
+    "generator() -> map()/filter() -> fields() -> key_by() -> "
+    "count()/sum()/min()/max()/mean()/process() -> sink_log()/sink()"
+)
+
+# The position of each kind of step in ORDER; only map()/filter() may repeat.
+_SOURCE, _TRANSFORM, _FIELDS, _KEY_BY, _OPERATOR, _SINK = range(6)
+_REPEATABLE = {_TRANSFORM}
+_ONCE = {
+    _SOURCE: "a job has one source",
+    _FIELDS: "a job has one record schema",
+    _KEY_BY: "a job has one key",
+    _OPERATOR: "a job has one keyed operator",
+    _SINK: "a job has one sink",
+}
+_FIX = "define it with `def` at module level in a module the job's processes can import"
+
+
+def function_path(fn: UserFunction, role: str = "function") -> str:
+    """The "module:qualname" under which other processes import `fn`; JobError if there is none.
+
+    A string is returned as it is (`build()` checks that it resolves).
+    """
+    if isinstance(fn, str):
+        return fn
+    if not callable(fn):
+        raise JobError(
+            f"{role}: expected a function or a 'module:function' string, got "
+            f"{type(fn).__name__} {fn!r}"
+        )
+    if inspect.ismethod(fn) and not inspect.isclass(fn.__self__):
+        raise JobError(
+            f"{role}: {fn!r} is a method bound to an object, which other processes cannot "
+            f"import by name; {_FIX}"
+        )
+    module = getattr(fn, "__module__", None)
+    qualname = getattr(fn, "__qualname__", None)
+    if not isinstance(module, str) or not isinstance(qualname, str):
+        raise JobError(f"{role}: {fn!r} has no importable name (module and qualified name); {_FIX}")
+    if getattr(fn, "__name__", None) == "<lambda>":
+        raise JobError(f"{role}: a lambda cannot be imported by other processes; {_FIX}")
+    if "<locals>" in qualname:
+        raise JobError(
+            f"{role}: {qualname} is defined inside another function, so other processes "
+            f"cannot import it; {_FIX}"
+        )
+    if module == "__main__":
+        raise JobError(
+            f"{role}: {qualname} is defined in __main__ (the script being run), which other "
+            f"processes cannot import; {_FIX} (move it to its own module and import it)"
+        )
+    path = f"{module}:{qualname}"
+    resolved = resolve_function(path)
+    if resolved is not fn and resolved != fn:
+        raise JobError(
+            f"{role}: {path!r} names a different object than the one given (was it "
+            f"redefined or replaced after import?); {_FIX}"
+        )
+    return path
+
+
+def _given(**values: Any) -> dict[str, Any]:
+    """Only the arguments the caller gave: what is left out takes the default of job.py."""
+    return {k: v for k, v in values.items() if v is not None}
+
+
+def _profile_data(profile: Profile | None) -> Any:
+    if profile is None or isinstance(profile, Mapping):
+        return None if profile is None else dict(profile)
+    return profile.model_dump()
+
+
+@dataclass(frozen=True)
+class _Draft:
+    """What the steps so far have said; plain data in the shape of a job file."""
+
+    top: Mapping[str, Any]
+    level: int = -1
+    last_step: str = ""
+    source: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    transforms: tuple[Mapping[str, str], ...] = ()
+    fields: Mapping[str, str] | None = None
+    key_by: str | None = None
+    keyed: Mapping[str, Any] | None = None
+    sink: Mapping[str, Any] | None = None
+    batching: Mapping[str, Any] | None = None
+
+
+class Pipeline:
+    """A job under construction; steps go in the order of `ORDER`, then `build()`.
+
+    Arguments left out (or None) take the defaults a job file would get.
+    """
+
+    __slots__ = ("_draft",)
+
+    def __init__(self, name: str, *, max_key_groups: int | None = None) -> None:
+        self._draft = _Draft(top=_given(name=name, max_key_groups=max_key_groups))
+
+    @classmethod
+    def _of(cls, draft: _Draft) -> Pipeline:
+        pipeline = cls.__new__(cls)
+        pipeline._draft = draft
+        return pipeline
+
+    def _step(self, level: int, step: str, **changes: Any) -> Pipeline:
+        d = self._draft
+        if level < d.level:
+            raise JobError(
+                f"{step}() cannot come after {d.last_step}(): the steps go in the order {ORDER}"
+            )
+        if level == d.level and level not in _REPEATABLE:
+            raise JobError(f"{step}() cannot come after {d.last_step}(): {_ONCE[level]}")
+        return Pipeline._of(replace(d, level=level, last_step=step, **changes))
+
+    # -- source ------------------------------------------------------------------------------
+
+    def generator(
+        self,
+        *,
+        keys: int | None = None,
+        distribution: Literal["uniform", "zipf"] | None = None,
+        zipf_exponent: float | None = None,
+        seed: int | None = None,
+        profile: Profile | None = None,
+        total: int | None = None,
+        parallelism: int | None = None,
+        name: str | None = None,
+    ) -> Pipeline:
+        """Generated records {key: int, value: float}; no profile = as fast as the job takes.
+
+        Optional: a job without a source step uses a generator with the defaults.
+        """
+        config = {"kind": "generator"} | _given(
+            keys=keys,
+            distribution=distribution,
+            zipf_exponent=zipf_exponent,
+            seed=seed,
+            profile=_profile_data(profile),
+            total=total,
+        )
+        stage = _given(name=name, parallelism=parallelism) | {"config": config}
+        return self._step(_SOURCE, "generator", source=stage)
+
+    # -- stateless transforms (chained into the source stage) --------------------------------
+
+    def map(self, fn: UserFunction) -> Pipeline:
+        """`fn(record: dict) -> dict`, run on every record in the source stage."""
+        transform = {"map": function_path(fn, "map()")}
+        return self._step(_TRANSFORM, "map", transforms=(*self._draft.transforms, transform))
+
+    def filter(self, fn: UserFunction) -> Pipeline:
+        """`fn(record: dict) -> bool`; records for which it is false are dropped."""
+        transform = {"filter": function_path(fn, "filter()")}
+        return self._step(_TRANSFORM, "filter", transforms=(*self._draft.transforms, transform))
+
+    def fields(
+        self, schema: Mapping[str, FieldType] | None = None, /, **fields: FieldType
+    ) -> Pipeline:
+        """The record schema after the transforms, as a mapping and/or keywords.
+
+        Needed after a map(), which can change the records' shape; otherwise optional.
+        """
+        merged = dict(schema or {}) | fields
+        return self._step(_FIELDS, "fields", fields=merged)
+
+    # -- keyed stage ---------------------------------------------------------------------------
+
+    def key_by(self, field: str) -> Pipeline:
+        """The field whose value is the key (an int or str field)."""
+        d = self._draft
+        if d.level < _FIELDS and any("map" in t for t in d.transforms):
+            raise JobError(
+                "key_by() after map() needs the record schema first: a map can change the "
+                "records' shape, so declare it with fields(name='int', ...) before key_by()"
+            )
+        return self._step(_KEY_BY, "key_by", key_by=field)
+
+    def _operator(
+        self, step: str, operator: dict[str, Any], parallelism: int | None, name: str | None
+    ) -> Pipeline:
+        if self._draft.key_by is None:
+            raise JobError(f"{step}() needs a key: call key_by(field) before it")
+        stage = _given(name=name, parallelism=parallelism) | {"operator": operator}
+        return self._step(_OPERATOR, step, keyed=stage)
+
+    def count(self, *, parallelism: int | None = None, name: str | None = None) -> Pipeline:
+        """A running count of records per key."""
+        return self._operator(
+            "count", {"kind": "aggregate", "function": "count"}, parallelism, name
+        )
+
+    def sum(
+        self, field: str, *, parallelism: int | None = None, name: str | None = None
+    ) -> Pipeline:
+        """A running sum of a numeric field per key."""
+        return self._aggregate("sum", field, parallelism, name)
+
+    def min(
+        self, field: str, *, parallelism: int | None = None, name: str | None = None
+    ) -> Pipeline:
+        """The running minimum of a numeric field per key."""
+        return self._aggregate("min", field, parallelism, name)
+
+    def max(
+        self, field: str, *, parallelism: int | None = None, name: str | None = None
+    ) -> Pipeline:
+        """The running maximum of a numeric field per key."""
+        return self._aggregate("max", field, parallelism, name)
+
+    def mean(
+        self, field: str, *, parallelism: int | None = None, name: str | None = None
+    ) -> Pipeline:
+        """The running mean of a numeric field per key."""
+        return self._aggregate("mean", field, parallelism, name)
+
+    def _aggregate(
+        self, function: str, field: str, parallelism: int | None, name: str | None
+    ) -> Pipeline:
+        operator = {"kind": "aggregate", "function": function, "field": field}
+        return self._operator(function, operator, parallelism, name)
+
+    def process(
+        self, fn: UserFunction, *, parallelism: int | None = None, name: str | None = None
+    ) -> Pipeline:
+        """`fn(state, record) -> (state, output or None)` per record; state None deletes it."""
+        operator = {"kind": "process", "function": function_path(fn, "process()")}
+        return self._operator("process", operator, parallelism, name)
+
+    # -- sink -------------------------------------------------------------------------------
+
+    def _sink(
+        self, step: str, config: dict[str, Any], parallelism: int | None, name: str | None
+    ) -> Pipeline:
+        if self._draft.keyed is None:
+            raise JobError(
+                f"{step}() needs a keyed operator before it: call key_by(field) and then one "
+                "of count()/sum()/min()/max()/mean()/process()"
+            )
+        stage = _given(name=name, parallelism=parallelism) | {"config": config}
+        return self._step(_SINK, step, sink=stage)
+
+    def sink_log(
+        self,
+        path: str | None = None,
+        *,
+        format: Literal["jsonl", "parquet", "none"] | None = None,
+        segment_records: int | None = None,
+        parallelism: int | None = None,
+        name: str | None = None,
+    ) -> Pipeline:
+        """The ordered output log in directory `path`.
+
+        Optional: a job without a sink step writes a log with the defaults.
+        """
+        config = {"kind": "log"} | _given(path=path, format=format, segment_records=segment_records)
+        return self._sink("sink_log", config, parallelism, name)
+
+    def sink(
+        self, fn: UserFunction, *, parallelism: int | None = None, name: str | None = None
+    ) -> Pipeline:
+        """`fn(batch: pyarrow.RecordBatch)` called with every batch of updates."""
+        config = {"kind": "function", "function": function_path(fn, "sink()")}
+        return self._sink("sink", config, parallelism, name)
+
+    # -- job-wide settings (any time, once) -------------------------------------------------
+
+    def batching(
+        self,
+        *,
+        max_records: int | None = None,
+        linger_ms: float | None = None,
+        credits: int | None = None,
+    ) -> Pipeline:
+        """How records are grouped into batches between stages, and batches in flight."""
+        if self._draft.batching is not None:
+            raise JobError("batching() was already called: a job has one batching setting")
+        given = _given(max_records=max_records, linger_ms=linger_ms, credits=credits)
+        return Pipeline._of(replace(self._draft, batching=given))
+
+    # -- results ------------------------------------------------------------------------------
+
+    def to_dict(self) -> dict[str, Any]:
+        """The job as plain data, in the shape of a job file (not yet validated)."""
+        d = self._draft
+        if d.keyed is None:
+            operators = "count()/sum()/min()/max()/mean()/process()"
+            if d.key_by is not None:
+                raise JobError(f"key_by({d.key_by!r}) needs a keyed operator after it: {operators}")
+            raise JobError(
+                f"the job has no keyed operator: call key_by(field) and then one of {operators}"
+            )
+        data: dict[str, Any] = dict(d.top)
+        if d.fields is not None:
+            data["fields"] = dict(d.fields)
+        source = dict(d.source)
+        if d.transforms:
+            source["transforms"] = [dict(t) for t in d.transforms]
+        if source:
+            data["source"] = source
+        data["keyed"] = {**d.keyed, "key_by": d.key_by}
+        if d.sink is not None:
+            data["sink"] = dict(d.sink)
+        if d.batching is not None:
+            data["batching"] = dict(d.batching)
+        return data
+
+    def build(self) -> JobSpec:
+        """The validated job; JobError naming each bad field and why."""
+        return parse_job(self.to_dict(), origin=f"pipeline {self._draft.top.get('name')!r}")
+
+    def to_yaml(self) -> str:
+        """A job file for this pipeline, holding what the steps set (defaults left out)."""
+        data = self.build().model_dump(mode="json", exclude_unset=True)
+        return yaml.safe_dump(data, sort_keys=False)

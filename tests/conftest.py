@@ -1,0 +1,116 @@
+"""Shared harness for tests that start real keyshift processes on loopback.
+
+Every process a test starts is stopped by the test, also when it fails: jobs run inside
+`running_job` (a LocalJob context manager) or `cli` (a `keyshift` subprocess in its own session
+whose whole process group is killed at the end).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+import yaml
+
+from keyshift.operator.local_host import LocalJob
+from keyshift.runtime.job import JobSpec, parse_job
+from keyshift.runtime.lifecycle import PARENT_ENV
+
+REPO = Path(__file__).resolve().parent.parent
+KEYSHIFT = str(Path(sys.executable).with_name("keyshift"))
+
+
+def wait_for(condition: Callable[[], Any], timeout: float, what: str, every: float = 0.1) -> Any:
+    """Poll until `condition()` is truthy; fail the test naming `what` after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout:.0f} s waiting for {what}")
+        time.sleep(every)
+
+
+def write_job(tmp_path: Path, job: dict[str, Any], name: str = "job.yaml") -> Path:
+    path = tmp_path / name
+    path.write_text(yaml.safe_dump(job))
+    return path
+
+
+def children_of(host_pid: int) -> list[psutil.Process]:
+    """keyshift processes started by the host with this pid (found by their environment)."""
+    found = []
+    for proc in psutil.process_iter(["pid"]):
+        try:
+            ours = proc.environ().get(PARENT_ENV) == str(host_pid)
+            if ours and proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE:
+                found.append(proc)
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            continue
+    return found
+
+
+@contextmanager
+def running_job(tmp_path: Path, job: dict[str, Any], **kwargs: Any) -> Iterator[LocalJob]:
+    """Start a job's processes with the local host; stop them all on exit."""
+    path = write_job(tmp_path, job)
+    spec: JobSpec = parse_job(job)
+    local = LocalJob(spec, path, log_dir=tmp_path / "logs", **kwargs)
+    try:
+        local.start()
+        yield local
+    finally:
+        local.stop()
+
+
+@contextmanager
+def cli(args: list[str], cwd: Path = REPO, **popen: Any) -> Iterator[subprocess.Popen[str]]:
+    """Run `keyshift ARGS` in its own session; kill its whole group on exit."""
+    proc = subprocess.Popen(
+        [KEYSHIFT, *args],
+        cwd=cwd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+        env={**os.environ, "COLUMNS": "200"},
+        **popen,
+    )
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        for child in children_of(proc.pid):
+            child.kill()
+
+
+def count_job(**overrides: Any) -> dict[str, Any]:
+    """A small keyed-count job; tests override what they exercise."""
+    job: dict[str, Any] = {
+        "name": "t",
+        "source": {
+            "parallelism": 1,
+            "config": {"kind": "generator", "keys": 2000, "distribution": "zipf", "seed": 3},
+        },
+        "keyed": {"name": "counts", "parallelism": 2},
+        "sink": {"config": {"kind": "log", "format": "jsonl"}},
+        "batching": {"max_records": 2048, "linger_ms": 5, "credits": 4},
+    }
+    for key, value in overrides.items():
+        if isinstance(value, dict) and isinstance(job.get(key), dict):
+            job[key] = {**job[key], **value}
+        else:
+            job[key] = value
+    return job

@@ -1,0 +1,35 @@
+"""Module-level functions that test jobs name as `tests.job_fns:NAME` (instances import them)."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import pyarrow as pa
+
+
+def track(state: Any, record: dict[str, Any]) -> tuple[Any, Any]:
+    """Count a key's records and emit (count, source, seq): proves exactly-once and order."""
+    count = (state or 0) + 1
+    return count, [count, record["source"], record["seq"]]
+
+
+def slow_sink(batch: pa.RecordBatch) -> None:
+    """A deliberately slow sink: 0.2 s per batch, whatever its size."""
+    time.sleep(0.2)
+
+
+def every_seventh_broken(record: dict[str, Any]) -> dict[str, Any]:
+    """Passes records through, but breaks every 7th in a different way (schema test)."""
+    seq = record["seq"]
+    if seq % 21 == 0:
+        return {"key": "not-an-int", "value": record["value"]}
+    if seq % 21 == 7:
+        return {"value": record["value"]}
+    if seq % 21 == 14:
+        raise ValueError("boom")
+    return {"key": record["key"], "value": record["value"]}
+
+
+def is_broken(seq: int) -> bool:
+    return seq % 7 == 0

@@ -1,0 +1,59 @@
+"""A deliberately slow sink backpressures the pipeline: memory stays bounded, the source slows."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import psutil
+
+from tests.conftest import count_job, running_job, wait_for
+
+TARGET_RATE = 200_000
+
+
+def test_slow_sink_backpressures_with_bounded_memory(tmp_path: Path) -> None:
+    job = count_job(
+        source={
+            "config": {
+                "kind": "generator",
+                "keys": 50_000,
+                "distribution": "uniform",
+                "profile": {"rate": TARGET_RATE},
+            }
+        },
+        keyed={"name": "counts", "parallelism": 2},
+        sink={"config": {"kind": "function", "function": "tests.job_fns:slow_sink"}},
+        batching={"max_records": 4096, "linger_ms": 5, "credits": 4},
+    )
+    with running_job(tmp_path, job) as local:
+        procs = [psutil.Process(c.pid) for c in local.instances.values()]
+
+        def source_stats() -> dict[str, float]:
+            stage = local.status()["stages"][0]
+            return dict(stage["instances"][0]["stats"])
+
+        wait_for(lambda: source_stats().get("records_out", 0) > 0, 30, "the source to start")
+        start_stats, start = source_stats(), time.monotonic()
+        rss_samples: list[list[int]] = []
+        queue_samples: list[int] = []
+        while time.monotonic() - start < 8.0:
+            rss_samples.append([p.memory_info().rss for p in procs])
+            status = local.status()
+            queue_samples += [
+                i["stats"].get("queue", 0) for s in status["stages"] for i in s["instances"]
+            ]
+            time.sleep(0.25)
+        end_stats, end = source_stats(), time.monotonic()
+
+    achieved = (end_stats["records_out"] - start_stats["records_out"]) / (end - start)
+    assert achieved < 0.5 * TARGET_RATE, f"source kept {achieved:.0f}/s despite the slow sink"
+    assert end_stats["backpressured"] - start_stats["backpressured"] > 0.5 * (end - start)
+    # Inboxes hold at most credits x senders batches.
+    assert max(queue_samples) <= 4 * 2
+    half = len(rss_samples) // 2
+    for i, proc_name in enumerate(local.instances):
+        first = max(s[i] for s in rss_samples[:half])
+        second = max(s[i] for s in rss_samples[half:])
+        assert second < 400 * 2**20, f"{proc_name} uses {second / 2**20:.0f} MB"
+        assert second - first < 40 * 2**20, f"{proc_name} grew {(second - first) / 2**20:.0f} MB"

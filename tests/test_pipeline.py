@@ -1,0 +1,314 @@
+"""Tests of the Python job API (keyshift.runtime.pipeline): it builds what a YAML file does."""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from keyshift.runtime.job import JobError, JobSpec, StepProfile, load_job, parse_job
+from keyshift.runtime.pipeline import Pipeline, function_path
+from tests import pipeline_fns as fns
+
+REPO = Path(__file__).resolve().parent.parent
+FNS = "tests.pipeline_fns"
+
+
+def from_yaml(tmp_path: Path, text: str) -> JobSpec:
+    path = tmp_path / "job.yaml"
+    path.write_text(text)
+    return load_job(path)
+
+
+def count_pipeline() -> Pipeline:
+    return (
+        Pipeline("clicks", max_key_groups=1024)
+        .generator(keys=5000, distribution="zipf", zipf_exponent=1.2, seed=7, parallelism=2)
+        .key_by("key")
+        .count(parallelism=3, name="counts")
+        .sink_log("out/counts", format="parquet", segment_records=500)
+        .batching(max_records=1024, linger_ms=2, credits=4)
+    )
+
+
+COUNT_YAML = """
+name: clicks
+max_key_groups: 1024
+source:
+  parallelism: 2
+  config: {kind: generator, keys: 5000, distribution: zipf, zipf_exponent: 1.2, seed: 7}
+keyed:
+  name: counts
+  parallelism: 3
+  key_by: key
+  operator: {function: count}
+sink:
+  config: {path: out/counts, format: parquet, segment_records: 500}
+batching: {max_records: 1024, linger_ms: 2, credits: 4}
+"""
+
+
+def sum_pipeline() -> Pipeline:
+    return (
+        Pipeline("spend")
+        .generator(
+            profile={"kind": "ramp", "rate": 100, "to": 1000, "over": 30}, total=50_000, seed=1
+        )
+        .filter(fns.keep)
+        .map(fns.enrich)
+        .fields(user="int", amount="float", big="bool")
+        .key_by("user")
+        .sum("amount", parallelism=2)
+        .sink_log("out/spend")
+    )
+
+
+SUM_YAML = f"""
+name: spend
+fields: {{user: int, amount: float, big: bool}}
+source:
+  config:
+    profile: {{kind: ramp, rate: 100, to: 1000, over: 30}}
+    total: 50000
+    seed: 1
+  transforms:
+    - filter: {FNS}:keep
+    - map: {FNS}:enrich
+keyed:
+  parallelism: 2
+  key_by: user
+  operator: {{kind: aggregate, function: sum, field: amount}}
+sink:
+  config: {{kind: log, path: out/spend}}
+"""
+
+
+def process_pipeline() -> Pipeline:
+    return (
+        Pipeline("totals")
+        .generator(keys=100, profile=StepProfile(kind="step", rate=10, to=20, at=5))
+        .key_by("key")
+        .process(fns.running_total, name="totals-by-key")
+    )
+
+
+PROCESS_YAML = f"""
+name: totals
+source:
+  config: {{keys: 100, profile: {{kind: step, rate: 10, to: 20, at: 5}}}}
+keyed:
+  name: totals-by-key
+  operator: {{kind: process, function: "{FNS}:running_total"}}
+"""
+
+
+def function_sink_pipeline() -> Pipeline:
+    return (
+        Pipeline("collect")
+        .key_by("key")
+        .mean("value", name="means")
+        .sink(f"{FNS}:collect", parallelism=2, name="out")
+    )
+
+
+FUNCTION_SINK_YAML = f"""
+name: collect
+keyed: {{name: means, operator: {{function: mean, field: value}}}}
+sink: {{name: out, parallelism: 2, config: {{kind: function, function: "{FNS}:collect"}}}}
+"""
+
+SHAPES: list[tuple[Callable[[], Pipeline], str]] = [
+    (count_pipeline, COUNT_YAML),
+    (sum_pipeline, SUM_YAML),
+    (process_pipeline, PROCESS_YAML),
+    (function_sink_pipeline, FUNCTION_SINK_YAML),
+]
+SHAPE_IDS = ["generator-count", "map-filter-sum", "process", "function-sink"]
+
+
+@pytest.mark.parametrize(("make", "text"), SHAPES, ids=SHAPE_IDS)
+def test_builds_what_the_yaml_file_loads(
+    tmp_path: Path, make: Callable[[], Pipeline], text: str
+) -> None:
+    built = make().build()
+    assert built == from_yaml(tmp_path, text)
+    assert built == parse_job(make().to_dict())
+
+
+@pytest.mark.parametrize(("make", "text"), SHAPES, ids=SHAPE_IDS)
+def test_to_yaml_round_trips(tmp_path: Path, make: Callable[[], Pipeline], text: str) -> None:
+    written = make().to_yaml()
+    assert from_yaml(tmp_path, written) == make().build()
+
+
+def test_to_yaml_leaves_out_what_the_steps_left_out() -> None:
+    written = yaml.safe_load(Pipeline("a").key_by("key").count().to_yaml())
+    assert written == {
+        "name": "a",
+        "keyed": {"key_by": "key", "operator": {"kind": "aggregate", "function": "count"}},
+    }
+
+
+def test_functions_are_stored_by_import_path() -> None:
+    spec = sum_pipeline().build()
+    assert [t.filter or t.map for t in spec.source.transforms] == [
+        f"{FNS}:keep",
+        f"{FNS}:enrich",
+    ]
+    assert function_path(fns.running_total) == f"{FNS}:running_total"
+    assert function_path("some.module:fn") == "some.module:fn"  # strings as they are
+
+
+def test_steps_leave_the_pipeline_they_extend_unchanged() -> None:
+    base = Pipeline("a").key_by("key")
+    counted = base.count()
+    summed = base.sum("value")
+    assert counted.build().keyed.operator != summed.build().keyed.operator
+    with pytest.raises(JobError, match="needs a keyed operator"):
+        base.build()
+
+
+def test_left_out_steps_take_the_job_file_defaults(tmp_path: Path) -> None:
+    assert Pipeline("a").key_by("key").count().build() == from_yaml(tmp_path, "name: a\n")
+
+
+def test_example_script_builds_examples_clicks_yaml() -> None:
+    path = REPO / "examples" / "clicks_pipeline.py"
+    module_spec = importlib.util.spec_from_file_location("clicks_pipeline", path)
+    assert module_spec is not None and module_spec.loader is not None
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
+    expected = load_job(REPO / "examples" / "clicks.yaml")
+    assert module.clicks().build() == expected
+
+    run = subprocess.run(
+        [sys.executable, str(path)], capture_output=True, text=True, check=True, timeout=60
+    )
+    assert parse_job(yaml.safe_load(run.stdout)) == expected
+
+
+# -- functions that other processes could not import ------------------------------------------
+
+
+def nested_function() -> Callable[[dict[str, Any]], bool]:
+    def inner(record: dict[str, Any]) -> bool:
+        return True
+
+    return inner
+
+
+def main_function(record: dict[str, Any]) -> bool:
+    return True
+
+
+main_function.__module__ = "__main__"
+
+
+@pytest.mark.parametrize(
+    ("fn", "why"),
+    [
+        (lambda record: True, "a lambda cannot be imported"),
+        (nested_function(), "defined inside another function"),
+        (main_function, "defined in __main__"),
+        (fns.NOT_A_FUNCTION, "expected a function or a 'module:function' string, got int"),
+        (fns.Enricher().enrich, "method bound to an object"),
+    ],
+    ids=["lambda", "nested", "main", "not-callable", "bound-method"],
+)
+def test_unimportable_functions_are_refused(fn: Any, why: str) -> None:
+    base = Pipeline("a")
+    for step in (
+        base.map,
+        base.filter,
+        base.key_by("key").process,
+        base.key_by("key").count().sink,
+    ):
+        with pytest.raises(JobError, match=why) as info:
+            step(fn)
+        if callable(fn):
+            assert "define it with `def` at module level in a module" in str(info.value)
+
+
+def test_a_bad_function_string_fails_at_build() -> None:
+    pipeline = Pipeline("a").filter("tests.pipeline_fns:missing").key_by("key").count()
+    with pytest.raises(JobError, match="has no attribute 'missing'"):
+        pipeline.build()
+    with pytest.raises(JobError, match="not of the form 'module:function'"):
+        Pipeline("a").key_by("key").process("no_colon").build()
+
+
+# -- steps out of order --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("steps", "why"),
+    [
+        (lambda p: p.count(), r"count\(\) needs a key: call key_by\(field\)"),
+        (lambda p: p.fields(key="int").sum("value"), r"sum\(\) needs a key"),
+        (lambda p: p.key_by("key").count().sum("value"), "one keyed operator"),
+        (lambda p: p.key_by("key").key_by("key"), "one key"),
+        (lambda p: p.key_by("key").count().max("value"), "one keyed operator"),
+        (lambda p: p.key_by("key").sink_log("out"), r"sink_log\(\) needs a keyed operator"),
+        (lambda p: p.sink(fns.collect), r"sink\(\) needs a keyed operator"),
+        (lambda p: p.key_by("key").count().sink_log().sink_log(), "one sink"),
+        (lambda p: p.filter(fns.keep).generator(), r"generator\(\) cannot come after filter"),
+        (lambda p: p.generator().generator(), "one source"),
+        (lambda p: p.key_by("key").count().map(fns.enrich), r"map\(\) cannot come after count"),
+        (lambda p: p.fields(key="int").filter(fns.keep), r"filter\(\) cannot come after fields"),
+        (lambda p: p.key_by("key").fields(key="int"), r"fields\(\) cannot come after key_by"),
+        (lambda p: p.map(fns.enrich).key_by("user"), r"declare it with fields\(.*before key_by"),
+        (lambda p: p.batching().batching(), "one batching setting"),
+        (lambda p: p.build(), r"no keyed operator: call key_by\(field\) and then one of"),
+        (lambda p: p.key_by("key").build(), r"key_by\('key'\) needs a keyed operator after it"),
+    ],
+)
+def test_steps_out_of_order_are_refused(steps: Callable[[Pipeline], Any], why: str) -> None:
+    with pytest.raises(JobError, match=why):
+        steps(Pipeline("a"))
+
+
+def test_steps_in_order_show_the_order_when_refused() -> None:
+    with pytest.raises(JobError, match=r"generator\(\) -> map\(\)/filter\(\) -> fields\(\)"):
+        Pipeline("a").key_by("key").generator()
+
+
+# -- validation is job.py's -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("pipeline", "why"),
+    [
+        (Pipeline("Bad Name").key_by("key").count(), "name: String should match pattern"),
+        (Pipeline("a").key_by("key").count(parallelism=0), "keyed.parallelism"),
+        (Pipeline("a").key_by("nope").count(), "keyed.key_by 'nope' is not one of fields"),
+        (Pipeline("a").key_by("key").sum("missing"), "keyed.operator.field 'missing'"),
+        (Pipeline("a").fields(user="int").key_by("user").count(), "fields must be exactly"),
+        (Pipeline("a").fields(event_time="int").key_by("key").count(), "reserved"),
+        (Pipeline("a").generator(profile={"kind": "step", "rate": 1}).key_by("key").count(), "to"),
+        (Pipeline("a", max_key_groups=2).key_by("key").count(parallelism=4), "max_key_groups"),
+    ],
+)
+def test_invalid_jobs_fail_with_job_py_messages(pipeline: Pipeline, why: str) -> None:
+    with pytest.raises(JobError, match=why) as info:
+        pipeline.build()
+    assert str(info.value).startswith("invalid job pipeline '")
+    with pytest.raises(JobError):
+        pipeline.to_yaml()
+
+
+def test_fields_accepts_a_mapping_for_names_that_are_not_identifiers() -> None:
+    spec = (
+        Pipeline("a")
+        .map(fns.enrich)
+        .fields({"user": "int"}, amount="float", big="bool")
+        .key_by("user")
+        .count()
+        .build()
+    )
+    assert spec.fields == {"user": "int", "amount": "float", "big": "bool"}
