@@ -47,8 +47,9 @@ def resolve_function(path: str) -> Callable[..., Any]:
         raise JobError(f"{path!r} is not of the form 'module:function'")
     try:
         target: Any = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise JobError(f"cannot import module {module_name!r} for {path!r}: {exc}") from exc
+    except Exception as exc:  # a user's module can fail to import in any way
+        reason = f"{type(exc).__name__}: {exc}"
+        raise JobError(f"cannot import module {module_name!r} for {path!r}: {reason}") from exc
     for part in qualname.split("."):
         try:
             target = getattr(target, part)
@@ -59,15 +60,28 @@ def resolve_function(path: str) -> Callable[..., Any]:
     return target  # type: ignore[no-any-return]
 
 
-def _kind_or(default: str) -> Discriminator:
+_TAG_PREFIX = "kind="
+
+
+def _kind_or(default: str, *kinds: str) -> Discriminator:
     """A discriminator on `kind` that lets a job file leave out the most common kind."""
 
     def pick(value: Any) -> str | None:
-        if isinstance(value, dict):
-            return str(value.get("kind", default))
-        return getattr(value, "kind", None)
+        kind = (
+            value.get("kind", default) if isinstance(value, dict) else getattr(value, "kind", None)
+        )
+        return None if kind is None else _tag(str(kind))
 
-    return Discriminator(pick)
+    return Discriminator(
+        pick,
+        custom_error_type="unknown_kind",
+        custom_error_message="kind must be one of " + ", ".join(repr(k) for k in kinds),
+    )
+
+
+def _tag(kind: str) -> str:
+    """Union tags carry a prefix so error locations can leave them out (they are no field)."""
+    return f"{_TAG_PREFIX}{kind}"
 
 
 def _check_function_path(path: str) -> str:
@@ -129,12 +143,12 @@ class PointsProfile(_Model):
 
 
 LoadProfile = Annotated[
-    Annotated[ConstantProfile, Tag("constant")]
-    | Annotated[StepProfile, Tag("step")]
-    | Annotated[RampProfile, Tag("ramp")]
-    | Annotated[SineProfile, Tag("sine")]
-    | Annotated[PointsProfile, Tag("points")],
-    _kind_or("constant"),
+    Annotated[ConstantProfile, Tag(_tag("constant"))]
+    | Annotated[StepProfile, Tag(_tag("step"))]
+    | Annotated[RampProfile, Tag(_tag("ramp"))]
+    | Annotated[SineProfile, Tag(_tag("sine"))]
+    | Annotated[PointsProfile, Tag(_tag("points"))],
+    _kind_or("constant", "constant", "step", "ramp", "sine", "points"),
 ]
 
 
@@ -160,8 +174,9 @@ class IngestSource(_Model):
 
 
 SourceConfig = Annotated[
-    Annotated[GeneratorSource, Tag("generator")] | Annotated[IngestSource, Tag("ingest")],
-    _kind_or("generator"),
+    Annotated[GeneratorSource, Tag(_tag("generator"))]
+    | Annotated[IngestSource, Tag(_tag("ingest"))],
+    _kind_or("generator", "generator", "ingest"),
 ]
 
 
@@ -182,7 +197,8 @@ class FunctionSink(_Model):
 
 
 SinkConfig = Annotated[
-    Annotated[LogSink, Tag("log")] | Annotated[FunctionSink, Tag("function")], _kind_or("log")
+    Annotated[LogSink, Tag(_tag("log"))] | Annotated[FunctionSink, Tag(_tag("function"))],
+    _kind_or("log", "log", "function"),
 ]
 
 
@@ -212,8 +228,9 @@ class ProcessOperator(_Model):
 
 
 OperatorConfig = Annotated[
-    Annotated[AggregateOperator, Tag("aggregate")] | Annotated[ProcessOperator, Tag("process")],
-    _kind_or("aggregate"),
+    Annotated[AggregateOperator, Tag(_tag("aggregate"))]
+    | Annotated[ProcessOperator, Tag(_tag("process"))],
+    _kind_or("aggregate", "aggregate", "process"),
 ]
 
 
@@ -307,8 +324,13 @@ class JobSpec(_Model):
 def _format_errors(exc: ValidationError, origin: str) -> str:
     lines = [f"invalid job {origin}:"]
     for err in exc.errors():
-        loc = ".".join(str(p) for p in err["loc"] if not str(p).startswith("function-"))
-        lines.append(f"  {loc or '(top level)'}: {err['msg']}")
+        loc = ".".join(
+            str(p) for p in err["loc"] if not str(p).startswith(("function-", _TAG_PREFIX))
+        )
+        message = err["msg"]
+        if err["type"] == "unknown_kind" and isinstance(err["input"], dict):
+            message = f"unknown kind {err['input'].get('kind')!r}: {message}"
+        lines.append(f"  {loc or '(top level)'}: {message}")
     return "\n".join(lines)
 
 
@@ -326,9 +348,13 @@ def load_job(path: str | Path) -> JobSpec:
     """Read and validate a YAML job file."""
     p = Path(path)
     try:
-        text = p.read_text()
+        text = p.read_text(encoding="utf-8")
     except OSError as exc:
         raise JobError(f"cannot read job file {p}: {exc.strerror}") from None
+    except UnicodeDecodeError as exc:
+        raise JobError(
+            f"job file {p} is not UTF-8 text: {exc.reason} at byte {exc.start}"
+        ) from None
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as exc:

@@ -63,6 +63,8 @@ def split_by_owner(
     batch: pa.RecordBatch, owners: np.ndarray, parallelism: int
 ) -> list[tuple[int, pa.RecordBatch]]:
     """Split a batch by each record's owner instance, keeping the records' order."""
+    if batch.num_rows == 0:
+        return []
     if parallelism == 1:
         return [(0, batch)]
     order = np.argsort(owners, kind="stable")

@@ -7,20 +7,24 @@ Used by the source stage instances.
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
 
 from keyshift.runtime.records import ARROW_TYPES
 
+# numbers.Integral/Real also admit numpy scalars, which users' functions often return.
 _ACCEPTS: Mapping[str, tuple[type, ...]] = {
-    "int": (int,),
-    "float": (float, int),
+    "int": (numbers.Integral,),
+    "float": (numbers.Real,),
     "str": (str,),
-    "bool": (bool,),
+    "bool": (bool, np.bool_),
 }
+_INT64 = (-(2**63), 2**63 - 1)
 
 
 @dataclass
@@ -41,7 +45,14 @@ def why_invalid(record: Any, fields: Mapping[str, str]) -> str | None:
         # bool is an int in Python; a bool in an int field is almost always a mistake.
         if not isinstance(value, _ACCEPTS[kind]) or (kind != "bool" and isinstance(value, bool)):
             return f"field {name!r} should be {kind}, got {type(value).__name__}"
+        in_range = not isinstance(value, numbers.Integral) or _INT64[0] <= int(value) <= _INT64[1]
+        if kind == "int" and not in_range:
+            return f"field {name!r} is out of the 64-bit integer range"
     return None
+
+
+def _as_float(value: Any) -> float:
+    return float(value)
 
 
 def check_records(records: Sequence[Any], fields: Mapping[str, str]) -> Checked:
@@ -54,7 +65,10 @@ def check_records(records: Sequence[Any], fields: Mapping[str, str]) -> Checked:
         else:
             rejected.append((record, reason))
     columns = {
-        name: pa.array([records[i][name] for i in kept], type=ARROW_TYPES[kind])
+        name: pa.array(
+            [_as_float(records[i][name]) if kind == "float" else records[i][name] for i in kept],
+            type=ARROW_TYPES[kind],
+        )
         for name, kind in fields.items()
     }
     return Checked(columns=columns, kept=kept, rejected=rejected)

@@ -16,6 +16,7 @@ from typing import Any, Protocol
 import numpy as np
 import pyarrow as pa
 
+from keyshift.runtime.key_index import SlotKeys
 from keyshift.runtime.records import EVENT_TIME, GROUP, INGEST_TIME, SEQ, SOURCE
 
 GROUP_COL = "group"
@@ -50,10 +51,6 @@ class Update:
     records: int
 
 
-def _key_array(keys: list[Any], key_type: pa.DataType) -> pa.Array:
-    return pa.array(keys, type=key_type)
-
-
 class AggregateState:
     """Running aggregates per key in numpy columns, updated a batch at a time."""
 
@@ -63,24 +60,26 @@ class AggregateState:
         self.function = function
         self.max_key_groups = max_key_groups
         self.key_type = key_type
-        self._index: dict[Any, int] = {}
-        self._keys: list[Any] = []
+        self._keys = SlotKeys(key_type)
+        self._index = self._keys.index()
+        self._size = 0  # slots handed out so far, live or free
         self._free: list[int] = []
-        self._count = np.zeros(self._INITIAL, dtype=np.int64)
-        self._sum = np.zeros(self._INITIAL, dtype=np.float64)
-        self._min = np.full(self._INITIAL, np.inf)
-        self._max = np.full(self._INITIAL, -np.inf)
-        self._hits = np.zeros(self._INITIAL, dtype=np.int64)
-        self._group = np.full(self._INITIAL, -1, dtype=np.int32)
+        self._count = np.zeros(0, dtype=np.int64)
+        self._sum = np.zeros(0, dtype=np.float64)
+        self._min = np.zeros(0)
+        self._max = np.zeros(0)
+        self._hits = np.zeros(0, dtype=np.int64)
+        self._group = np.zeros(0, dtype=np.int32)
         self._group_hits = np.zeros(max_key_groups, dtype=np.int64)
+        self._grow(self._INITIAL)
 
     @property
     def key_count(self) -> int:
         return len(self._index)
 
     def bytes_estimate(self) -> int:
-        # Columns plus the dict entry, the key object and its slot in the key list.
-        per_key = 6 * 8 + 4 + 100
+        # Six 8-byte columns, the group, the key and its index entry.
+        per_key = 6 * 8 + 4 + (16 if self._keys.numeric else 100)
         return len(self._index) * per_key
 
     def group_hits(self) -> np.ndarray:
@@ -91,39 +90,36 @@ class AggregateState:
         if needed <= size:
             return
         new = max(needed, size * 2)
-        self._count = np.concatenate([self._count, np.zeros(new - size, dtype=np.int64)])
-        self._sum = np.concatenate([self._sum, np.zeros(new - size)])
-        self._min = np.concatenate([self._min, np.full(new - size, np.inf)])
-        self._max = np.concatenate([self._max, np.full(new - size, -np.inf)])
-        self._hits = np.concatenate([self._hits, np.zeros(new - size, dtype=np.int64)])
-        self._group = np.concatenate([self._group, np.full(new - size, -1, dtype=np.int32)])
+        extra = new - size
+        self._count = np.concatenate([self._count, np.zeros(extra, dtype=np.int64)])
+        self._sum = np.concatenate([self._sum, np.zeros(extra)])
+        self._min = np.concatenate([self._min, np.full(extra, np.inf)])
+        self._max = np.concatenate([self._max, np.full(extra, -np.inf)])
+        self._hits = np.concatenate([self._hits, np.zeros(extra, dtype=np.int64)])
+        self._group = np.concatenate([self._group, np.full(extra, -1, dtype=np.int32)])
+        self._keys.grow(new)
 
-    def _allocate(self, keys: list[Any], groups: np.ndarray) -> np.ndarray:
-        slots = np.empty(len(keys), dtype=np.int64)
-        reuse = min(len(self._free), len(keys))
+    def _allocate(self, keys: Any, groups: np.ndarray) -> np.ndarray:
+        n = len(groups)
+        slots = np.empty(n, dtype=np.int64)
+        reuse = min(len(self._free), n)
         if reuse:
             slots[:reuse] = self._free[-reuse:]
             del self._free[-reuse:]
-        fresh = len(keys) - reuse
-        if fresh:
-            start = len(self._keys)
-            self._keys.extend([None] * fresh)
-            self._grow(start + fresh)
-            slots[reuse:] = np.arange(start, start + fresh)
-        slot_list = slots.tolist()
-        for key, slot in zip(keys, slot_list, strict=True):
-            self._index[key] = slot
-            self._keys[slot] = key
+        if n > reuse:
+            self._grow(self._size + n - reuse)
+            slots[reuse:] = np.arange(self._size, self._size + n - reuse)
+            self._size += n - reuse
+        self._index.insert(keys, slots)
+        self._keys.set(slots, keys)
         self._group[slots] = groups
         return slots
 
-    def _slots(self, keys: list[Any], groups: np.ndarray) -> np.ndarray:
-        get = self._index.get
-        slots = np.fromiter((get(k, -1) for k in keys), dtype=np.int64, count=len(keys))
+    def _slots(self, keys: Any, groups: np.ndarray) -> np.ndarray:
+        slots = self._index.lookup(keys)
         missing = np.flatnonzero(slots < 0)
         if len(missing):
-            new_keys = [keys[i] for i in missing.tolist()]
-            slots[missing] = self._allocate(new_keys, groups[missing])
+            slots[missing] = self._allocate(SlotKeys.subset(keys, missing), groups[missing])
         return slots
 
     def values(self, slots: np.ndarray) -> np.ndarray:
@@ -145,25 +141,26 @@ class AggregateState:
         """Apply every record of `batch`; return one output row per key it touched."""
         n = batch.num_rows
         if n == 0:
-            return Update(batch=self._empty_output(), records=0)
+            return Update(
+                batch=pa.RecordBatch.from_pylist([], schema=self.output_schema()), records=0
+            )
         key_col = batch.column(key_field)
-        if pa.types.is_string(key_col.type):
+        dictionary: pa.Array | None = None
+        if self._keys.numeric:
+            codes = key_col.to_numpy()
+        else:
             encoded = key_col.dictionary_encode()
             codes = encoded.indices.to_numpy().astype(np.int64)
-            dictionary: pa.Array | None = encoded.dictionary
-        else:
-            codes = key_col.to_numpy()
-            dictionary = None
+            dictionary = encoded.dictionary
         groups = batch.column(GROUP).to_numpy()
         order = np.argsort(codes)
         sorted_codes = codes[order]
         starts = np.concatenate(([0], np.flatnonzero(sorted_codes[1:] != sorted_codes[:-1]) + 1))
         counts = np.diff(np.append(starts, n))
         unique_codes = sorted_codes[starts]
+        keys: Any = unique_codes
         if dictionary is not None:
             keys = dictionary.take(pa.array(unique_codes)).to_pylist()
-        else:
-            keys = unique_codes.tolist()
         slots = self._slots(keys, groups[order[starts]])
         self._count[slots] += counts
         self._hits[slots] += counts
@@ -178,7 +175,7 @@ class AggregateState:
         ingest = batch.column(INGEST_TIME).to_numpy()[order]
         out = pa.RecordBatch.from_arrays(
             [
-                _key_array(keys, self.key_type),
+                self._keys.arrow(keys),
                 pa.array(self.values(slots)),
                 pa.array(counts),
                 pa.array(np.maximum.reduceat(event, starts)),
@@ -202,18 +199,14 @@ class AggregateState:
             ]
         )
 
-    def _empty_output(self) -> pa.RecordBatch:
-        return pa.RecordBatch.from_pylist([], schema=self.output_schema())
-
     def _live_slots(self) -> np.ndarray:
-        return np.flatnonzero(self._group[: len(self._keys)] >= 0)
+        return np.flatnonzero(self._group[: self._size] >= 0)
 
-    def snapshot_slots(self, slots: np.ndarray) -> pa.RecordBatch:
-        keys = [self._keys[s] for s in slots.tolist()]
+    def _snapshot_slots(self, slots: np.ndarray) -> pa.RecordBatch:
         return pa.RecordBatch.from_arrays(
             [
                 pa.array(self._group[slots]),
-                _key_array(keys, self.key_type),
+                self._keys.arrow(self._keys.take(slots)),
                 pa.array(self._hits[slots]),
                 pa.array(self._count[slots]),
                 pa.array(self._sum[slots]),
@@ -223,22 +216,31 @@ class AggregateState:
             names=[GROUP_COL, KEY_COL, HITS_COL, "count", "sum", "min", "max"],
         )
 
-    def snapshot_groups(self, groups: Iterable[int]) -> pa.RecordBatch:
+    def _group_slots(self, groups: Iterable[int]) -> np.ndarray:
         live = self._live_slots()
-        wanted = np.fromiter(groups, dtype=np.int32)
-        return self.snapshot_slots(live[np.isin(self._group[live], wanted)])
+        result: np.ndarray = live[np.isin(self._group[live], np.fromiter(groups, dtype=np.int32))]
+        return result
+
+    def _key_slots(self, keys: Sequence[Any]) -> np.ndarray:
+        query = np.asarray(keys, dtype=np.int64) if self._keys.numeric else list(keys)
+        slots = self._index.lookup(query)
+        return slots[slots >= 0]
+
+    def snapshot_groups(self, groups: Iterable[int]) -> pa.RecordBatch:
+        return self._snapshot_slots(self._group_slots(groups))
 
     def snapshot_keys(self, keys: Sequence[Any]) -> pa.RecordBatch:
-        slots = [self._index[k] for k in keys if k in self._index]
-        return self.snapshot_slots(np.asarray(slots, dtype=np.int64))
+        return self._snapshot_slots(self._key_slots(keys))
 
     def restore(self, snapshot: pa.RecordBatch) -> None:
         """Add the keys of a snapshot; a key already present is an ownership error."""
-        keys = snapshot.column(KEY_COL).to_pylist()
-        clash = [k for k in keys if k in self._index]
-        if clash:
+        key_col = snapshot.column(KEY_COL)
+        keys: Any = key_col.to_numpy() if self._keys.numeric else key_col.to_pylist()
+        present = np.flatnonzero(self._index.lookup(keys) >= 0)
+        if len(present):
+            example = SlotKeys.subset(keys, present[:1])[0]
             raise ValueError(
-                f"restore would duplicate state of {len(clash)} keys, e.g. {clash[0]!r}"
+                f"restore would duplicate state of {len(present)} keys, e.g. {example!r}"
             )
         groups = snapshot.column(GROUP_COL).to_numpy()
         slots = self._allocate(keys, groups)
@@ -251,9 +253,7 @@ class AggregateState:
         np.add.at(self._group_hits, groups, hits)
 
     def _drop_slots(self, slots: np.ndarray) -> None:
-        for slot in slots.tolist():
-            del self._index[self._keys[slot]]
-            self._keys[slot] = None
+        self._index.remove(self._keys.take(slots))
         np.subtract.at(self._group_hits, self._group[slots], self._hits[slots])
         self._group[slots] = -1
         self._count[slots] = 0
@@ -264,22 +264,19 @@ class AggregateState:
         self._free.extend(slots.tolist())
 
     def drop_groups(self, groups: Iterable[int]) -> int:
-        live = self._live_slots()
-        slots = live[np.isin(self._group[live], np.fromiter(groups, dtype=np.int32))]
+        slots = self._group_slots(groups)
         self._drop_slots(slots)
         return len(slots)
 
     def get(self, key: Any) -> float | int | None:
-        slot = self._index.get(key)
-        if slot is None:
-            return None
-        return self.values(np.array([slot])).tolist()[0]  # type: ignore[no-any-return]
+        slots = self._key_slots([key])
+        return self.values(slots).tolist()[0] if len(slots) else None
 
     def items(self) -> dict[Any, float | int]:
         live = self._live_slots()
-        return dict(
-            zip([self._keys[s] for s in live.tolist()], self.values(live).tolist(), strict=True)
-        )
+        keys = self._keys.take(live)
+        key_list = keys.tolist() if isinstance(keys, np.ndarray) else keys
+        return dict(zip(key_list, self.values(live).tolist(), strict=True))
 
 
 ProcessFunction = Callable[[Any, dict[str, Any]], tuple[Any, Any]]
@@ -319,13 +316,14 @@ class ProcessState:
             per_group = self._groups.setdefault(group, {})
             state, out = self.function(per_group.get(key), record)
             if state is None:
-                # Returning None deletes the key's state, as in Flink's ValueState.clear().
+                # Returning None deletes the key's state, as in Flink's ValueState.clear(); the
+                # group's hotness keeps counting live keys only, as it does after a drop.
                 per_group.pop(key, None)
-                self._hits.pop(key, None)
+                self._group_hits[group] -= self._hits.pop(key, 0)
             else:
                 per_group[key] = state
                 self._hits[key] = self._hits.get(key, 0) + 1
-            self._group_hits[group] += 1
+                self._group_hits[group] += 1
             if out is not None:
                 outputs.append(
                     {
@@ -344,7 +342,7 @@ class ProcessState:
         return pa.RecordBatch.from_arrays(
             [
                 pa.array([g for g, _, _ in entries], type=pa.int32()),
-                _key_array([k for _, k, _ in entries], self.key_type),
+                pa.array([k for _, k, _ in entries], type=self.key_type),
                 pa.array([self._hits.get(k, 0) for _, k, _ in entries], type=pa.int64()),
                 pa.array([pickle.dumps(v) for _, _, v in entries], type=pa.binary()),
             ],

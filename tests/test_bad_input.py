@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import socket
 import subprocess
 import sys
@@ -15,7 +14,6 @@ from keyshift.runtime.generator import KeyGenerator
 from keyshift.runtime.job import GeneratorSource
 from keyshift.runtime.output_log import OutputLogReader
 from keyshift.runtime.transport import JsonClient
-
 from tests.conftest import children_of, cli, count_job, running_job, wait_for, write_job
 
 

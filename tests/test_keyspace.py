@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 
 import numpy as np
 import pyarrow as pa
@@ -117,7 +118,7 @@ def test_groups_in_range(max_key_groups: int) -> None:
 
 def _chi_square_bound(cells: int) -> float:
     # Mean cells - 1, sd sqrt(2 (cells - 1)): six standard deviations above the mean.
-    return (cells - 1) + 6 * np.sqrt(2 * (cells - 1))
+    return (cells - 1) + 6 * math.sqrt(2 * (cells - 1))
 
 
 @pytest.mark.parametrize(("max_key_groups", "n"), [(64, 64_000), (4096, 409_600), (1000, 50_000)])

@@ -133,6 +133,9 @@ def check_split(batch: pa.RecordBatch, owners: np.ndarray, parallelism: int) -> 
     got_owners = [o for o, _ in parts]
     assert got_owners == sorted(set(got_owners)), "one part per owner, in owner order"
     assert all(0 <= o < parallelism for o in got_owners)
+    if batch.num_rows == 0:
+        assert parts == [], "an empty batch is sent nowhere"
+        return
     if parallelism == 1:
         assert len(parts) == 1 and parts[0][0] == 0 and parts[0][1].equals(batch)
         return

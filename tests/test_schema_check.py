@@ -154,12 +154,6 @@ def test_all_rejected_gives_empty_columns() -> None:
     assert all(len(c) == 0 for c in checked.columns.values())
 
 
-@pytest.mark.xfail(
-    reason="schema_check.py why_invalid accepts any Python int for an 'int' (or 'float') field, "
-    "but pa.array(type=int64) cannot hold ints outside int64, so check_records raises "
-    "OverflowError/ArrowInvalid for the whole batch instead of rejecting that record",
-    strict=True,
-)
 @pytest.mark.parametrize(
     ("kind", "value"), [("int", 2**63), ("int", -(2**63) - 1), ("float", 2**70)]
 )
