@@ -8,10 +8,12 @@ PYTHON ?= python3
 
 .PHONY: demo test lint typecheck unit bench clean
 
+# `python -m` puts the working directory first on sys.path, where our operator/ folder would
+# shadow the standard library's `operator`; so venv and pip run from / and by their scripts.
 $(STAMP): pyproject.toml
-	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[dev]'
+	cd / && $(PYTHON) -m venv $(CURDIR)/$(VENV)
+	$(VENV)/bin/pip install --quiet --upgrade pip
+	$(VENV)/bin/pip install --quiet -e '.[dev]'
 	touch $(STAMP)
 
 demo: $(STAMP)

@@ -7,7 +7,6 @@ and exit code 2 before anything starts; a run that fails exits 1.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 from pathlib import Path
@@ -17,6 +16,7 @@ from rich.console import Console
 from keyshift.operator.live_view import LiveView, final_report
 from keyshift.operator.local_host import LocalJob, RunError, interrupt_flag, run_job
 from keyshift.runtime.job import JobError, load_job
+from keyshift.runtime.lifecycle import allow_user_code
 
 
 def _positive(text: str) -> float:
@@ -104,10 +104,9 @@ def cmd_run(args: argparse.Namespace, console: Console) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    # Job files name user functions as module:function relative to where the user runs us, as
-    # `python -m` would see them; the instance processes inherit the same working directory.
-    if os.getcwd() not in sys.path:
-        sys.path.insert(0, os.getcwd())
+    # Job files name user functions as module:function relative to where the user runs us; the
+    # processes we start resolve them the same way (keyshift.runtime.lifecycle).
+    allow_user_code()
     console = Console()
     if args.command == "run":
         return cmd_run(args, console)

@@ -190,8 +190,8 @@ def final_report(status: dict[str, Any], tracker: RateTracker, elapsed: float) -
             f"out {total_out:>12,.0f}  avg {_rate(total_in / max(elapsed, 1e-9))}"
             + (f"  rejected {invalid:,}" if invalid else "")
         )
-    offsets = [i["stats"].get("output_offset") for i in status["stages"][-1]["instances"]]
-    if any(o is not None for o in offsets):
-        lines.append(f"  output log: {sum(o or 0 for o in offsets):,} updates")
+    ends = [i["stats"].get("output_offset") for i in status["stages"][-1]["instances"]]
+    if any(end is not None for end in ends):
+        lines.append(f"  output log end offsets per partition: {ends}")
     lines.append(f"  end-to-end latency p50 {_ms(p50)}  p99 {_ms(p99)}")
     return "\n".join(lines)

@@ -28,7 +28,7 @@ class Child:
         log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log = log_path.open("wb")
         self.process = subprocess.Popen(
-            [sys.executable, *args],
+            [sys.executable, "-P", *args],
             stdout=self._log,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,

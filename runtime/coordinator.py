@@ -24,7 +24,7 @@ import grpc
 
 from keyshift.runtime.job import JobError, JobSpec, load_job
 from keyshift.runtime.keyspace import Assignment
-from keyshift.runtime.lifecycle import die_with_parent
+from keyshift.runtime.lifecycle import allow_user_code, die_with_parent
 from keyshift.runtime.metrics import CoordinatorMetrics
 from keyshift.runtime.transport import ControlError, PortInUseError, json_handler, start_server
 
@@ -268,6 +268,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--register-timeout", type=float, default=30.0)
     args = parser.parse_args(argv)
     die_with_parent()
+    allow_user_code()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
         spec = load_job(args.job)

@@ -21,7 +21,7 @@ from typing import Any
 
 from keyshift.runtime.job import JobSpec, parse_job
 from keyshift.runtime.keyspace import Assignment
-from keyshift.runtime.lifecycle import die_with_parent
+from keyshift.runtime.lifecycle import allow_user_code, die_with_parent
 from keyshift.runtime.metrics import InstanceMetrics, MetricName
 from keyshift.runtime.transport import (
     Inbox,
@@ -206,6 +206,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--connect-timeout", type=float, default=15.0)
     args = parser.parse_args(argv)
     die_with_parent()
+    allow_user_code()
     name = f"{args.stage}/{args.index}"
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {name} %(levelname)s %(message)s")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))

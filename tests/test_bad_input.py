@@ -83,7 +83,7 @@ def test_missing_instance_fails_registration_with_names(tmp_path: Path) -> None:
     path = write_job(tmp_path, count_job())
     ready = tmp_path / "ready.json"
     coordinator = subprocess.Popen(
-        [sys.executable, "-m", "keyshift.runtime.coordinator", "--job", str(path),
+        [sys.executable, "-P", "-m", "keyshift.runtime.coordinator", "--job", str(path),
          "--ready-file", str(ready), "--register-timeout", "1"],
     )  # fmt: skip
     try:

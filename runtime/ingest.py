@@ -1,0 +1,481 @@
+"""The ingest endpoint: external clients push rows into a job's source stage over gRPC.
+
+Served by source-stage instances whose source is `kind: ingest`; clients use
+keyshift.runtime.ingest_client (the PySpark writer is one of them).
+
+Wire format of `keyshift.Ingest/Push` (unary, raw bytes, no generated code): a 4-byte
+little-endian header length, a JSON header `{"format": "arrow" | "json", "batch_id": optional
+string}`, then the payload: an Arrow IPC stream (one or more record batches) for "arrow", or a
+JSON array of row objects for "json". The reply is JSON: `{"accepted": n, "rejected": m,
+"reasons": [up to 5 distinct reasons], "duplicate": bool, "first_seq": int | null}`.
+
+Rows must carry every field of the job's schema (extra columns are ignored). An optional
+`event_time` column (int64 microseconds; an Arrow timestamp column is converted) is the rows'
+event time; without it, or where it is null, the event time is the ingest time. Rows that do
+not fit are rejected one by one with a reason (the same reasons as
+`keyshift.runtime.schema_check.why_invalid`); the valid rows around them are kept, in order.
+A body that cannot be parsed at all is refused with INVALID_ARGUMENT and nothing in it is
+accepted.
+
+The accepted rows of one request become one record batch with consecutive sequence numbers,
+put on a bounded queue that the source loop drains with `take`. While the queue is full, Push
+waits (the backpressure a client feels) and after `push_timeout` answers RESOURCE_EXHAUSTED.
+A request whose `batch_id` was already accepted is answered `duplicate: true` and applied no
+second time, so a retried Spark micro-batch is not counted twice. The ids are kept in memory
+(the last 100,000); durability across restarts comes with checkpoints.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import struct
+import threading
+import time
+from collections import OrderedDict, deque
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+import numpy as np
+import numpy.typing as npt
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from keyshift.runtime.records import ARROW_TYPES, EVENT_TIME, now_us, record_schema
+from keyshift.runtime.schema_check import check_records, why_invalid
+
+log = logging.getLogger("keyshift.ingest")
+
+INGEST_SERVICE = "keyshift.Ingest"
+PUSH_METHOD = f"/{INGEST_SERVICE}/Push"
+FORMATS = ("arrow", "json")
+MAX_REASONS = 5
+REMEMBERED_BATCH_IDS = 100_000
+_HEADER_LENGTH = struct.Struct("<I")
+_INT64_MAX = 2**63 - 1
+
+Mask = npt.NDArray[np.bool_]
+
+
+class IngestRefused(Exception):
+    """A Push that is refused as a whole; `code` and the message go back to the client."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def pack_request(header: Mapping[str, Any], payload: bytes) -> bytes:
+    """The body of one Push: header length, JSON header, payload."""
+    encoded = json.dumps(dict(header)).encode()
+    return _HEADER_LENGTH.pack(len(encoded)) + encoded + payload
+
+
+def unpack_request(body: bytes) -> tuple[str, str | None, memoryview]:
+    """Split a Push body into (format, batch_id, payload); IngestRefused if it is malformed."""
+
+    def bad(message: str) -> IngestRefused:
+        return IngestRefused(grpc.StatusCode.INVALID_ARGUMENT, message)
+
+    view = memoryview(body)
+    if len(view) < _HEADER_LENGTH.size:
+        raise bad(f"request of {len(view)} bytes is too short for its 4-byte header length")
+    (length,) = _HEADER_LENGTH.unpack_from(view)
+    end = _HEADER_LENGTH.size + length
+    if end > len(view):
+        raise bad(f"header length {length} exceeds the request ({len(view)} bytes)")
+    try:
+        header = json.loads(bytes(view[_HEADER_LENGTH.size : end]))
+    except ValueError as exc:
+        raise bad(f"header is not JSON: {exc}") from None
+    if not isinstance(header, dict):
+        raise bad(f"header must be a JSON object, got {type(header).__name__}")
+    fmt = header.get("format")
+    if fmt not in FORMATS:
+        raise bad(f"header 'format' must be 'arrow' or 'json', got {fmt!r}")
+    batch_id = header.get("batch_id")
+    if batch_id is not None and (not isinstance(batch_id, str) or not batch_id):
+        raise bad(f"header 'batch_id' must be a non-empty string, got {batch_id!r}")
+    return str(fmt), batch_id, view[end:]
+
+
+# --- validation ------------------------------------------------------------------------------
+
+
+@dataclass
+class Rejection:
+    reason: str
+    sample: Any  # the first rejected row with this reason
+    count: int
+
+
+@dataclass
+class CheckedRows:
+    """The valid rows of one request as Arrow columns, and what was rejected."""
+
+    columns: list[pa.Array]  # one per job field, in the schema's order
+    event_time: pa.Array | None  # int64 microseconds; null where the ingest time applies
+    num_rows: int
+    rejections: list[Rejection] = field(default_factory=list)
+
+    @property
+    def rejected(self) -> int:
+        return sum(r.count for r in self.rejections)
+
+
+@dataclass
+class _Verdicts:
+    """Per-row rejection of an Arrow table; each row keeps the first reason found for it."""
+
+    bad: Mask
+    found: dict[str, tuple[int, int]] = field(default_factory=dict)  # reason -> (first, count)
+
+    def reject(self, mask: Mask, reason: str) -> None:
+        new = mask & ~self.bad
+        count = int(new.sum())
+        if count:
+            first = int(np.argmax(new))
+            if reason in self.found:
+                before, n = self.found[reason]
+                first, count = min(first, before), count + n
+            self.found[reason] = (first, count)
+            self.bad |= new
+
+
+def _mask(array: pa.Array) -> Mask:
+    return np.asarray(array.fill_null(False).to_numpy(zero_copy_only=False), dtype=np.bool_)
+
+
+def _single_column(table: pa.Table, name: str, verdicts: _Verdicts) -> pa.Array | None:
+    """The column `name` as one array, or None when absent (or rejected for appearing twice)."""
+    indices = table.schema.get_all_field_indices(name)
+    if not indices:
+        return None
+    if len(indices) > 1:
+        verdicts.reject(
+            np.ones(table.num_rows, np.bool_), f"field {name!r} appears {len(indices)} times"
+        )
+        return None
+    column = table.column(indices[0]).combine_chunks()
+    if pa.types.is_dictionary(column.type):
+        column = column.dictionary_decode()
+    return column
+
+
+def _as_int64(column: pa.Array, name: str, verdicts: _Verdicts) -> pa.Array | None:
+    kind = column.type
+    if pa.types.is_integer(kind):
+        if kind == pa.uint64():
+            too_big = pc.greater(column, pa.scalar(_INT64_MAX, pa.uint64()))
+            verdicts.reject(_mask(too_big), f"field {name!r} is out of the 64-bit integer range")
+        return column.cast(pa.int64(), safe=kind != pa.uint64())
+    return None
+
+
+def _convert(column: pa.Array, kind: str, name: str, verdicts: _Verdicts) -> pa.Array | None:
+    """`column` as the Arrow type of a `kind` field, or None when its type does not fit."""
+    arrow_type = ARROW_TYPES[kind]
+    source = column.type
+    if source == arrow_type:
+        return column
+    if kind == "int":
+        return _as_int64(column, name, verdicts)
+    if kind == "float" and (pa.types.is_floating(source) or pa.types.is_integer(source)):
+        # Like float(int) on the JSON path: large integers round to the nearest double.
+        return column.cast(pa.float64(), safe=pa.types.is_floating(source))
+    if kind == "str" and (pa.types.is_large_string(source) or str(source) == "string_view"):
+        return column.cast(pa.string())
+    return None
+
+
+def _event_time(table: pa.Table, verdicts: _Verdicts) -> pa.Array | None:
+    column = _single_column(table, EVENT_TIME, verdicts)
+    if column is None:
+        return None
+    source = column.type
+    converted: pa.Array | None
+    if pa.types.is_null(source):
+        return None
+    if pa.types.is_timestamp(source):
+        try:  # from ns, dropping the sub-microsecond part is fine; s/ms can overflow
+            as_us = column.cast(pa.timestamp("us", source.tz), safe=source.unit != "ns")
+        except pa.ArrowInvalid:
+            reason = f"field {EVENT_TIME!r} is out of the 64-bit integer range"
+            verdicts.reject(~_mask(column.is_null()), reason)
+            return None
+        converted = as_us.cast(pa.int64())
+    else:
+        converted = _as_int64(column, EVENT_TIME, verdicts)
+    if converted is None:
+        reason = f"field {EVENT_TIME!r} should be int, got {source}"
+        verdicts.reject(~_mask(column.is_null()), reason)
+    return converted
+
+
+def check_table(table: pa.Table, fields: Mapping[str, str]) -> CheckedRows:
+    """Vectorized check of an Arrow table: whole-column type checks, per-row null checks."""
+    n = table.num_rows
+    verdicts = _Verdicts(bad=np.zeros(n, np.bool_))
+    converted: list[pa.Array | None] = []
+    for name, kind in fields.items():
+        column = _single_column(table, name, verdicts)
+        if column is None:
+            verdicts.reject(np.ones(n, np.bool_), f"missing field {name!r}")
+            converted.append(None)
+            continue
+        verdicts.reject(_mask(column.is_null()), f"missing field {name!r}")
+        as_field = _convert(column, kind, name, verdicts)
+        if as_field is None:
+            verdicts.reject(
+                np.ones(n, np.bool_), f"field {name!r} should be {kind}, got {column.type}"
+            )
+        converted.append(as_field)
+    event_time = _event_time(table, verdicts)
+    rejections = [
+        Rejection(reason, _row(table, first), count)
+        for reason, (first, count) in verdicts.found.items()
+    ]
+    keep = ~verdicts.bad
+    kept = int(keep.sum())
+    if kept == 0:
+        return CheckedRows([], None, 0, rejections)
+    columns = [c for c in converted if c is not None]  # all present when a row is kept
+    if kept < n:
+        selection = pa.array(keep)
+        columns = [c.filter(selection) for c in columns]
+        event_time = None if event_time is None else event_time.filter(selection)
+    return CheckedRows(columns, event_time, kept, rejections)
+
+
+def _row(table: pa.Table, index: int) -> Any:
+    try:
+        return table.slice(index, 1).to_pylist()[0]
+    except (pa.ArrowException, ValueError):  # a column type with no Python equivalent
+        return f"row {index}"
+
+
+def _extra_problem(record: Any, fields: Mapping[str, str]) -> str | None:
+    """Problems of a JSON row that `why_invalid` does not look for."""
+    for name, kind in fields.items():
+        value = record[name]
+        if kind == "float" and isinstance(value, int):
+            try:
+                float(value)
+            except OverflowError:
+                return f"field {name!r} is out of the float range"
+    value = record.get(EVENT_TIME)
+    if value is None:
+        return None
+    return why_invalid({EVENT_TIME: value}, {EVENT_TIME: "int"})
+
+
+def check_rows(rows: Sequence[Any], fields: Mapping[str, str]) -> CheckedRows:
+    """Per-row check of decoded JSON rows."""
+    valid: list[Mapping[str, Any]] = []
+    found: dict[str, Rejection] = {}
+    for row in rows:
+        reason = why_invalid(row, fields) or _extra_problem(row, fields)
+        if reason is None:
+            valid.append(row)
+        elif reason in found:
+            found[reason].count += 1
+        else:
+            found[reason] = Rejection(reason, row, 1)
+    if not valid:
+        return CheckedRows([], None, 0, list(found.values()))
+    checked = check_records(valid, fields)
+    columns = [checked.columns[name] for name in fields]
+    times = [row.get(EVENT_TIME) for row in valid]
+    event_time = None if all(t is None for t in times) else pa.array(times, pa.int64())
+    return CheckedRows(columns, event_time, len(valid), list(found.values()))
+
+
+def _decode(fmt: str, payload: memoryview, fields: Mapping[str, str]) -> CheckedRows:
+    if fmt == "arrow":
+        try:
+            table = pa.ipc.open_stream(pa.py_buffer(payload)).read_all()
+        except (pa.ArrowException, ValueError, OSError) as exc:
+            raise IngestRefused(
+                grpc.StatusCode.INVALID_ARGUMENT, f"payload is not an Arrow IPC stream: {exc}"
+            ) from None
+        return check_table(table, fields)
+    try:
+        rows = json.loads(bytes(payload))
+    except ValueError as exc:
+        raise IngestRefused(
+            grpc.StatusCode.INVALID_ARGUMENT, f"payload is not JSON: {exc}"
+        ) from None
+    if not isinstance(rows, list):
+        raise IngestRefused(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            f"JSON payload must be an array of row objects, got {type(rows).__name__}",
+        )
+    return check_rows(rows, fields)
+
+
+# --- the service -----------------------------------------------------------------------------
+
+
+class IngestService:
+    """Accepts pushed rows into a bounded queue of record batches for one source instance."""
+
+    def __init__(
+        self,
+        fields: Mapping[str, str],
+        source_id: int,
+        max_pending: int,
+        on_reject: Callable[[str, Any, int], None],
+        push_timeout: float = 30.0,
+    ) -> None:
+        if max_pending < 1:
+            raise ValueError(f"max_pending must be at least 1, got {max_pending}")
+        self.fields = dict(fields)
+        self.source_id = source_id
+        self.max_pending = max_pending
+        self.push_timeout = push_timeout
+        self._on_reject = on_reject
+        self._schema = record_schema(self.fields)
+        self._cv = threading.Condition()
+        self._queue: deque[pa.RecordBatch] = deque()
+        self._next_seq = 0
+        self._closed = False
+        self._seen: OrderedDict[str, None] = OrderedDict()
+        self._in_flight: set[str] = set()
+
+    def handler(self) -> grpc.GenericRpcHandler[Any, Any]:
+        return grpc.method_handlers_generic_handler(
+            INGEST_SERVICE, {"Push": grpc.unary_unary_rpc_method_handler(self._push)}
+        )
+
+    def take(self, timeout: float) -> pa.RecordBatch | None:
+        """The next accepted batch, or None when none arrives within `timeout` seconds."""
+        with self._cv:
+            if not self._cv.wait_for(lambda: self._queue, timeout):
+                return None
+            batch = self._queue.popleft()
+            self._cv.notify_all()
+            return batch
+
+    def pending(self) -> int:
+        """Accepted batches not yet taken."""
+        with self._cv:
+            return len(self._queue)
+
+    def close(self) -> None:
+        """Stop accepting; later (and waiting) pushes get UNAVAILABLE. `take` still drains."""
+        with self._cv:
+            self._closed = True
+            self._cv.notify_all()
+
+    def push(
+        self,
+        body: bytes,
+        active: Callable[[], bool] = lambda: True,
+        time_left: float | None = None,
+    ) -> dict[str, Any]:
+        """Handle one Push body and return the reply; IngestRefused when refused as a whole.
+
+        `active` says whether the caller still waits for the answer and `time_left` is its
+        deadline in seconds: a push whose caller gave up is not accepted.
+        """
+        self._refuse_if_closed()
+        fmt, batch_id, payload = unpack_request(body)
+        rows = _decode(fmt, payload, self.fields)
+        wait = self.push_timeout if time_left is None else min(self.push_timeout, time_left)
+        deadline = time.monotonic() + wait
+        with self._cv:
+            if batch_id is not None:
+                while batch_id in self._in_flight:  # the same batch, pushed twice at once
+                    self._wait(deadline, active)
+                if batch_id in self._seen:
+                    return _reply(0, 0, [], duplicate=True, first_seq=None)
+                self._in_flight.add(batch_id)
+            try:
+                first_seq = self._enqueue(rows, deadline, active)
+                if batch_id is not None:
+                    self._remember(batch_id)
+            finally:
+                if batch_id is not None:
+                    self._in_flight.discard(batch_id)
+                    self._cv.notify_all()
+        for rejection in rows.rejections:
+            try:
+                self._on_reject(rejection.reason, rejection.sample, rejection.count)
+            except Exception:  # the rows are accepted; a broken callback must not undo that
+                log.exception("on_reject failed for %r", rejection.reason)
+        reasons = [r.reason for r in rows.rejections[:MAX_REASONS]]
+        return _reply(rows.num_rows, rows.rejected, reasons, duplicate=False, first_seq=first_seq)
+
+    # Called with self._cv held.
+    def _enqueue(
+        self, rows: CheckedRows, deadline: float, active: Callable[[], bool]
+    ) -> int | None:
+        self._refuse_if_closed()
+        if rows.num_rows == 0:
+            return None
+        while len(self._queue) >= self.max_pending:
+            self._wait(deadline, active)
+        first_seq = self._next_seq
+        self._next_seq += rows.num_rows
+        self._queue.append(self._batch(rows, first_seq, now_us()))
+        self._cv.notify_all()
+        return first_seq
+
+    # Called with self._cv held.
+    def _wait(self, deadline: float, active: Callable[[], bool]) -> None:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise IngestRefused(
+                grpc.StatusCode.RESOURCE_EXHAUSTED, "keyshift is backpressuring; retry"
+            )
+        if not active():
+            raise IngestRefused(grpc.StatusCode.CANCELLED, "the client went away")
+        self._cv.wait(min(left, 0.5))  # wake now and then to notice a client that went away
+        self._refuse_if_closed()
+
+    def _refuse_if_closed(self) -> None:
+        if self._closed:
+            raise IngestRefused(grpc.StatusCode.UNAVAILABLE, "job is draining")
+
+    def _remember(self, batch_id: str) -> None:
+        self._seen[batch_id] = None
+        while len(self._seen) > REMEMBERED_BATCH_IDS:
+            self._seen.popitem(last=False)
+
+    def _batch(self, rows: CheckedRows, first_seq: int, stamp: int) -> pa.RecordBatch:
+        n = rows.num_rows
+        ingest = pa.array(np.full(n, stamp, dtype=np.int64))
+        event = ingest if rows.event_time is None else rows.event_time.fill_null(stamp)
+        return pa.RecordBatch.from_arrays(
+            [
+                *rows.columns,
+                event,
+                ingest,
+                pa.array(np.full(n, self.source_id, dtype=np.int32)),
+                pa.array(np.arange(first_seq, first_seq + n, dtype=np.int64)),
+                pa.array(np.zeros(n, dtype=np.int32)),
+            ],
+            schema=self._schema,
+        )
+
+    def _push(self, request: bytes, context: grpc.ServicerContext) -> bytes:
+        time_left: float | None = context.time_remaining()
+        try:
+            reply = self.push(request, context.is_active, time_left)
+        except IngestRefused as exc:
+            context.abort(exc.code, str(exc))
+        return json.dumps(reply).encode()
+
+
+def _reply(
+    accepted: int, rejected: int, reasons: list[str], duplicate: bool, first_seq: int | None
+) -> dict[str, Any]:
+    return {
+        "accepted": accepted,
+        "rejected": rejected,
+        "reasons": reasons,
+        "duplicate": duplicate,
+        "first_seq": first_seq,
+    }
