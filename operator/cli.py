@@ -7,16 +7,27 @@ and exit code 2 before anything starts; a run that fails exits 1.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from rich.console import Console
 
+from keyshift.operator.job_registry import RegistryError, lookup, register, resolve
 from keyshift.operator.live_view import LiveView, final_report
-from keyshift.operator.local_host import LocalJob, RunError, interrupt_flag, run_job
+from keyshift.operator.local_host import (
+    COORDINATOR_SERVICE,
+    LocalJob,
+    RunError,
+    interrupt_flag,
+    run_job,
+)
 from keyshift.runtime.job import JobError, load_job
 from keyshift.runtime.lifecycle import allow_user_code
+from keyshift.runtime.rescale import STRATEGIES
+from keyshift.runtime.transport import JsonClient, TransportError
 
 
 def _positive(text: str) -> float:
@@ -60,7 +71,107 @@ def build_parser() -> argparse.ArgumentParser:
         default=30.0,
         help="seconds for all instances to register",
     )
+    rescale = sub.add_parser("rescale", help="change a keyed stage's parallelism, live")
+    rescale.add_argument("job", help="job name (as run by `keyshift run` here) or HOST:PORT")
+    rescale.add_argument("stage", help="the keyed stage")
+    rescale.add_argument("parallelism", type=int)
+    rescale.add_argument(
+        "--strategy",
+        choices=STRATEGIES,
+        default="hot-first",
+        help="how state moves (default: hot-first)",
+    )
+    rescale.add_argument(
+        "--option",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="a strategy option, e.g. batch_groups=128 (repeatable)",
+    )
+    rescale.add_argument("--no-wait", action="store_true", help="return once it has started")
+    rescale.add_argument("--timeout", type=_positive, default=600.0, help="seconds to wait")
+    status = sub.add_parser("status", help="show a running job's status as JSON")
+    status.add_argument("job", help="job name (as run by `keyshift run` here) or HOST:PORT")
     return parser
+
+
+def _options(pairs: list[str]) -> dict[str, float]:
+    options = {}
+    for pair in pairs:
+        name, sep, value = pair.partition("=")
+        try:
+            options[name] = float(value)
+        except ValueError:
+            raise ValueError(f"--option {pair!r} is not NAME=NUMBER") from None
+        if not sep or not name:
+            raise ValueError(f"--option {pair!r} is not NAME=NUMBER")
+    return options
+
+
+def _client(job: str) -> JsonClient:
+    return JsonClient(resolve(job), COORDINATOR_SERVICE)
+
+
+def describe_rescale(r: dict[str, Any]) -> str:
+    progress = r.get("progress") or {}
+    moved = progress.get("keys_in", 0) + progress.get("keys_fetched", 0)
+    megabytes = progress.get("bytes_in", 0) / 1e6
+    text = (
+        f"rescale {r['id']} of {r['stage']} {r['from']}->{r['to']} ({r['strategy']}): "
+        f"{r['phase']} after {r['duration']:.2f} s; {r['groups_moved']}/{r['groups_to_move']} "
+        f"groups, {moved:,.0f} keys, {megabytes:.1f} MB moved; "
+        f"{progress.get('keys_fetched', 0):,.0f} keys fetched on demand, "
+        f"{progress.get('records_parked', 0):,.0f} records parked, "
+        f"{progress.get('records_forwarded', 0):,.0f} forwarded"
+    )
+    return text + (f"; error: {r['error']}" if r.get("error") else "")
+
+
+def cmd_rescale(args: argparse.Namespace, console: Console) -> int:
+    try:
+        options = _options(args.option)
+        client = _client(args.job)
+        started = client.call(
+            "Rescale",
+            {"stage": args.stage, "parallelism": args.parallelism,
+             "strategy": args.strategy, "options": options},
+        )  # fmt: skip
+    except (ValueError, RegistryError) as exc:
+        console.print(f"[bold red]error:[/] {exc}", highlight=False)
+        return 2
+    except TransportError as exc:
+        console.print(f"[bold red]error:[/] {exc}", highlight=False)
+        return 1
+    console.print(f"started rescale {started['id']}: {args.stage} -> {args.parallelism}")
+    if args.no_wait:
+        return 0
+    deadline = time.monotonic() + args.timeout
+    while time.monotonic() < deadline:
+        try:
+            status = client.call("Status")
+        except TransportError as exc:
+            console.print(f"[bold red]error:[/] lost the job while rescaling: {exc}")
+            return 1
+        done = next((r for r in status["rescales"] if r["id"] == started["id"]), None)
+        if done is not None:
+            console.print(describe_rescale(done), highlight=False)
+            return 0 if done["phase"] == "done" else 1
+        time.sleep(0.2)
+    console.print(f"[bold red]error:[/] rescale not finished after {args.timeout:.0f} s")
+    return 1
+
+
+def cmd_status(args: argparse.Namespace, console: Console) -> int:
+    try:
+        status = _client(args.job).call("Status")
+    except RegistryError as exc:
+        console.print(f"[bold red]error:[/] {exc}", highlight=False)
+        return 2
+    except TransportError as exc:
+        console.print(f"[bold red]error:[/] {exc}", highlight=False)
+        return 1
+    print(json.dumps(status, indent=2))
+    return 0
 
 
 def cmd_run(args: argparse.Namespace, console: Console) -> int:
@@ -68,6 +179,14 @@ def cmd_run(args: argparse.Namespace, console: Console) -> int:
         spec = load_job(args.job)
     except JobError as exc:
         console.print(f"[bold red]error:[/] {exc}", highlight=False)
+        return 2
+    running = lookup(spec.name)
+    if running is not None:
+        console.print(
+            f"[bold red]error:[/] job {spec.name} is already running here "
+            f"(pid {running['pid']}, coordinator {running['coordinator']})",
+            highlight=False,
+        )
         return 2
     started = time.monotonic()
     view = LiveView(console, enabled=not args.no_view)
@@ -83,14 +202,18 @@ def cmd_run(args: argparse.Namespace, console: Console) -> int:
             ) as job,
         ):
             job.start()
-            console.print(
-                f"job {spec.name}: coordinator at {job.address}, logs in {job.log_dir}",
-                highlight=False,
-            )
-            with view:
-                result = run_job(
-                    job, args.duration, interrupted, lambda s: view.update(s, time.monotonic())
+            registered = register(spec.name, job.address, job.log_dir)
+            try:
+                console.print(
+                    f"job {spec.name}: coordinator at {job.address}, logs in {job.log_dir}",
+                    highlight=False,
                 )
+                with view:
+                    result = run_job(
+                        job, args.duration, interrupted, lambda s: view.update(s, time.monotonic())
+                    )
+            finally:
+                registered.unlink(missing_ok=True)
     except RunError as exc:
         console.print(f"[bold red]error:[/] {exc}", highlight=False)
         return 1
@@ -110,6 +233,10 @@ def main(argv: list[str] | None = None) -> int:
     console = Console()
     if args.command == "run":
         return cmd_run(args, console)
+    if args.command == "rescale":
+        return cmd_rescale(args, console)
+    if args.command == "status":
+        return cmd_status(args, console)
     raise AssertionError(f"unhandled command {args.command}")
 
 

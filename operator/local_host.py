@@ -106,8 +106,20 @@ class LocalJob:
             for index in range(stage.parallelism):
                 self.start_instance(stage.name, index)
 
+    def ensure_instances(self, status: dict[str, Any]) -> None:
+        """Start the instances the coordinator wants and nobody runs (a scale-out); a retired
+        instance's index may be started again by a later scale-out."""
+        for stage in status["stages"]:
+            members = {i["index"] for i in stage["instances"]}
+            for index in range(stage["desired"]):
+                child = self.instances.get(f"{stage['name']}/{index}")
+                if child is None or (child.exit_code() == 0 and index not in members):
+                    self.start_instance(stage["name"], index)
+
     def start_instance(self, stage: str, index: int) -> Child:
         name = f"{stage}/{index}"
+        if name in self.instances:
+            self.instances[name].stop(grace=0)  # an exited, retired predecessor
         child = Child(
             name,
             ["-m", "keyshift.runtime.instance", "--coordinator", self.address,
@@ -188,6 +200,7 @@ def run_job(
             raise RunError(f"coordinator stopped answering: {exc}") from None
         history.append(status)
         on_status(status)
+        job.ensure_instances(status)
         phase = status["phase"]
         if phase == "failed":
             raise RunError("job failed: " + "; ".join(status["errors"]))

@@ -26,7 +26,7 @@ class Child:
         self.name = name
         self.log_path = log_path
         log_path.parent.mkdir(parents=True, exist_ok=True)
-        self._log = log_path.open("wb")
+        self._log = log_path.open("ab")
         self.process = subprocess.Popen(
             [sys.executable, "-P", *args],
             stdout=self._log,

@@ -16,16 +16,20 @@ import signal
 import sys
 import threading
 import time
+from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import grpc
+import numpy as np
 
 from keyshift.runtime.job import JobError, JobSpec, load_job
 from keyshift.runtime.keyspace import Assignment
 from keyshift.runtime.lifecycle import allow_user_code, die_with_parent
 from keyshift.runtime.metrics import CoordinatorMetrics
+from keyshift.runtime.rescale import RescaleDriver, RescaleError, RescaleStatus, options_for
 from keyshift.runtime.transport import ControlError, PortInUseError, json_handler, start_server
 
 log = logging.getLogger("keyshift.coordinator")
@@ -42,6 +46,7 @@ class InstanceRecord:
     commands: queue.Queue[dict[str, Any] | None] = field(default_factory=queue.Queue)
     stats: dict[str, Any] = field(default_factory=dict)
     finished: bool = False
+    retiring: bool = False
     watching: bool = False
 
     @property
@@ -59,9 +64,16 @@ class Coordinator:
         self._phase = "starting"
         self.errors: list[str] = []
         self.assignment = Assignment.contiguous(spec.max_key_groups, spec.keyed.parallelism)
-        self.instances: dict[tuple[str, int], InstanceRecord] = {}
+        self.desired = {s.name: s.parallelism for s in spec.stages()}
+        self.members: dict[str, dict[int, InstanceRecord]] = {s.name: {} for s in spec.stages()}
         self._drain_requested = False
         self._lock = threading.RLock()
+        self._changed = threading.Condition(self._lock)
+        self._events: list[dict[str, Any]] = []
+        self._abort: str | None = None
+        self.rescale_status: RescaleStatus | None = None
+        self.rescale_history: list[RescaleStatus] = []
+        self._group_rates = GroupRates(spec.max_key_groups)
         self.stopped = threading.Event()
         self.metrics = CoordinatorMetrics(spec.name)
         self.metrics.set_phase(self._phase)
@@ -79,59 +91,132 @@ class Coordinator:
 
     # -- helpers -------------------------------------------------------------------------
 
-    def _expected(self) -> list[tuple[str, int]]:
-        return [(s.name, i) for s in self.spec.stages() for i in range(s.parallelism)]
+    def _records(self) -> list[InstanceRecord]:
+        return [r for stage in self.members.values() for r in stage.values()]
+
+    def _all_registered(self) -> bool:
+        return all(set(self.members[name]) >= set(range(n)) for name, n in self.desired.items())
 
     def _fail(self, message: str) -> None:
         if message not in self.errors:
             log.error("%s", message)
             self.errors.append(message)
         self.phase = "failed"
-        for record in self.instances.values():
+        for record in self._records():
             record.commands.put({"type": "stop", "reason": message})
 
     def _topology(self) -> dict[str, Any]:
-        stages: dict[str, list[str]] = {}
-        for stage in self.spec.stages():
-            stages[stage.name] = [
-                self.instances[(stage.name, i)].data_address for i in range(stage.parallelism)
-            ]
+        stages = {
+            name: {str(i): r.data_address for i, r in sorted(members.items())}
+            for name, members in self.members.items()
+        }
         return {"type": "topology", "stages": stages, "assignment": self.assignment.to_json()}
+
+    def _broadcast_topology(self) -> None:
+        topology = self._topology()
+        for record in self._records():
+            record.commands.put(topology)
+
+    # -- RescaleHost ---------------------------------------------------------------------
+
+    def keyed_addresses(self) -> dict[int, str]:
+        with self._lock:
+            return {i: r.data_address for i, r in self.members[self.spec.keyed.name].items()}
+
+    def source_count(self) -> int:
+        return self.spec.source.parallelism
+
+    def finished_sources(self) -> set[int]:
+        with self._lock:
+            return {i for i, r in self.members[self.spec.source.name].items() if r.finished}
+
+    def send(self, stage: str, index: int, command: dict[str, Any]) -> None:
+        with self._lock:
+            self.members[stage][index].commands.put(command)
+
+    def set_desired(self, parallelism: int) -> None:
+        with self._lock:
+            self.desired[self.spec.keyed.name] = parallelism
+
+    def broadcast_keyed(self, command: dict[str, Any]) -> None:
+        with self._lock:
+            for record in self.members[self.spec.keyed.name].values():
+                record.commands.put(command)
+
+    def commit(self, assignment: Assignment) -> None:
+        with self._lock:
+            self.assignment = assignment
+            self.metrics.set_parallelism(self.spec.keyed.name, assignment.parallelism)
+            self._broadcast_topology()
+
+    def retire(self, indexes: list[int]) -> None:
+        with self._lock:
+            for index in indexes:
+                record = self.members[self.spec.keyed.name][index]
+                record.retiring = True
+                record.commands.put({"type": "retire"})
+        self.wait_for(
+            lambda _events: not any(i in self.members[self.spec.keyed.name] for i in indexes),
+            30.0,
+            f"instances {indexes} to retire",
+        )
+
+    def wait_for(
+        self, predicate: Callable[[list[dict[str, Any]]], bool], timeout: float, what: str
+    ) -> None:
+        deadline = time.monotonic() + timeout
+        with self._changed:
+            while not predicate(self._events):
+                if self._abort:
+                    raise RescaleError(f"{self._abort} while waiting for {what}")
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise RescaleError(f"timed out after {timeout:.0f} s waiting for {what}")
+                self._changed.wait(min(remaining, 0.5))
+
+    def events(self) -> list[dict[str, Any]]:
+        with self._lock:
+            return list(self._events)
 
     # -- RPCs ----------------------------------------------------------------------------
 
     def register(self, body: dict[str, Any]) -> dict[str, Any]:
-        with self._lock:
-            key = (str(body.get("stage")), int(body.get("index", -1)))
-            if key not in self._expected():
+        with self._changed:
+            stage, index = str(body.get("stage")), int(body.get("index", -1))
+            if stage not in self.desired or not 0 <= index < self.desired[stage]:
                 raise ControlError(
-                    f"no instance {key[0]}/{key[1]} in job {self.spec.name}",
+                    f"no instance {stage}/{index} in job {self.spec.name}",
                     grpc.StatusCode.NOT_FOUND,
                 )
-            if key in self.instances:
-                raise ControlError(f"instance {key[0]}/{key[1]} is already registered")
-            if self.phase not in ("starting",):
+            if index in self.members[stage]:
+                raise ControlError(f"instance {stage}/{index} is already registered")
+            if self.phase not in ("starting", "running"):
                 raise ControlError(f"job is {self.phase}; registration closed")
-            self.instances[key] = InstanceRecord(
-                stage=key[0],
-                index=key[1],
+            record = InstanceRecord(
+                stage=stage,
+                index=index,
                 data_address=str(body["data_address"]),
                 metrics_address=str(body["metrics_address"]),
                 pid=int(body.get("pid", 0)),
             )
-            log.info("registered %s/%s at %s", key[0], key[1], body["data_address"])
-            if len(self.instances) == len(self._expected()):
+            self.members[stage][index] = record
+            log.info("registered %s at %s", record.name, record.data_address)
+            if self.phase == "starting" and self._all_registered():
                 self.phase = "running"
-                topology = self._topology()
-                for record in self.instances.values():
-                    record.commands.put(topology)
+                self._broadcast_topology()
                 if self._drain_requested:
                     self._start_draining()
+            elif self.phase == "running":
+                self._broadcast_topology()
+                if self.rescale_status is not None:
+                    record.commands.put({"type": "rescaling", "active": True})
+            self._changed.notify_all()
             return {"job": self.spec.model_dump(mode="json")}
 
     def watch(self, body: dict[str, Any], context: grpc.ServicerContext) -> Any:
         with self._lock:
-            record = self.instances.get((str(body.get("stage")), int(body.get("index", -1))))
+            stage = str(body.get("stage"))
+            record = self.members.get(stage, {}).get(int(body.get("index", -1)))
             if record is None:
                 raise ControlError("watch before register", grpc.StatusCode.FAILED_PRECONDITION)
             record.watching = True
@@ -145,68 +230,164 @@ class Coordinator:
                     return
                 yield command
         finally:
-            with self._lock:
-                record.watching = False
-                if not record.finished and self.phase not in ("failed", "stopping"):
-                    self._fail(
-                        f"instance {record.name} (pid {record.pid}) was lost: "
-                        "its process died or stopped answering"
-                    )
+            self._lost(record)
+
+    def _lost(self, record: InstanceRecord) -> None:
+        with self._changed:
+            record.watching = False
+            if record.retiring and record.finished:
+                del self.members[record.stage][record.index]
+                self._broadcast_topology()
+            elif not record.finished and self.phase not in ("failed", "stopping"):
+                message = (
+                    f"instance {record.name} (pid {record.pid}) was lost: "
+                    "its process died or stopped answering"
+                )
+                self._fail(message)
+                self._abort = message
+            self._changed.notify_all()
 
     def report(self, body: dict[str, Any]) -> dict[str, Any]:
-        with self._lock:
-            record = self.instances.get((str(body.get("stage")), int(body.get("index", -1))))
+        with self._changed:
+            stage = str(body.get("stage"))
+            record = self.members.get(stage, {}).get(int(body.get("index", -1)))
             if record is None:
                 raise ControlError("report before register", grpc.StatusCode.FAILED_PRECONDITION)
             record.stats = dict(body.get("stats", {}))
             if body.get("metrics_address"):
                 record.metrics_address = str(body["metrics_address"])
+            if "group_hits" in body:
+                self._group_rates.update(record.name, body["group_hits"], time.monotonic())
+            for event in body.get("events", []):
+                self._events.append({**event, "stage": record.stage, "index": record.index})
             if body.get("error"):
                 self._fail(f"instance {record.name} failed: {body['error']}")
             if body.get("finished"):
                 record.finished = True
-                if all(r.finished for r in self.instances.values()) and len(self.instances) == len(
-                    self._expected()
-                ):
+                active = [r for r in self._records() if not r.retiring]
+                if self._all_registered() and all(r.finished for r in active):
                     self.phase = "finished"
+            self._changed.notify_all()
             return {}
 
     def _start_draining(self) -> None:
         self.phase = "draining"
-        for i in range(self.spec.source.parallelism):
-            self.instances[(self.spec.source.name, i)].commands.put({"type": "drain"})
+        for record in self.members[self.spec.source.name].values():
+            record.commands.put({"type": "drain"})
 
     def drain(self, body: dict[str, Any]) -> dict[str, Any]:
         """Stop the sources; the rest of the job finishes what is in flight, then ends."""
         with self._lock:
-            if self.phase == "running":
+            if self.phase == "running" and self.rescale_status is None:
                 self._start_draining()
-            elif self.phase == "starting":
-                # Honoured as soon as every instance has registered and knows the topology.
+            elif self.phase in ("starting", "running"):
+                # Honoured once every instance is registered and any rescale has finished.
                 self._drain_requested = True
             return {"phase": self.phase}
+
+    def rescale(self, body: dict[str, Any]) -> dict[str, Any]:
+        """Start a rescale of the keyed stage; refused while another one runs."""
+        with self._lock:
+            stage = str(body.get("stage"))
+            if stage != self.spec.keyed.name:
+                if stage in self.desired:
+                    raise ControlError(
+                        f"stage {stage!r} has no keyed state; only "
+                        f"{self.spec.keyed.name!r} can be rescaled live"
+                    )
+                raise ControlError(f"job {self.spec.name} has no stage {stage!r}",
+                                   grpc.StatusCode.NOT_FOUND)  # fmt: skip
+            parallelism = body.get("parallelism")
+            groups = self.spec.max_key_groups
+            if not isinstance(parallelism, int) or not 1 <= parallelism <= groups:
+                raise ControlError(
+                    f"parallelism must be an integer from 1 to max_key_groups ({groups}), "
+                    f"got {parallelism!r}",
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                )
+            strategy = str(body.get("strategy") or "hot-first")
+            try:
+                options = options_for(strategy, body.get("options"))
+            except RescaleError as exc:
+                raise ControlError(str(exc), grpc.StatusCode.INVALID_ARGUMENT) from None
+            if self.phase != "running" or self._drain_requested:
+                raise ControlError(f"job is {self.phase}; a rescale needs a running job")
+            ended = sorted(self.finished_sources())
+            if ended:
+                raise ControlError(
+                    f"sources {ended} of job {self.spec.name} have ended; the job is finishing"
+                )
+            if self.rescale_status is not None:
+                current = self.rescale_status
+                raise ControlError(
+                    f"rescale {current.id} of stage {current.stage} is still running "
+                    f"({current.phase}); one rescale at a time, try again when it finishes"
+                )
+            status = RescaleStatus(
+                id=len(self.rescale_history) + 1,
+                stage=stage,
+                from_parallelism=self.desired[stage],
+                to_parallelism=parallelism,
+                strategy=strategy,
+                options=options,
+            )
+            self.rescale_status = status
+            self._events.clear()
+            self._abort = None
+            driver = RescaleDriver(
+                self, status, stage, self.spec.source.name, self.assignment,
+                self._group_rates.rates(),
+            )  # fmt: skip
+        threading.Thread(target=self._run_rescale, args=(driver,), daemon=True).start()
+        return status.to_json()
+
+    def _run_rescale(self, driver: RescaleDriver) -> None:
+        driver.run()
+        with self._lock:
+            driver.status.progress = self._progress(live=False)
+            self.rescale_history.append(driver.status)
+            self.rescale_status = None
+            if self._drain_requested and self.phase == "running":
+                self._start_draining()
+
+    def _progress(self, live: bool = True) -> dict[str, float]:
+        """The rescale's counters: finished moves (their done events) plus running ones."""
+        totals: Counter[str] = Counter()
+        for event in self._events:
+            if event.get("type") in ("out_done", "in_done"):
+                totals.update(event.get("stats", {}))
+        for record in self.members[self.spec.keyed.name].values() if live else ():
+            totals.update(record.stats.get("migration", {}))
+        return {k: float(v) for k, v in totals.items()}
 
     def status(self, body: dict[str, Any]) -> dict[str, Any]:
         with self._lock:
             stages = []
             for stage in self.spec.stages():
-                instances = []
-                for i in range(stage.parallelism):
-                    record = self.instances.get((stage.name, i))
-                    instances.append(
-                        {
-                            "index": i,
-                            "registered": record is not None,
-                            "address": record.data_address if record else None,
-                            "metrics": record.metrics_address if record else None,
-                            "pid": record.pid if record else None,
-                            "finished": record.finished if record else False,
-                            "stats": record.stats if record else {},
-                        }
-                    )
+                instances = [
+                    {
+                        "index": i,
+                        "address": r.data_address,
+                        "metrics": r.metrics_address,
+                        "pid": r.pid,
+                        "finished": r.finished,
+                        "retiring": r.retiring,
+                        "stats": r.stats,
+                    }
+                    for i, r in sorted(self.members[stage.name].items())
+                ]
                 stages.append(
-                    {"name": stage.name, "parallelism": stage.parallelism, "instances": instances}
+                    {
+                        "name": stage.name,
+                        "parallelism": len(instances),
+                        "desired": self.desired[stage.name],
+                        "instances": instances,
+                    }
                 )
+            rescale = None
+            if self.rescale_status is not None:
+                self.rescale_status.progress = self._progress()
+                rescale = self.rescale_status.to_json()
             return {
                 "job": self.spec.name,
                 "phase": self.phase,
@@ -214,13 +395,15 @@ class Coordinator:
                 "epoch": self.assignment.epoch,
                 "uptime": time.time() - self.started,
                 "stages": stages,
+                "rescale": rescale,
+                "rescales": [r.to_json() for r in self.rescale_history[-20:]],
             }
 
     def shutdown(self, body: dict[str, Any]) -> dict[str, Any]:
         with self._lock:
-            if self.phase != "failed":
-                self.phase = "stopping" if self.phase != "finished" else "finished"
-            for record in self.instances.values():
+            if self.phase not in ("failed", "finished"):
+                self.phase = "stopping"
+            for record in self._records():
                 record.commands.put({"type": "stop", "reason": "shutdown"})
                 record.commands.put(None)
         self.stopped.set()
@@ -232,7 +415,12 @@ class Coordinator:
                 return
             if time.time() - self.started < self.register_timeout:
                 return
-            missing = [f"{s}/{i}" for s, i in self._expected() if (s, i) not in self.instances]
+            missing = [
+                f"{name}/{i}"
+                for name, n in self.desired.items()
+                for i in range(n)
+                if i not in self.members[name]
+            ]
             self._fail(
                 f"instances {', '.join(missing)} did not register within "
                 f"{self.register_timeout:.0f} s"
@@ -245,11 +433,37 @@ class Coordinator:
                 "Register": self.register,
                 "Report": self.report,
                 "Drain": self.drain,
+                "Rescale": self.rescale,
                 "Status": self.status,
                 "Shutdown": self.shutdown,
             },
             {"Watch": self.watch},
         )
+
+
+class GroupRates:
+    """Per-group record rates from the keyed instances' cumulative hit counts."""
+
+    def __init__(self, groups: int) -> None:
+        self.groups = groups
+        self._last: dict[str, tuple[float, np.ndarray]] = {}
+        self._rates: dict[str, np.ndarray] = {}
+
+    def update(self, instance: str, sparse: dict[str, int], now: float) -> None:
+        hits = np.zeros(self.groups, dtype=np.float64)
+        if sparse:
+            hits[np.fromiter((int(g) for g in sparse), dtype=np.int64)] = list(sparse.values())
+        previous = self._last.get(instance)
+        if previous is not None and now > previous[0]:
+            self._rates[instance] = np.maximum(hits - previous[1], 0) / (now - previous[0])
+        self._last[instance] = (now, hits)
+
+    def rates(self) -> np.ndarray:
+        """Recent records/s per group (groups that moved count where they are now)."""
+        total = np.zeros(self.groups)
+        for rates in self._rates.values():
+            total += rates
+        return total
 
 
 def _write_ready(path: Path, data: dict[str, Any]) -> None:

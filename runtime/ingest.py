@@ -88,7 +88,7 @@ def unpack_request(body: bytes) -> tuple[str, str | None, memoryview]:
         raise bad(f"header length {length} exceeds the request ({len(view)} bytes)")
     try:
         header = json.loads(bytes(view[_HEADER_LENGTH.size : end]))
-    except ValueError as exc:
+    except (ValueError, RecursionError) as exc:
         raise bad(f"header is not JSON: {exc}") from None
     if not isinstance(header, dict):
         raise bad(f"header must be a JSON object, got {type(header).__name__}")
@@ -303,7 +303,7 @@ def _decode(fmt: str, payload: memoryview, fields: Mapping[str, str]) -> Checked
         return check_table(table, fields)
     try:
         rows = json.loads(bytes(payload))
-    except ValueError as exc:
+    except (ValueError, RecursionError) as exc:  # RecursionError: nesting too deep
         raise IngestRefused(
             grpc.StatusCode.INVALID_ARGUMENT, f"payload is not JSON: {exc}"
         ) from None

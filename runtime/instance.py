@@ -10,20 +10,27 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import logging
 import os
+import queue
 import signal
 import sys
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
+
+import grpc
+import numpy as np
 
 from keyshift.runtime.job import JobSpec, parse_job
 from keyshift.runtime.keyspace import Assignment
 from keyshift.runtime.lifecycle import allow_user_code, die_with_parent
 from keyshift.runtime.metrics import InstanceMetrics, MetricName
 from keyshift.runtime.transport import (
+    BATCH,
     Inbox,
     JsonClient,
     Outlet,
@@ -36,6 +43,37 @@ log = logging.getLogger("keyshift.instance")
 COORDINATOR_SERVICE = "keyshift.Coordinator"
 REPORT_INTERVAL = 0.5
 SAMPLE_LOG_INTERVAL = 10.0
+GROUP_REPORT_EVERY = 2  # reports; per-group loads feed the coordinator's assignment planner
+MIGRATE_SERVICE = "keyshift.Migrate"
+FETCH_TIMEOUT = 30.0
+
+
+@dataclass
+class FetchRequest:
+    """An on-demand state fetch from a new owner, answered by this instance's stage loop."""
+
+    body: dict[str, Any]
+    done: threading.Event = field(default_factory=threading.Event)
+    reply: bytes = b""
+
+
+def migrate_handler(ctx_holder: list[InstanceContext]) -> grpc.GenericRpcHandler[Any, Any]:
+    """Fetch calls are queued for the stage loop, which alone touches the state."""
+
+    def fetch(request: bytes, context: grpc.ServicerContext) -> bytes:
+        ctx = ctx_holder[0] if ctx_holder else None
+        if ctx is None or not ctx.fetch_served.is_set():
+            context.abort(grpc.StatusCode.UNAVAILABLE, "this instance serves no keyed state")
+            raise AssertionError("unreachable")
+        item = FetchRequest(json.loads(request))
+        ctx.fetches.put(item)
+        if not item.done.wait(FETCH_TIMEOUT):
+            context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "fetch not served in time")
+        return item.reply
+
+    return grpc.method_handlers_generic_handler(
+        MIGRATE_SERVICE, {"Fetch": grpc.unary_unary_rpc_method_handler(fetch)}
+    )
 
 
 class Stopped(Exception):
@@ -60,8 +98,13 @@ class InstanceContext:
         self.fatal: str | None = None
         self.extra_stats: dict[str, Any] = {}
         self.state_size: Callable[[], tuple[int, int]] | None = None
+        self.group_hits: Callable[[], np.ndarray] | None = None
+        self.commands: queue.Queue[dict[str, Any]] = queue.Queue()
+        self.fetches: queue.Queue[FetchRequest] = queue.Queue()
+        self.fetch_served = threading.Event()  # set by a stage that answers fetches
         self._sampled: dict[str, float] = {}
         self._outlets: list[Outlet] = []
+        self._reports = 0
         self.metrics_address = ""
 
     # -- commands ------------------------------------------------------------------------
@@ -73,12 +116,16 @@ class InstanceContext:
                 if kind == "topology":
                     self.topology = command
                     self.topology_ready.set()
+                    self.metrics.parallelism.set(len(command["stages"][self.stage]))
+                    self.commands.put(command)
                 elif kind == "drain":
                     self.drain.set()
                 elif kind == "stop":
                     log.info("told to stop: %s", command.get("reason"))
                     self.stop.set()
                     return
+                else:
+                    self.commands.put(command)
             if not self.stop.is_set():
                 self.fatal = f"coordinator at {self.control.address} closed the command stream"
         except TransportError as exc:
@@ -100,25 +147,38 @@ class InstanceContext:
     def assignment(self) -> Assignment:
         return Assignment.from_json(self.wait_topology()["assignment"])
 
-    def connect(self, stage: str) -> list[Outlet]:
-        addresses = self.wait_topology()["stages"][stage]
-        outlets = [Outlet(address, self.name) for address in addresses]
-        self._outlets.extend(outlets)
-        self.metrics.parallelism.set(self.stage_parallelism())
-        return outlets
+    def next_command(self) -> dict[str, Any] | None:
+        try:
+            return self.commands.get_nowait()
+        except queue.Empty:
+            return None
 
-    def stage_parallelism(self) -> int:
-        return len(self.wait_topology()["stages"][self.stage])
+    def addresses(self, stage: str) -> dict[int, str]:
+        """The data addresses of a stage's current instances, by index."""
+        return {int(i): a for i, a in self.wait_topology()["stages"][stage].items()}
 
-    def upstream_count(self, stage: str) -> int:
-        return len(self.wait_topology()["stages"][stage])
+    def outlet(self, address: str) -> Outlet:
+        outlet = Outlet(address, self.name)
+        self._outlets.append(outlet)
+        return outlet
+
+    def connect(self, stage: str) -> dict[int, Outlet]:
+        return {i: self.outlet(a) for i, a in sorted(self.addresses(stage).items())}
+
+    def upstream_names(self, stage: str) -> set[str]:
+        return {f"{stage}/{i}" for i in self.addresses(stage)}
+
+    def emit(self, event: dict[str, Any]) -> None:
+        """Tell the coordinator about a protocol step (acks, migration done) right away."""
+        self.report(events=[event])
 
     # -- accounting ----------------------------------------------------------------------
 
-    def send(self, outlet: Outlet, payload: bytes) -> None:
+    def send(self, outlet: Outlet, payload: bytes, kind: bytes = BATCH) -> None:
+        """Send on `outlet`, counting the wait as backpressure; stop waiting if told to stop."""
         while True:
             try:
-                waited = outlet.send(payload, deadline=time.monotonic() + 1.0)
+                waited = outlet.send(payload, deadline=time.monotonic() + 1.0, kind=kind)
                 self.metrics.count(MetricName.BACKPRESSURED_SECONDS, waited)
                 return
             except TransportError as exc:
@@ -159,13 +219,27 @@ class InstanceContext:
             **self.extra_stats,
         }
 
-    def report(self, finished: bool = False, error: str | None = None) -> None:
-        body = {
+    def report(
+        self,
+        finished: bool = False,
+        error: str | None = None,
+        events: list[dict[str, Any]] | None = None,
+    ) -> None:
+        body: dict[str, Any] = {
             "stage": self.stage,
             "index": self.index,
             "stats": self.stats(),
             "metrics_address": self.metrics_address,
         }
+        self._reports += 1
+        if self.group_hits is not None and self._reports % GROUP_REPORT_EVERY == 0:
+            hits = self.group_hits()
+            nonzero = np.flatnonzero(hits)
+            body["group_hits"] = dict(
+                zip(map(str, nonzero.tolist()), hits[nonzero].tolist(), strict=True)
+            )
+        if events:
+            body["events"] = events
         if finished:
             body["finished"] = True
         if error:
@@ -219,8 +293,11 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 1
     inbox = Inbox()
+    holder: list[InstanceContext] = []
     try:
-        server, port = start_server(f"{args.host}:{args.port}", [inbox.handler()])
+        server, port = start_server(
+            f"{args.host}:{args.port}", [inbox.handler(), migrate_handler(holder)]
+        )
         # The spec comes from the coordinator, so every process runs the same definition.
         reply = control.call(
             "Register",
@@ -238,6 +315,7 @@ def main(argv: list[str] | None = None) -> int:
     spec = parse_job(reply["job"], origin="from the coordinator")
     inbox.open(spec.batching.credits)
     ctx = InstanceContext(spec, args.stage, args.index, control, inbox)
+    holder.append(ctx)
     try:
         metrics_port = ctx.metrics.serve(args.host, args.metrics_port)
     except OSError as exc:

@@ -1,5 +1,6 @@
-"""The keyed stage loop: apply each incoming batch to keyed state (vectorized aggregates or a
-per-record function) and send one update per changed key to the sink instance of its group.
+"""The keyed stage loop: apply incoming batches to keyed state (vectorized aggregates or a
+per-record function), send one update per changed key to the sink instance of its group, and
+take part in live migrations (`keyshift.runtime.migration`) while records keep flowing.
 
 Called by `keyshift.runtime.instance` for instances of the job's keyed stage.
 """
@@ -8,13 +9,17 @@ from __future__ import annotations
 
 import json
 import time
+from collections import Counter, deque
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
 
-from keyshift.runtime.instance import InstanceContext
+from keyshift.runtime.instance import FetchRequest, InstanceContext
 from keyshift.runtime.job import AggregateOperator, JobSpec, resolve_function
+from keyshift.runtime.keyspace import Assignment
 from keyshift.runtime.metrics import MetricName
+from keyshift.runtime.migration import MoveIn, MoveOut, ProtocolError
 from keyshift.runtime.records import (
     ARROW_TYPES,
     EVENT_TIME,
@@ -27,6 +32,9 @@ from keyshift.runtime.records import (
     split_by_owner,
 )
 from keyshift.runtime.state import KEY_COL, AggregateState, ProcessState
+from keyshift.runtime.transport import BATCH, END, FORWARD, FORWARD_DONE, MARKER, STATE
+
+IDLE_WAIT = 0.05
 
 
 def make_state(spec: JobSpec) -> AggregateState | ProcessState:
@@ -51,49 +59,223 @@ def process_output_schema(key_type: pa.DataType) -> pa.Schema:
     )
 
 
-def run(ctx: InstanceContext) -> None:
-    spec = ctx.spec
-    state = make_state(spec)
-    ctx.state_size = lambda: (state.key_count, state.bytes_estimate())
-    op = spec.keyed.operator
-    value_field = op.field if isinstance(op, AggregateOperator) else None
-    key_field = spec.keyed.key_by
-    outlets = ctx.connect(spec.sink.name)
-    sink_parallelism = len(outlets)
-    upstream = ctx.upstream_count(spec.source.name)
-    ended = 0
-    metrics = ctx.metrics
-    out_schema = process_output_schema(state.key_type)
-    while ended < upstream:
-        ctx.check()
-        t_wait = time.perf_counter()
-        delivery = ctx.inbox.get(timeout=0.1)
-        metrics.count(MetricName.IDLE_SECONDS, time.perf_counter() - t_wait)
-        if delivery is None:
-            continue
-        if delivery.payload is None:
-            ended += 1
-            continue
+class KeyedStage:
+    """One keyed instance: its state, its outputs, and its side of any migration."""
+
+    def __init__(self, ctx: InstanceContext) -> None:
+        self.ctx = ctx
+        spec = ctx.spec
+        self.spec = spec
+        self.state = make_state(spec)
+        ctx.state_size = lambda: (self.state.key_count, self.state.bytes_estimate())
+        ctx.group_hits = self.state.group_hits
+        op = spec.keyed.operator
+        self.value_field = op.field if isinstance(op, AggregateOperator) else None
+        self.key_field = spec.keyed.key_by
+        self.out_schema = process_output_schema(self.state.key_type)
+        self.sinks = ctx.connect(spec.sink.name)
+        self.sources = ctx.upstream_names(spec.source.name)
+        self.owned = Assignment.from_json(ctx.wait_topology()["assignment"]).owners == ctx.index
+        self.ended: set[str] = set()
+        self.backlog: deque[tuple[str, bytes, Any]] = deque()
+        self.move_out: MoveOut | None = None
+        self.last_out: MoveOut | None = None
+        self.move_in: MoveIn | None = None
+        self.retire = False
+        self.rescaling = False
+        ctx.fetch_served.set()
+
+    # -- records ---------------------------------------------------------------------------
+
+    def apply(self, batch: pa.RecordBatch) -> None:
+        """Apply records to state and send the updates on to the sinks."""
+        if batch.num_rows == 0:
+            return
         t0 = time.perf_counter()
-        batch = decode(delivery.payload)
-        delivery.release()
-        if isinstance(state, AggregateState):
-            out = state.apply(batch, key_field, value_field).batch
+        if isinstance(self.state, AggregateState):
+            out = self.state.apply(batch, self.key_field, self.value_field).batch
         else:
-            rows, _ = state.apply(batch, key_field)
+            rows, _ = self.state.apply(batch, self.key_field)
             for row in rows:
                 row["value"] = json.dumps(row["value"])
-            out = pa.RecordBatch.from_pylist(rows, schema=out_schema)
-        metrics.count(MetricName.RECORDS_IN, batch.num_rows)
+            out = pa.RecordBatch.from_pylist(rows, schema=self.out_schema)
+        parts = []
         if out.num_rows:
-            groups = out.column(GROUP).to_numpy()
-            owners = (groups % sink_parallelism).astype(np.int64)
-            parts = [(o, encode(p)) for o, p in split_by_owner(out, owners, sink_parallelism)]
-        else:
-            parts = []
-        metrics.count(MetricName.BUSY_SECONDS, time.perf_counter() - t0)
+            sinks = len(self.sinks)
+            owners = (out.column(GROUP).to_numpy() % sinks).astype(np.int64)
+            parts = [(o, encode(p)) for o, p in split_by_owner(out, owners, sinks)]
+        self.ctx.metrics.count(MetricName.BUSY_SECONDS, time.perf_counter() - t0)
         for owner, payload in parts:
-            ctx.send(outlets[owner], payload)
-        metrics.count(MetricName.RECORDS_OUT, out.num_rows)
-    for outlet in outlets:
-        outlet.finish()
+            self.ctx.send(self.sinks[owner], payload)
+        self.ctx.metrics.count(MetricName.RECORDS_IN, batch.num_rows)
+        self.ctx.metrics.count(MetricName.RECORDS_OUT, out.num_rows)
+
+    def records(self, batch: pa.RecordBatch, sender: str) -> None:
+        """A batch from a source: split it by what this instance does with each group."""
+        groups = batch.column(GROUP).to_numpy()
+        rest = np.ones(batch.num_rows, dtype=bool)
+        if self.move_out is not None:
+            leaving = self.move_out.leaving(groups)
+            if leaving.any():
+                self.move_out.forward(batch.filter(pa.array(leaving)), groups[leaving])
+                rest &= ~leaving
+        if self.move_in is not None:
+            pending = self.move_in.pending(groups) & rest
+            if pending.any():
+                self.move_in.receive(batch.filter(pa.array(pending)), forwarded=False)
+                rest &= ~pending
+        foreign = rest & ~self.owned[groups]
+        if foreign.any():
+            group = int(groups[np.flatnonzero(foreign)[0]])
+            raise ProtocolError(
+                f"{foreign.sum()} records of key group {group} from {sender}, which this "
+                "instance neither owns nor is receiving"
+            )
+        self.apply(batch if rest.all() else batch.filter(pa.array(rest)))
+
+    # -- control ---------------------------------------------------------------------------
+
+    def command(self, command: dict[str, Any]) -> None:
+        kind = command.get("type")
+        if kind == "migrate_in":
+            if self.move_in is not None:
+                raise ProtocolError("migrate_in while another move in is running")
+            self.move_in = MoveIn(self.ctx, self.state, command, self.apply)
+            self.owned |= self.move_in.source_of >= 0
+            self.ctx.emit({"type": "ack", "step": "migrate_in", "epoch": self.move_in.epoch})
+        elif kind == "migrate_out":
+            if self.move_out is not None:
+                raise ProtocolError("migrate_out while another move out is running")
+            move = MoveOut(self.ctx, self.state, command)
+            self.move_out = move
+            for ended in self.ended:
+                move.marker(ended, None)
+            self.owned &= move.target < 0
+            self.forward_queued(move)
+            self.ctx.emit({"type": "ack", "step": "migrate_out", "epoch": move.epoch})
+        elif kind == "retire":
+            self.retire = True
+        elif kind == "rescaling":
+            self.rescaling = bool(command["active"])
+            # Sources that ended before this instance joined never sent it their END.
+            self.ended |= set(command.get("ended", ())) & self.sources
+
+    def forward_queued(self, move: MoveOut) -> None:
+        """Re-route what already waits in the inbox: moving records leave now, the rest stay
+        queued in order (records of moving groups must not wait behind the backlog)."""
+        # Only what is queued now: released credits let senders refill the inbox meanwhile.
+        for _ in range(self.ctx.inbox.depth()):
+            delivery = self.ctx.inbox.get(timeout=0)
+            if delivery is None:
+                break
+            payload: Any = delivery.payload
+            if delivery.kind == BATCH:
+                batch = decode(payload)
+                groups = batch.column(GROUP).to_numpy()
+                leaving = move.leaving(groups)
+                if leaving.any():
+                    move.forward(batch.filter(pa.array(leaving)), groups[leaving])
+                    batch = batch.filter(pa.array(~leaving))
+                payload = batch
+            self.backlog.append((delivery.sender, delivery.kind, payload))
+            delivery.release()
+
+    def fetch(self, request: FetchRequest) -> None:
+        """A new owner's fetch, for the running move out or one that has just finished (a
+        fetch may cross the last pushed chunk on the wire)."""
+        epoch = request.body.get("epoch")
+        move = self.move_out if self.move_out is not None else self.last_out
+        if move is None or move.epoch != epoch:
+            raise ProtocolError(f"a fetch for epoch {epoch} arrived with no such move out")
+        move.fetch(request)
+
+    def finish_moves(self) -> None:
+        if self.move_out is not None and self.move_out.done():
+            move = self.move_out
+            move.close()
+            self.last_out = move
+            self.move_out = None
+            self.ctx.emit({"type": "out_done", "epoch": move.epoch, "stats": dict(move.stats)})
+        if self.move_in is not None:
+            self.move_in.handle_replies()
+            if self.move_in.done():
+                move_in = self.move_in
+                move_in.close()
+                self.move_in = None
+                self.ctx.emit(
+                    {"type": "in_done", "epoch": move_in.epoch, "stats": dict(move_in.stats)}
+                )
+        live: Counter[str] = Counter()
+        for move_stats in (m.stats for m in (self.move_out, self.move_in) if m is not None):
+            live.update(move_stats)
+        if self.move_in is not None:
+            live["records_parked_now"] = self.move_in.parked_records()
+        self.ctx.extra_stats["migration"] = dict(live)
+
+    # -- loop ------------------------------------------------------------------------------
+
+    def deliver(self, sender: str, kind: bytes, payload: Any) -> None:
+        if kind == BATCH:
+            self.records(
+                payload if isinstance(payload, pa.RecordBatch) else decode(payload), sender
+            )
+        elif kind == MARKER:
+            if self.move_out is not None:
+                self.move_out.marker(sender, payload)
+        elif kind == FORWARD:
+            if self.move_in is None:
+                raise ProtocolError(f"forwarded records from {sender} with no move in")
+            self.move_in.receive(decode(payload), forwarded=True)
+        elif kind == STATE:
+            if self.move_in is None:
+                raise ProtocolError(f"state from {sender} with no move in")
+            self.move_in.state_chunk(payload)
+        elif kind == FORWARD_DONE:
+            if self.move_in is None:
+                raise ProtocolError(f"forward-done from {sender} with no move in")
+            self.move_in.forwarding_done(sender)
+        elif kind == END and sender in self.sources:
+            self.ended.add(sender)
+            if self.move_out is not None:
+                self.move_out.marker(sender, None)
+
+    def run(self) -> None:
+        ctx = self.ctx
+        metrics = ctx.metrics
+        while not (
+            self.sources <= self.ended
+            and self.move_out is None
+            and self.move_in is None
+            and not self.rescaling
+        ):
+            ctx.check()
+            while (command := ctx.next_command()) is not None:
+                self.command(command)
+            while request := ctx.fetches.get_nowait() if not ctx.fetches.empty() else None:
+                self.fetch(request)
+            if self.move_out is not None:
+                self.move_out.flush()
+                self.move_out.push_some()
+            self.finish_moves()
+            if self.retire and self.move_out is None and self.move_in is None:
+                break
+            if self.backlog:
+                self.deliver(*self.backlog.popleft())
+                continue
+            busy_moving = self.move_out is not None and (
+                bool(self.move_out.push_order) or any(self.move_out.outbox.values())
+            )
+            t_wait = time.perf_counter()
+            delivery = ctx.inbox.get(timeout=0 if busy_moving else IDLE_WAIT)
+            metrics.count(MetricName.IDLE_SECONDS, time.perf_counter() - t_wait)
+            if delivery is None:
+                continue
+            payload = delivery.payload
+            delivery.release()
+            self.deliver(delivery.sender, delivery.kind, payload)
+        for outlet in self.sinks.values():
+            outlet.finish()
+
+
+def run(ctx: InstanceContext) -> None:
+    KeyedStage(ctx).run()

@@ -7,8 +7,11 @@ Used by every stage instance and by the transport.
 
 from __future__ import annotations
 
+import json
+import struct
 import time
 from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -76,3 +79,17 @@ def split_by_owner(
             parts.append((owner, batch.take(pa.array(order[start : start + count]))))
         start += count
     return parts
+
+
+def pack(header: dict[str, Any], batch: pa.RecordBatch | None = None) -> bytes:
+    """A JSON header and an optional batch in one message (state chunks, fetch replies)."""
+    head = json.dumps(header).encode()
+    body = encode(batch) if batch is not None else b""
+    return struct.pack("<I", len(head)) + head + body
+
+
+def unpack(message: bytes) -> tuple[dict[str, Any], pa.RecordBatch | None]:
+    (size,) = struct.unpack_from("<I", message)
+    header = json.loads(message[4 : 4 + size])
+    body = message[4 + size :]
+    return header, (decode(body) if body else None)

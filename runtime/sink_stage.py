@@ -15,6 +15,7 @@ from keyshift.runtime.job import FunctionSink, resolve_function
 from keyshift.runtime.metrics import MetricName
 from keyshift.runtime.output_log import OutputLogWriter
 from keyshift.runtime.records import GROUP, INGEST_TIME, decode, now_us
+from keyshift.runtime.transport import END
 
 FLUSH_INTERVAL = 1.0
 
@@ -28,13 +29,16 @@ def run(ctx: InstanceContext) -> None:
     else:
         function = None
         writer = OutputLogWriter(config.path, ctx.index, config.format, config.segment_records)
-    upstream = ctx.upstream_count(spec.keyed.name)
-    ctx.metrics.parallelism.set(ctx.stage_parallelism())
-    ended = 0
+    ctx.wait_topology()
+    ended: set[str] = set()
     metrics = ctx.metrics
     last_flush = time.monotonic()
-    while ended < upstream:
+    # The keyed stage's membership changes with rescales: the log is complete once every
+    # current upstream instance has ended its stream (retired ones are no longer upstream).
+    while not ctx.upstream_names(spec.keyed.name) <= ended:
         ctx.check()
+        while ctx.next_command() is not None:
+            pass  # topology updates are read through ctx.upstream_names
         t_wait = time.perf_counter()
         delivery = ctx.inbox.get(timeout=0.1)
         metrics.count(MetricName.IDLE_SECONDS, time.perf_counter() - t_wait)
@@ -43,8 +47,8 @@ def run(ctx: InstanceContext) -> None:
             last_flush = time.monotonic()
         if delivery is None:
             continue
-        if delivery.payload is None:
-            ended += 1
+        if delivery.kind == END:
+            ended.add(delivery.sender)
             continue
         t0 = time.perf_counter()
         batch = decode(delivery.payload)

@@ -6,6 +6,7 @@ Called by `keyshift.runtime.instance` for instances of the job's source stage.
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from collections.abc import Callable
@@ -17,7 +18,7 @@ import pyarrow as pa
 from keyshift.runtime.generator import KeyGenerator, Pacer, instance_total, rate_at
 from keyshift.runtime.instance import InstanceContext
 from keyshift.runtime.job import GeneratorSource, JobSpec, resolve_function
-from keyshift.runtime.keyspace import key_groups
+from keyshift.runtime.keyspace import Assignment, key_groups
 from keyshift.runtime.metrics import MetricName
 from keyshift.runtime.records import (
     EVENT_TIME,
@@ -32,6 +33,7 @@ from keyshift.runtime.records import (
     split_by_owner,
 )
 from keyshift.runtime.schema_check import check_records
+from keyshift.runtime.transport import MARKER
 
 log = logging.getLogger("keyshift.source")
 Transform = tuple[str, Callable[..., Any]]
@@ -85,6 +87,58 @@ def apply_transforms(
     )
 
 
+class Router:
+    """Sends each record to the keyed instance that owns its key group, by assignment epoch.
+
+    On a `reroute` it first sends an epoch MARKER on every keyed stream, after the last batch
+    it routed by the old epoch, then switches. Streams stay open until the source ends (their
+    END means "this source is done"), except to instances that left the topology.
+    """
+
+    def __init__(self, ctx: InstanceContext) -> None:
+        self.ctx = ctx
+        self.keyed = ctx.spec.keyed.name
+        self.outlets = ctx.connect(self.keyed)
+        self.assignment = Assignment.from_json(ctx.wait_topology()["assignment"])
+        self.paused = False
+
+    def route(self, batch: pa.RecordBatch, groups: np.ndarray) -> list[tuple[int, bytes]]:
+        owners = self.assignment.owners[groups]
+        parallelism = max(self.outlets) + 1
+        return [(o, encode(part)) for o, part in split_by_owner(batch, owners, parallelism)]
+
+    def send(self, parts: list[tuple[int, bytes]]) -> None:
+        for owner, payload in parts:
+            self.ctx.send(self.outlets[owner], payload)
+
+    def handle(self, command: dict[str, Any]) -> None:
+        kind = command.get("type")
+        if kind == "reroute":
+            self.reroute(command)
+        elif kind == "topology":
+            current = {int(i) for i in command["stages"][self.keyed]}
+            for index in [i for i in self.outlets if i not in current]:
+                self.outlets.pop(index).abort()
+        elif kind in ("pause", "resume"):
+            self.paused = kind == "pause"
+            self.ctx.emit({"type": "ack", "step": kind, "epoch": command["epoch"]})
+
+    def reroute(self, command: dict[str, Any]) -> None:
+        new = Assignment.from_json(command["assignment"])
+        marker = json.dumps({"epoch": new.epoch}).encode()
+        for outlet in self.outlets.values():
+            self.ctx.send(outlet, marker, kind=MARKER)
+        for index, address in command["keyed"].items():
+            if int(index) not in self.outlets:
+                self.outlets[int(index)] = self.ctx.outlet(address)
+        self.assignment = new
+        self.ctx.emit({"type": "ack", "step": "reroute", "epoch": new.epoch})
+
+    def finish(self) -> None:
+        for outlet in self.outlets.values():
+            outlet.finish()
+
+
 def run(ctx: InstanceContext) -> None:
     spec = ctx.spec
     config = spec.source.config
@@ -96,9 +150,7 @@ def run(ctx: InstanceContext) -> None:
         config.profile, 1.0 / parallelism, instance_total(config.total, ctx.index, parallelism)
     )
     transforms = _transforms(spec)
-    outlets = ctx.connect(spec.keyed.name)
-    owners = ctx.assignment().owners
-    keyed_parallelism = len(outlets)
+    router = Router(ctx)
     schema = record_schema({"key": "int", "value": "float"})
     max_records = spec.batching.max_records
     linger = spec.batching.linger_ms / 1000.0
@@ -108,6 +160,8 @@ def run(ctx: InstanceContext) -> None:
     last_emit = start
     while not pacer.done(seq):
         ctx.check()
+        while (command := ctx.next_command()) is not None:
+            router.handle(command)
         if ctx.drain.is_set():
             break
         now = time.monotonic()
@@ -115,6 +169,8 @@ def run(ctx: InstanceContext) -> None:
         target = rate_at(config.profile, elapsed)
         metrics.source_target_rate.set(target / parallelism if target is not None else 0)
         due = pacer.due(elapsed, seq)
+        if router.paused:
+            due = 0
         if due is None:
             n = max_records
         elif due >= max_records or (due > 0 and now - last_emit >= linger):
@@ -147,16 +203,11 @@ def run(ctx: InstanceContext) -> None:
             batch = apply_transforms(ctx, batch, transforms)
         groups = key_groups(batch.column(spec.keyed.key_by), spec.max_key_groups)
         batch = batch.set_column(batch.schema.get_field_index(GROUP), GROUP, pa.array(groups))
-        parts = [
-            (owner, encode(part))
-            for owner, part in split_by_owner(batch, owners[groups], keyed_parallelism)
-        ]
+        parts = router.route(batch, groups)
         metrics.count(MetricName.BUSY_SECONDS, time.perf_counter() - t0)
-        for owner, payload in parts:
-            ctx.send(outlets[owner], payload)
+        router.send(parts)
         metrics.count(MetricName.RECORDS_OUT, batch.num_rows)
         metrics.count(MetricName.RECORDS_IN, n)
         last_emit = now
     ctx.extra_stats["emitted"] = seq
-    for outlet in outlets:
-        outlet.finish()
+    router.finish()

@@ -42,6 +42,10 @@ class KeyedState(Protocol):
 
     def drop_groups(self, groups: Iterable[int]) -> int: ...
 
+    def drop_keys(self, keys: Sequence[Any]) -> int: ...
+
+    def group_sizes(self) -> np.ndarray: ...
+
 
 @dataclass(frozen=True)
 class Update:
@@ -268,6 +272,16 @@ class AggregateState:
         self._drop_slots(slots)
         return len(slots)
 
+    def drop_keys(self, keys: Sequence[Any]) -> int:
+        slots = self._key_slots(keys)
+        self._drop_slots(slots)
+        return len(slots)
+
+    def group_sizes(self) -> np.ndarray:
+        """Keys per key group."""
+        live = self._live_slots()
+        return np.bincount(self._group[live], minlength=self.max_key_groups)
+
     def get(self, key: Any) -> float | int | None:
         slots = self._key_slots([key])
         return self.values(slots).tolist()[0] if len(slots) else None
@@ -384,6 +398,22 @@ class ProcessState:
                 self._group_hits[g] -= self._hits.pop(k, 0)
             dropped += len(per)
         return dropped
+
+    def drop_keys(self, keys: Sequence[Any]) -> int:
+        wanted = set(keys)
+        dropped = 0
+        for g, per in self._groups.items():
+            for k in wanted & per.keys():
+                del per[k]
+                self._group_hits[g] -= self._hits.pop(k, 0)
+                dropped += 1
+        return dropped
+
+    def group_sizes(self) -> np.ndarray:
+        sizes = np.zeros(self.max_key_groups, dtype=np.int64)
+        for g, per in self._groups.items():
+            sizes[g] = len(per)
+        return sizes
 
     def get(self, key: Any) -> Any:
         for per in self._groups.values():

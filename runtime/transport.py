@@ -32,7 +32,15 @@ GRPC_OPTIONS = [
     ("grpc.so_reuseport", 0),
 ]
 DATA_SERVICE = "keyshift.Data"
-HELLO, BATCH, END, CREDIT = b"H", b"B", b"E", b"C"
+HELLO, END, CREDIT = b"H", b"E", b"C"
+# Message kinds on a data stream, each taking one credit. Ordering on one stream is what the
+# migration protocol relies on: a MARKER follows every batch its sender routed by the old epoch.
+BATCH = b"B"  # records from an upstream stage
+MARKER = b"M"  # a source switched to a new assignment epoch (JSON)
+FORWARD = b"F"  # records an old owner hands to the new owner of their key group
+STATE = b"S"  # a chunk of keyed state pushed by an old owner (Arrow IPC, JSON header first)
+FORWARD_DONE = b"D"  # the old owner will forward nothing more for this epoch (JSON)
+DATA_KINDS = frozenset((BATCH, MARKER, FORWARD, STATE, FORWARD_DONE))
 
 
 class TransportError(RuntimeError):
@@ -154,10 +162,11 @@ def _describe(exc: grpc.RpcError, address: str, method: str) -> str:
 
 @dataclass
 class Delivery:
-    """One message taken from the inbox: a batch payload, or the end of a sender's stream."""
+    """One message taken from the inbox: a kind (BATCH, MARKER, ... or END) and its body."""
 
     sender: str
-    payload: bytes | None  # None: the sender has finished
+    kind: bytes
+    payload: bytes
     _grant: Callable[[], None]
 
     def release(self) -> None:
@@ -186,7 +195,7 @@ class Inbox:
 
     def get(self, timeout: float) -> Delivery | None:
         try:
-            return self._queue.get(timeout=timeout)
+            return self._queue.get(timeout=timeout) if timeout > 0 else self._queue.get_nowait()
         except queue.Empty:
             return None
 
@@ -209,11 +218,11 @@ class Inbox:
                     kind, body = message[:1], message[1:]
                     if kind == HELLO:
                         sender["name"] = json.loads(body)["sender"]
-                    elif kind == BATCH:
-                        self._queue.put(Delivery(sender["name"], body, grant))
+                    elif kind in DATA_KINDS:
+                        self._queue.put(Delivery(sender["name"], kind, body, grant))
                     elif kind == END:
                         ended = True
-                        self._queue.put(Delivery(sender["name"], None, lambda: None))
+                        self._queue.put(Delivery(sender["name"], END, b"", lambda: None))
             except grpc.RpcError:
                 pass
             if not ended:
@@ -260,8 +269,8 @@ class Outlet:
             if error:
                 self._cv.notify_all()
 
-    def send(self, payload: bytes, deadline: float | None = None) -> float:
-        """Send one encoded batch once a credit is free; return the seconds spent waiting."""
+    def send(self, payload: bytes, deadline: float | None = None, kind: bytes = BATCH) -> float:
+        """Send one message once a credit is free; return the seconds spent waiting."""
         start = time.perf_counter()
         with self._cv:
             while self._credits == 0 and self._error is None:
@@ -271,8 +280,19 @@ class Outlet:
             if self._error is not None:
                 raise TransportError(self._error)
             self._credits -= 1
-        self._requests.put(BATCH + payload)
+        self._requests.put(kind + payload)
         return time.perf_counter() - start
+
+    def try_send(self, payload: bytes, kind: bytes = BATCH) -> bool:
+        """Send one message if a credit is free right now; never wait."""
+        with self._cv:
+            if self._error is not None:
+                raise TransportError(self._error)
+            if self._credits == 0:
+                return False
+            self._credits -= 1
+        self._requests.put(kind + payload)
+        return True
 
     def finish(self, timeout: float = 30.0) -> None:
         """Tell the receiver this sender is done, and close the stream."""

@@ -1,0 +1,376 @@
+"""Live migration of key groups between the instances of a keyed stage (both ends).
+
+`MoveOut` runs at an old owner: the moving groups are frozen (no record of theirs is applied
+here any more), records of theirs that are queued or still arrive are forwarded in order to the
+new owner, on-demand fetches are answered key by key, and the rest of their state is pushed in
+chunks, hottest groups first. `MoveIn` runs at a new owner: records of incoming groups wait,
+parked per key, until that key's state is here (pushed or fetched) and the old owner has
+forwarded everything routed to it by the old epoch; forwarded records go before direct ones.
+Keys that are not moving never wait. See `keyshift.runtime.rescale` for the coordinator's side.
+Used by `keyshift.runtime.keyed_stage`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import queue
+import time
+from collections import Counter, deque
+from collections.abc import Callable
+from functools import partial
+from typing import Any
+
+import grpc
+import numpy as np
+import pyarrow as pa
+
+from keyshift.runtime.instance import MIGRATE_SERVICE, FetchRequest, InstanceContext
+from keyshift.runtime.records import GROUP, encode, pack, unpack
+from keyshift.runtime.state import KEY_COL, AggregateState, ProcessState
+from keyshift.runtime.transport import (
+    FORWARD,
+    FORWARD_DONE,
+    GRPC_OPTIONS,
+    STATE,
+)
+
+log = logging.getLogger("keyshift.migration")
+State = AggregateState | ProcessState
+
+
+class ProtocolError(RuntimeError):
+    """A message that the migration protocol does not allow at this point."""
+
+
+def key_list(keys: pa.Array) -> list[Any]:
+    return keys.to_pylist()  # type: ignore[no-any-return]
+
+
+class MoveOut:
+    """The old owner's side of one epoch's move."""
+
+    def __init__(
+        self,
+        ctx: InstanceContext,
+        state: State,
+        command: dict[str, Any],
+    ) -> None:
+        self.ctx = ctx
+        self.state = state
+        self.stats: Counter[str] = Counter()
+        self.epoch = int(command["epoch"])
+        self.sources = int(command["sources"])
+        groups = ctx.spec.max_key_groups
+        self.target = np.full(groups, -1, dtype=np.int32)
+        for dst, moving in command["groups"].items():
+            self.target[np.asarray(moving, dtype=np.int64)] = int(dst)
+        self.outlets = {int(dst): ctx.outlet(command["peers"][dst]) for dst in command["groups"]}
+        self.outbox: dict[int, deque[tuple[bytes, bytes]]] = {d: deque() for d in self.outlets}
+        push = command.get("push", {})
+        self.chunk_keys = int(push.get("chunk_keys", 32768))
+        self.trickle = push.get("trickle_keys_per_s")
+        hits = state.group_hits()
+        moving_groups = np.flatnonzero(self.target >= 0)
+        self.push_order = list(moving_groups[np.argsort(-hits[moving_groups], kind="stable")])
+        self.sizes = state.group_sizes()
+        self.pushed = np.zeros(groups, dtype=bool)
+        self.fetched: set[Any] = set()
+        self.markers: set[str] = set()
+        self.forward_done = False
+        self.pushed_keys_budget = 0.0
+        self.last_push = time.monotonic()
+        self.stats["groups_out"] += len(moving_groups)
+
+    def leaving(self, groups: np.ndarray) -> np.ndarray:
+        """A mask of the records whose group is frozen here."""
+        result: np.ndarray = self.target[groups] >= 0
+        return result
+
+    def _send(self, dst: int, kind: bytes, payload: bytes) -> None:
+        """Queue a message for a new owner and send what credits allow. Never blocks: two
+        instances may be moving groups to each other, and blocked sends would deadlock them."""
+        self.outbox[dst].append((kind, payload))
+        self.flush()
+
+    def flush(self) -> None:
+        for dst, queued in self.outbox.items():
+            while queued and self.outlets[dst].try_send(queued[0][1], kind=queued[0][0]):
+                queued.popleft()
+
+    def forward(self, batch: pa.RecordBatch, groups: np.ndarray) -> None:
+        """Hand the records of moving groups to their new owners, in the order received."""
+        targets = self.target[groups]
+        for dst in np.unique(targets).tolist():
+            part = batch.filter(pa.array(targets == dst))
+            self._send(dst, FORWARD, encode(part))
+            self.stats["records_forwarded"] += part.num_rows
+
+    def marker(self, sender: str, body: bytes | None) -> None:
+        """A source's MARKER for this epoch, or its END (body None): either way nothing routed
+        by the old epoch can still come from it."""
+        epoch = json.loads(body)["epoch"] if body is not None else self.epoch
+        if epoch < self.epoch:
+            return
+        if epoch > self.epoch:
+            raise ProtocolError(f"marker for epoch {epoch} from {sender} during epoch {self.epoch}")
+        self.markers.add(sender)
+        if len(self.markers) >= self.sources and not self.forward_done:
+            done = json.dumps({"epoch": self.epoch}).encode()
+            for dst in self.outlets:
+                self._send(dst, FORWARD_DONE, done)
+            self.forward_done = True
+
+    def fetch(self, request: FetchRequest) -> None:
+        """Answer a new owner's fetch: the keys' state, or why there is none."""
+        keys = request.body["keys"]
+        groups = np.asarray(request.body["groups"], dtype=np.int64)
+        in_transit = [k for k, g in zip(keys, groups.tolist(), strict=True)
+                      if self.pushed[g] or k in self.fetched]  # fmt: skip
+        wanted = [k for k, g in zip(keys, groups.tolist(), strict=True)
+                  if not self.pushed[g] and k not in self.fetched]  # fmt: skip
+        snapshot = self.state.snapshot_keys(wanted)
+        found = key_list(snapshot.column(KEY_COL))
+        self.state.drop_keys(found)
+        self.fetched.update(wanted)
+        absent = sorted(set(wanted) - set(found), key=repr)
+        request.reply = pack({"in_transit": in_transit, "absent": absent}, snapshot)
+        request.done.set()
+        self.stats["fetches"] += 1
+        self.stats["keys_fetched_out"] += len(found)
+        self.stats["bytes_out"] += snapshot.nbytes
+
+    def push_some(self) -> bool:
+        """Push the next chunk of state, if any is left and the strategy's rate allows."""
+        if not self.push_order or any(self.outbox.values()):
+            return False  # one chunk in flight at a time keeps the outbox small
+        now = time.monotonic()
+        if self.trickle is not None:
+            self.pushed_keys_budget = min(
+                self.pushed_keys_budget + (now - self.last_push) * float(self.trickle),
+                float(self.chunk_keys),
+            )
+            self.last_push = now
+            if self.pushed_keys_budget < min(self.chunk_keys, 1):
+                return False
+        chunk: list[int] = []
+        keys = 0
+        limit = self.chunk_keys if self.trickle is None else max(1, int(self.pushed_keys_budget))
+        while self.push_order and (not chunk or keys + self.sizes[self.push_order[0]] <= limit):
+            group = int(self.push_order.pop(0))
+            chunk.append(group)
+            keys += int(self.sizes[group])
+        snapshot = self.state.snapshot_groups(chunk)
+        self.state.drop_groups(chunk)
+        self.pushed[chunk] = True
+        self.pushed_keys_budget -= snapshot.num_rows
+        by_dst: dict[int, list[int]] = {}
+        for group in chunk:
+            by_dst.setdefault(int(self.target[group]), []).append(group)
+        targets = snapshot.column("group").to_numpy()
+        for dst, groups in by_dst.items():
+            part = snapshot.filter(pa.array(np.isin(targets, groups)))
+            self._send(dst, STATE, pack({"groups": groups}, part))
+            self.stats["keys_out"] += part.num_rows
+            self.stats["bytes_out"] += part.nbytes
+        self.stats["groups_pushed"] += len(chunk)
+        return True
+
+    def done(self) -> bool:
+        return self.forward_done and not self.push_order and not any(self.outbox.values())
+
+    def close(self) -> None:
+        for outlet in self.outlets.values():
+            outlet.finish()
+
+
+class MoveIn:
+    """The new owner's side of one epoch's move."""
+
+    def __init__(
+        self,
+        ctx: InstanceContext,
+        state: State,
+        command: dict[str, Any],
+        apply: Callable[[pa.RecordBatch], None],
+    ) -> None:
+        self.ctx = ctx
+        self.state = state
+        self.apply = apply
+        self.stats: Counter[str] = Counter()
+        self.epoch = int(command["epoch"])
+        groups = ctx.spec.max_key_groups
+        self.source_of = np.full(groups, -1, dtype=np.int32)
+        for src, incoming in command["groups"].items():
+            self.source_of[np.asarray(incoming, dtype=np.int64)] = int(src)
+        self.complete = np.zeros(groups, dtype=bool)
+        self.old_owners = {int(src) for src in command["groups"]}
+        self.forward_done: set[int] = set()
+        self.arrived: set[Any] = set()
+        self.requested: set[Any] = set()
+        self.awaiting: set[Any] = set()  # fetched, reply not yet here
+        self.parked_forwarded: list[pa.RecordBatch] = []
+        self.parked_direct: list[pa.RecordBatch] = []
+        self.replies: queue.Queue[tuple[int, bytes | Exception]] = queue.Queue()
+        self.channels = {
+            int(src): grpc.insecure_channel(command["peers"][src], options=GRPC_OPTIONS)
+            for src in command["groups"]
+        }
+        self.key_field = ctx.spec.keyed.key_by
+        self.stats["groups_in"] += int((self.source_of >= 0).sum())
+
+    def pending(self, groups: np.ndarray) -> np.ndarray:
+        """A mask of the records whose group moves here in this epoch: until the move is done
+        they all go through `receive`, which keeps each key's records in order."""
+        result: np.ndarray = self.source_of[groups] >= 0
+        return result
+
+    def _has_state(self, batch: pa.RecordBatch, groups: np.ndarray) -> np.ndarray:
+        keys = key_list(batch.column(self.key_field))
+        known = np.fromiter(map(self.arrived.__contains__, keys), dtype=bool, count=len(keys))
+        # A fetched key's reply may come after its group's last pushed chunk: until then the
+        # key is not here, though its group is complete.
+        awaited = np.fromiter(map(self.awaiting.__contains__, keys), dtype=bool, count=len(keys))
+        result: np.ndarray = (
+            known | (self.complete[groups] & ~awaited) | (self.source_of[groups] < 0)
+        )
+        return result
+
+    def _ready(self, batch: pa.RecordBatch, forwarded: bool) -> np.ndarray:
+        groups = batch.column(GROUP).to_numpy()
+        ready = self._has_state(batch, groups)
+        if not forwarded:
+            done = np.fromiter(
+                (o in self.forward_done for o in self.source_of[groups].tolist()),
+                dtype=bool,
+                count=len(groups),
+            )
+            ready &= done | (self.source_of[groups] < 0)
+        return ready
+
+    def receive(self, batch: pa.RecordBatch, forwarded: bool) -> None:
+        """Records of incoming groups: apply the ready ones, park the rest per key."""
+        parked = self.parked_forwarded if forwarded else self.parked_direct
+        ready = self._ready(batch, forwarded) & ~self._mask(batch, self._blocking(forwarded))
+        if ready.all():
+            self.apply(batch)
+            return
+        if ready.any():
+            self.apply(batch.filter(pa.array(ready)))
+        waiting = batch.filter(pa.array(~ready))
+        parked.append(waiting)
+        self.stats["records_parked"] += waiting.num_rows
+        self._request(waiting)
+
+    def _blocking(self, forwarded: bool) -> set[Any]:
+        """Keys whose newer records must wait: they have parked records (and a direct record
+        also waits behind its key's parked forwarded ones)."""
+        keys = self._parked_keys(self.parked_forwarded)
+        return keys if forwarded else keys | self._parked_keys(self.parked_direct)
+
+    def _mask(self, batch: pa.RecordBatch, keys: set[Any]) -> np.ndarray:
+        if not keys:
+            return np.zeros(batch.num_rows, dtype=bool)
+        column = key_list(batch.column(self.key_field))
+        return np.fromiter(map(keys.__contains__, column), dtype=bool, count=len(column))
+
+    def _parked_keys(self, parked: list[pa.RecordBatch]) -> set[Any]:
+        return {k for b in parked for k in key_list(b.column(self.key_field))}
+
+    def _request(self, waiting: pa.RecordBatch) -> None:
+        groups = waiting.column(GROUP).to_numpy()
+        keys = key_list(waiting.column(self.key_field))
+        has = self._has_state(waiting, groups)
+        by_owner: dict[int, dict[Any, int]] = {}
+        for key, group, present in zip(keys, groups.tolist(), has.tolist(), strict=True):
+            if present or key in self.requested:
+                continue
+            self.requested.add(key)
+            self.awaiting.add(key)
+            by_owner.setdefault(int(self.source_of[group]), {})[key] = group
+        for owner, wanted in by_owner.items():
+            body = {"epoch": self.epoch, "keys": list(wanted), "groups": list(wanted.values())}
+            call = self.channels[owner].unary_unary(f"/{MIGRATE_SERVICE}/Fetch", None, None)
+            future = call.future(json.dumps(body).encode(), timeout=30.0)
+            future.add_done_callback(partial(self._fetched, owner))
+            self.stats["fetch_requests"] += 1
+
+    def _fetched(self, owner: int, future: Any) -> None:
+        try:
+            self.replies.put((owner, future.result()))
+        except grpc.RpcError as exc:
+            self.replies.put((owner, exc))
+
+    def handle_replies(self) -> None:
+        changed = False
+        while True:
+            try:
+                owner, reply = self.replies.get_nowait()
+            except queue.Empty:
+                break
+            if isinstance(reply, Exception):
+                raise ProtocolError(
+                    f"fetch from {self.ctx.spec.keyed.name}/{owner} failed: {reply}"
+                )
+            header, snapshot = unpack(reply)
+            got: list[Any] = []
+            if snapshot is not None and snapshot.num_rows:
+                self.state.restore(snapshot)
+                got = key_list(snapshot.column(KEY_COL))
+                self.stats["keys_fetched"] += snapshot.num_rows
+                self.stats["bytes_in"] += snapshot.nbytes
+            self.arrived.update(got, header["absent"])
+            # Keys already pushed come with their group's chunk, which completes the group.
+            self.awaiting.difference_update(got, header["absent"], header["in_transit"])
+            changed = True
+        if changed:
+            self.release()
+
+    def state_chunk(self, body: bytes) -> None:
+        header, snapshot = unpack(body)
+        if snapshot is not None and snapshot.num_rows:
+            self.state.restore(snapshot)
+            self.arrived.update(key_list(snapshot.column(KEY_COL)))
+            self.stats["keys_in"] += snapshot.num_rows
+            self.stats["bytes_in"] += snapshot.nbytes
+        self.complete[np.asarray(header["groups"], dtype=np.int64)] = True
+        self.release()
+
+    def forwarding_done(self, sender: str) -> None:
+        self.forward_done.add(int(sender.rsplit("/", 1)[1]))
+        self.release()
+
+    def release(self) -> None:
+        """Apply parked records whose keys are now ready: forwarded ones first, in order."""
+        for forwarded in (True, False):
+            parked = self.parked_forwarded if forwarded else self.parked_direct
+            # Once one record of a key stays parked, its later records stay too; direct
+            # records also stay behind their key's forwarded records.
+            stuck = set() if forwarded else self._parked_keys(self.parked_forwarded)
+            keep: list[pa.RecordBatch] = []
+            for batch in parked:
+                ready = self._ready(batch, forwarded) & ~self._mask(batch, stuck)
+                if ready.any():
+                    self.apply(batch.filter(pa.array(ready)))
+                if not ready.all():
+                    waiting = batch.filter(pa.array(~ready))
+                    keep.append(waiting)
+                    stuck |= set(key_list(waiting.column(self.key_field)))
+            parked[:] = keep
+
+    def parked_records(self) -> int:
+        return sum(b.num_rows for b in self.parked_forwarded + self.parked_direct)
+
+    def done(self) -> bool:
+        incoming = self.source_of >= 0
+        return (
+            bool(self.complete[incoming].all())
+            and not self.awaiting
+            and self.forward_done >= self.old_owners
+            and not self.parked_forwarded
+            and not self.parked_direct
+        )
+
+    def close(self) -> None:
+        for channel in self.channels.values():
+            channel.close()

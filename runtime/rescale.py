@@ -1,0 +1,305 @@
+"""The rescale protocol, driven by the coordinator: one rescale of a keyed stage at a time.
+
+A rescale is a small explicit protocol with named phases. For each step (the whole move, or each
+batch of groups for `batched`) the coordinator:
+
+1. PREPARING: tells each new owner which groups it will receive and from whom (`migrate_in`);
+   it parks records of those groups until their state arrives.
+2. FREEZING: tells each old owner which groups leave and to whom (`migrate_out`); from then on
+   it stops applying records of those groups, forwards them in order to the new owner, answers
+   on-demand fetches, and pushes the rest of their state, hottest groups first.
+3. REROUTING: tells every source the new assignment (`reroute`); each sends an epoch MARKER on
+   its data streams, so an old owner knows when nothing routed by the old epoch can still come.
+4. MOVING: waits until every old owner reports `out_done` (all forwarded and pushed) and every
+   new owner `in_done` (all state in, nothing parked).
+
+`all-at-once` pauses the sources before the first step and resumes them after the last;
+`lazy` pushes state at a slow trickle so nearly everything moves by on-demand fetches. A
+scale-out starts the new instances first (the host sees the desired parallelism in the status);
+a scale-in moves state away first and then retires the highest indexes.
+Used by `keyshift.runtime.coordinator`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+
+from keyshift.runtime.assignment_planner import moves, plan
+from keyshift.runtime.keyspace import Assignment
+
+log = logging.getLogger("keyshift.rescale")
+
+STRATEGIES = ("hot-first", "all-at-once", "batched", "lazy")
+DEFAULT_OPTIONS: dict[str, dict[str, float]] = {
+    "hot-first": {"chunk_keys": 32768},
+    "all-at-once": {"chunk_keys": 65536},
+    "batched": {"chunk_keys": 32768, "batch_groups": 256},
+    "lazy": {"chunk_keys": 4096, "trickle_keys_per_s": 20000},
+}
+PUSH_OPTIONS = ("chunk_keys", "trickle_keys_per_s")
+PUSH_OPTIONS = ("chunk_keys", "trickle_keys_per_s")
+STEP_TIMEOUT = 30.0
+MOVE_TIMEOUT = 600.0
+
+
+class RescaleError(Exception):
+    """A rescale that cannot start or could not finish; the message says why."""
+
+
+class RescaleHost(Protocol):
+    """What the driver needs from the coordinator (implemented by Coordinator)."""
+
+    def keyed_addresses(self) -> dict[int, str]: ...
+
+    def source_count(self) -> int: ...
+
+    def finished_sources(self) -> set[int]: ...
+
+    def send(self, stage: str, index: int, command: dict[str, Any]) -> None: ...
+
+    def set_desired(self, parallelism: int) -> None: ...
+
+    def commit(self, assignment: Assignment) -> None: ...
+
+    def retire(self, indexes: list[int]) -> None: ...
+
+    def wait_for(
+        self, predicate: Callable[[list[dict[str, Any]]], bool], timeout: float, what: str
+    ) -> None: ...
+
+    def events(self) -> list[dict[str, Any]]: ...
+
+    def broadcast_keyed(self, command: dict[str, Any]) -> None: ...
+
+
+@dataclass
+class RescaleStatus:
+    id: int
+    stage: str
+    from_parallelism: int
+    to_parallelism: int
+    strategy: str
+    options: dict[str, float]
+    phase: str = "requested"
+    started: float = field(default_factory=time.time)
+    finished: float | None = None
+    error: str | None = None
+    epoch: int | None = None
+    groups_to_move: int = 0
+    groups_moved: int = 0
+    steps: int = 0
+    progress: dict[str, float] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "stage": self.stage,
+            "from": self.from_parallelism,
+            "to": self.to_parallelism,
+            "strategy": self.strategy,
+            "options": self.options,
+            "phase": self.phase,
+            "started": self.started,
+            "finished": self.finished,
+            "duration": (self.finished or time.time()) - self.started,
+            "error": self.error,
+            "epoch": self.epoch,
+            "groups_to_move": self.groups_to_move,
+            "groups_moved": self.groups_moved,
+            "steps": self.steps,
+            "progress": self.progress,
+        }
+
+
+def options_for(strategy: str, given: dict[str, Any] | None) -> dict[str, float]:
+    """The strategy's options with defaults; unknown or non-positive options are errors."""
+    if strategy not in STRATEGIES:
+        raise RescaleError(f"unknown strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}")
+    options = dict(DEFAULT_OPTIONS[strategy])
+    for name, value in (given or {}).items():
+        if name not in options:
+            raise RescaleError(
+                f"option {name!r} does not apply to {strategy}; it takes {sorted(options)}"
+            )
+        if not isinstance(value, int | float) or isinstance(value, bool) or value <= 0:
+            raise RescaleError(f"option {name!r} must be a positive number, got {value!r}")
+        options[name] = float(value)
+    return options
+
+
+def _acked(step: str, epoch: int, expected: set[tuple[str, int]]) -> Callable[..., bool]:
+    def check(events: list[dict[str, Any]]) -> bool:
+        got = {
+            (e["stage"], e["index"])
+            for e in events
+            if e.get("type") == "ack" and e.get("step") == step and e.get("epoch") == epoch
+        }
+        return expected <= got
+
+    return check
+
+
+def _reported(kind: str, epoch: int, expected: set[int]) -> Callable[..., bool]:
+    def check(events: list[dict[str, Any]]) -> bool:
+        got = {e["index"] for e in events if e.get("type") == kind and e.get("epoch") == epoch}
+        return expected <= got
+
+    return check
+
+
+class RescaleDriver:
+    """Runs one rescale to completion (or failure) on the coordinator's behalf."""
+
+    def __init__(
+        self,
+        host: RescaleHost,
+        status: RescaleStatus,
+        keyed_stage: str,
+        source_stage: str,
+        current: Assignment,
+        group_load: np.ndarray,
+    ) -> None:
+        self.host = host
+        self.status = status
+        self.keyed = keyed_stage
+        self.source = source_stage
+        self.current = current
+        self.group_load = group_load
+
+    def run(self) -> None:
+        status = self.status
+        # Keyed instances stay up while a rescale runs, even once every source has ended.
+        self.host.broadcast_keyed({"type": "rescaling", "active": True})
+        try:
+            self._run()
+            status.phase = "done"
+        except RescaleError as exc:
+            status.phase = "failed"
+            status.error = str(exc)
+            log.error("rescale %d failed: %s", status.id, exc)
+        finally:
+            status.finished = time.time()
+            ended = [f"{self.source}/{i}" for i in sorted(self.host.finished_sources())]
+            self.host.broadcast_keyed({"type": "rescaling", "active": False, "ended": ended})
+
+    def _phase(self, phase: str) -> None:
+        self.status.phase = phase
+        log.info("rescale %d: %s", self.status.id, phase)
+
+    def _run(self) -> None:
+        status = self.status
+        old_p, new_p = status.from_parallelism, status.to_parallelism
+        if new_p > old_p:
+            self._phase("starting-instances")
+            self.host.set_desired(new_p)
+            self.host.wait_for(
+                lambda _events: len(self.host.keyed_addresses()) >= new_p,
+                STEP_TIMEOUT,
+                f"new instances {self.keyed}/{old_p}..{new_p - 1} to register",
+            )
+        target = plan(self.current.owners, new_p, self.group_load)
+        moving = np.flatnonzero(target != self.current.owners)
+        status.groups_to_move = len(moving)
+        # Hot groups first: each step, and each old owner's push, go in order of load.
+        moving = moving[np.argsort(-self.group_load[moving], kind="stable")]
+        if status.strategy == "batched":
+            size = int(status.options["batch_groups"])
+            steps = [moving[i : i + size] for i in range(0, len(moving), size)] or [moving]
+        else:
+            steps = [moving]
+        paused = status.strategy == "all-at-once"
+        if paused:
+            self._broadcast_sources({"type": "pause"}, "pause", self.current.epoch)
+        try:
+            for groups in steps:
+                owners = self.current.owners.copy()
+                owners[groups] = target[groups]
+                self._step(Assignment(self.current.epoch + 1, owners))
+        finally:
+            if paused:
+                self._phase("resuming")
+                self._broadcast_sources({"type": "resume"}, "resume", self.current.epoch)
+        if new_p < old_p:
+            self._phase("retiring")
+            self.host.retire(list(range(new_p, old_p)))
+            self.host.set_desired(new_p)
+
+    def _broadcast_sources(self, command: dict[str, Any], step: str, epoch: int) -> None:
+        """Send a command to the sources and wait for their acks; a source that has ended
+        sends nothing more, so it needs no command (its END also ends the old epoch)."""
+        expected = {(self.source, i) for i in range(self.host.source_count())}
+        for _, index in expected:
+            self.host.send(self.source, index, {**command, "epoch": epoch})
+        acked = _acked(step, epoch, expected)
+
+        def done(events: list[dict[str, Any]]) -> bool:
+            ended = {(self.source, i) for i in self.host.finished_sources()}
+            return _acked(step, epoch, expected - ended)(events) or acked(events)
+
+        self.host.wait_for(done, STEP_TIMEOUT, f"sources to {step}")
+
+    def _step(self, new: Assignment) -> None:
+        status = self.status
+        epoch = new.epoch
+        status.epoch = epoch
+        status.steps += 1
+        pairs = moves(self.current.owners, new.owners)
+        addresses = self.host.keyed_addresses()
+        incoming: dict[int, dict[int, list[int]]] = {}
+        outgoing: dict[int, dict[int, list[int]]] = {}
+        for (src, dst), groups in pairs.items():
+            incoming.setdefault(dst, {})[src] = groups.tolist()
+            outgoing.setdefault(src, {})[dst] = groups.tolist()
+        peers = {str(i): a for i, a in addresses.items()}
+        self._phase("preparing")
+        for dst, by_src in incoming.items():
+            groups_in = {str(k): v for k, v in by_src.items()}
+            command = {"type": "migrate_in", "epoch": epoch, "groups": groups_in, "peers": peers}
+            self.host.send(self.keyed, dst, command)
+        self.host.wait_for(
+            _acked("migrate_in", epoch, {(self.keyed, d) for d in incoming}),
+            STEP_TIMEOUT,
+            "new owners to prepare",
+        )
+        self._phase("freezing")
+        push = {k: v for k, v in status.options.items() if k in PUSH_OPTIONS}
+        for src, by_dst in outgoing.items():
+            command = {
+                "type": "migrate_out",
+                "epoch": epoch,
+                "groups": {str(k): v for k, v in by_dst.items()},
+                "peers": peers,
+                "sources": self.host.source_count(),
+                "push": push,
+            }
+            self.host.send(self.keyed, src, command)
+        self.host.wait_for(
+            _acked("migrate_out", epoch, {(self.keyed, s) for s in outgoing}),
+            STEP_TIMEOUT,
+            "old owners to freeze the moving groups",
+        )
+        self._phase("rerouting")
+        reroute = {
+            "type": "reroute",
+            "assignment": new.to_json(),
+            "keyed": {str(i): a for i, a in addresses.items()},
+        }
+        self._broadcast_sources(reroute, "reroute", epoch)
+        self._phase("moving")
+        self.host.wait_for(
+            lambda events: (
+                _reported("out_done", epoch, set(outgoing))(events)
+                and _reported("in_done", epoch, set(incoming))(events)
+            ),
+            MOVE_TIMEOUT,
+            "state to move",
+        )
+        self.current = new
+        self.host.commit(new)
+        status.groups_moved += sum(len(g) for g in pairs.values())
