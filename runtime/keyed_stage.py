@@ -32,7 +32,7 @@ from keyshift.runtime.records import (
     split_by_owner,
 )
 from keyshift.runtime.state import KEY_COL, AggregateState, ProcessState
-from keyshift.runtime.transport import BATCH, END, FORWARD, FORWARD_DONE, MARKER, STATE
+from keyshift.runtime.transport import BATCH, END, FORWARD, FORWARD_DONE, LEAVE, MARKER, STATE
 
 IDLE_WAIT = 0.05
 
@@ -274,7 +274,7 @@ class KeyedStage:
             delivery.release()
             self.deliver(delivery.sender, delivery.kind, payload)
         for outlet in self.sinks.values():
-            outlet.finish()
+            outlet.finish(kind=LEAVE if self.retire else END)
 
 
 def run(ctx: InstanceContext) -> None:

@@ -32,6 +32,7 @@ from keyshift.runtime.transport import (
     FORWARD,
     FORWARD_DONE,
     GRPC_OPTIONS,
+    LEAVE,
     STATE,
 )
 
@@ -181,7 +182,7 @@ class MoveOut:
 
     def close(self) -> None:
         for outlet in self.outlets.values():
-            outlet.finish()
+            outlet.finish(kind=LEAVE)
 
 
 class MoveIn:

@@ -15,7 +15,7 @@ from keyshift.runtime.job import FunctionSink, resolve_function
 from keyshift.runtime.metrics import MetricName
 from keyshift.runtime.output_log import OutputLogWriter
 from keyshift.runtime.records import GROUP, INGEST_TIME, decode, now_us
-from keyshift.runtime.transport import END
+from keyshift.runtime.transport import END, LEAVE
 
 FLUSH_INTERVAL = 1.0
 
@@ -50,6 +50,8 @@ def run(ctx: InstanceContext) -> None:
         if delivery.kind == END:
             ended.add(delivery.sender)
             continue
+        if delivery.kind == LEAVE:
+            continue  # a retired keyed instance closed its stream; its data is all here
         t0 = time.perf_counter()
         batch = decode(delivery.payload)
         delivery.release()

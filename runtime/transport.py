@@ -32,7 +32,7 @@ GRPC_OPTIONS = [
     ("grpc.so_reuseport", 0),
 ]
 DATA_SERVICE = "keyshift.Data"
-HELLO, END, CREDIT = b"H", b"E", b"C"
+HELLO, END, LEAVE, CREDIT = b"H", b"E", b"L", b"C"
 # Message kinds on a data stream, each taking one credit. Ordering on one stream is what the
 # migration protocol relies on: a MARKER follows every batch its sender routed by the old epoch.
 BATCH = b"B"  # records from an upstream stage
@@ -220,9 +220,9 @@ class Inbox:
                         sender["name"] = json.loads(body)["sender"]
                     elif kind in DATA_KINDS:
                         self._queue.put(Delivery(sender["name"], kind, body, grant))
-                    elif kind == END:
+                    elif kind in (END, LEAVE):
                         ended = True
-                        self._queue.put(Delivery(sender["name"], END, b"", lambda: None))
+                        self._queue.put(Delivery(sender["name"], kind, b"", lambda: None))
             except grpc.RpcError:
                 pass
             if not ended:
@@ -294,10 +294,12 @@ class Outlet:
         self._requests.put(kind + payload)
         return True
 
-    def finish(self, timeout: float = 30.0) -> None:
-        """Tell the receiver this sender is done, and close the stream."""
+    def finish(self, timeout: float = 30.0, kind: bytes = END) -> None:
+        """Close the stream once everything queued is delivered. END tells the receiver this
+        sender's data is complete; LEAVE only that this stream closes (a retired instance, a
+        finished migration), so a later instance under the same name may send more."""
         self._closed = True
-        self._requests.put(END)
+        self._requests.put(kind)
         self._requests.put(None)
         self._reader.join(timeout)
         self._channel.close()
