@@ -56,7 +56,9 @@ def measure_pipeline(batch: int, warmup: float, window: float) -> dict[str, floa
         with LocalJob(parse_job(spec_data), path, log_dir=Path(tmp) / "logs") as local:
             local.start()
             deadline = time.monotonic() + 60
-            while not snapshot(local)["counts"].get("records_in"):
+            while local.status()["phase"] != "running" or not snapshot(local)["counts"].get(
+                "records_in"
+            ):
                 if time.monotonic() > deadline:
                     raise RuntimeError("no records reached the keyed instance within 60 s")
                 time.sleep(0.2)

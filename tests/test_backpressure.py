@@ -30,8 +30,8 @@ def test_slow_sink_backpressures_with_bounded_memory(tmp_path: Path) -> None:
         procs = [psutil.Process(c.pid) for c in local.instances.values()]
 
         def source_stats() -> dict[str, float]:
-            stage = local.status()["stages"][0]
-            return dict(stage["instances"][0]["stats"])
+            instances = local.status()["stages"][0]["instances"]
+            return dict(instances[0]["stats"]) if instances else {}
 
         wait_for(lambda: source_stats().get("records_out", 0) > 0, 30, "the source to start")
         start_stats, start = source_stats(), time.monotonic()

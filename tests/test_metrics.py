@@ -38,7 +38,9 @@ def test_every_instance_exports_its_metrics(tmp_path: Path) -> None:
         def all_flowing() -> dict[str, object] | None:
             status = local.status()
             instances = [i for s in status["stages"] for i in s["instances"]]
-            ready = all(i["stats"].get("records_in", 0) > 0 and i["metrics"] for i in instances)
+            ready = status["phase"] == "running" and all(
+                i["stats"].get("records_in", 0) > 0 and i["metrics"] for i in instances
+            )
             return status if ready else None
 
         status = wait_for(all_flowing, 30, "records to reach every instance")
