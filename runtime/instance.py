@@ -18,6 +18,7 @@ import signal
 import sys
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -216,7 +217,7 @@ class InstanceContext:
             "invalid": m.invalid_total,
             "latency_buckets": m.latency.bucket_counts(),
             "time": time.time(),
-            **self.extra_stats,
+            **{k: list(v) if isinstance(v, deque) else v for k, v in self.extra_stats.items()},
         }
 
     def report(

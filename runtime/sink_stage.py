@@ -7,6 +7,7 @@ Called by `keyshift.runtime.instance` for instances of the job's sink stage.
 from __future__ import annotations
 
 import time
+from collections import deque
 
 import numpy as np
 
@@ -18,6 +19,7 @@ from keyshift.runtime.records import GROUP, INGEST_TIME, decode, now_us
 from keyshift.runtime.transport import END, LEAVE
 
 FLUSH_INTERVAL = 1.0
+RECENT_SAMPLES = 256
 
 
 def run(ctx: InstanceContext) -> None:
@@ -31,6 +33,8 @@ def run(ctx: InstanceContext) -> None:
         writer = OutputLogWriter(config.path, ctx.index, config.format, config.segment_records)
     ctx.wait_topology()
     ended: set[str] = set()
+    recent: deque[tuple[float, float]] = deque(maxlen=RECENT_SAMPLES)
+    ctx.extra_stats["latency_recent"] = recent
     metrics = ctx.metrics
     last_flush = time.monotonic()
     # The keyed stage's membership changes with rescales: the log is complete once every
@@ -62,9 +66,12 @@ def run(ctx: InstanceContext) -> None:
             assert writer is not None
             writer.append(batch)
             ctx.extra_stats["output_offset"] = writer.end_offset
-        latency = (now_us() - batch.column(INGEST_TIME).to_numpy()) / 1e6
+        emitted = now_us()
+        latency = np.maximum((emitted - batch.column(INGEST_TIME).to_numpy()) / 1e6, 0.0)
         weights = batch.column("n").to_numpy() if "n" in batch.schema.names else None
-        metrics.latency.observe_many(np.maximum(latency, 0.0), weights)
+        metrics.latency.observe_many(latency, weights)
+        # Recent per-batch worst latencies, for latency-over-time views (benchmarks, reports).
+        recent.append((emitted / 1e6, float(latency.max()) if len(latency) else 0.0))
         metrics.count(MetricName.RECORDS_IN, batch.num_rows)
         metrics.count(MetricName.BUSY_SECONDS, time.perf_counter() - t0)
     if writer is not None:
