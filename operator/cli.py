@@ -154,7 +154,7 @@ def cmd_rescale(args: argparse.Namespace, console: Console) -> int:
             return 1
         done = next((r for r in status["rescales"] if r["id"] == started["id"]), None)
         if done is not None:
-            console.print(describe_rescale(done), highlight=False)
+            console.print(describe_rescale(done), highlight=False, soft_wrap=True)
             return 0 if done["phase"] == "done" else 1
         time.sleep(0.2)
     console.print(f"[bold red]error:[/] rescale not finished after {args.timeout:.0f} s")
@@ -214,12 +214,17 @@ def cmd_run(args: argparse.Namespace, console: Console) -> int:
                     )
             finally:
                 registered.unlink(missing_ok=True)
+    except RegistryError as exc:
+        console.print(f"[bold red]error:[/] {exc}", highlight=False)
+        return 2
     except RunError as exc:
         console.print(f"[bold red]error:[/] {exc}", highlight=False)
         return 1
     console.print(
         final_report(result.status, view.tracker, time.monotonic() - started), highlight=False
     )
+    for rescale in result.status.get("rescales", []):
+        console.print("  " + describe_rescale(rescale), highlight=False, soft_wrap=True)
     if result.interrupted:
         console.print("stopped by Ctrl-C; the job drained cleanly", highlight=False)
     return 0

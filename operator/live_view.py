@@ -113,7 +113,8 @@ def render_table(status: dict[str, Any], tracker: RateTracker) -> Table:
     p50, p99 = tracker.latency()
     table = Table(
         title=f"keyshift job {status['job']} — {status['phase']} — {status['uptime']:.0f} s — "
-        f"latency p50 {_ms(p50)} p99 {_ms(p99)}"
+        f"latency p50 {_ms(p50)} p99 {_ms(p99)}",
+        caption=rescale_note(status) or None,
     )
     for column in (
         "stage",
@@ -135,9 +136,22 @@ def render_table(status: dict[str, Any], tracker: RateTracker) -> Table:
     return table
 
 
+def rescale_note(status: dict[str, Any]) -> str:
+    """A running rescale, or the last one, in a few words."""
+    rescale = status.get("rescale") or (status.get("rescales") or [None])[-1]
+    if not rescale:
+        return ""
+    return (
+        f"rescale {rescale['id']} {rescale['stage']} {rescale['from']}->{rescale['to']} "
+        f"({rescale['strategy']}): {rescale['phase']}"
+    )
+
+
 def plain_line(status: dict[str, Any], tracker: RateTracker) -> str:
     p50, p99 = tracker.latency()
     parts = [f"[{status['uptime']:6.1f}s {status['phase']}]"]
+    if status.get("rescale"):
+        parts.append(rescale_note(status))
     for s in tracker.stages():
         parts.append(
             f"{s.name}x{s.parallelism} in {_rate(s.rate_in)} busy {s.busy:.0%} q {s.queue}"

@@ -114,3 +114,9 @@ def count_job(**overrides: Any) -> dict[str, Any]:
         else:
             job[key] = value
     return job
+
+
+@pytest.fixture(autouse=True)
+def _job_registry(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each test records its running jobs in its own registry (keyshift.operator.job_registry)."""
+    monkeypatch.setenv("KEYSHIFT_HOME", str(tmp_path / "keyshift-home"))

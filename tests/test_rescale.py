@@ -210,3 +210,33 @@ def test_bad_rescale_requests_are_refused_and_change_nothing(tmp_path: Path) -> 
         with pytest.raises(TransportError, match="one rescale at a time"):
             client.call("Rescale", {"stage": "track", "parallelism": 1})
         client.close()
+
+
+def test_new_owner_dying_mid_move_fails_the_rescale_naming_it(tmp_path: Path) -> None:
+    """Without checkpoints a dead instance's state is gone, so the job stops (see the README);
+    what must hold is a clear, named failure and no hang."""
+    source = {"kind": "generator", "keys": 50_000, "seed": 2, "profile": {"rate": 20_000}}
+    with running_job(tmp_path, tracked_job(tmp_path / "out", source, 1)) as local:
+        client = JsonClient(local.address, SERVICE)
+        wait_for(lambda: local.status()["phase"] == "running", 30, "the job to run")
+        wait_for(lambda: sum_out(local) > 20_000, 30, "records to flow")
+        # lazy moves state slowly, so the move is still running when the new owner dies.
+        client.call("Rescale", {"stage": "track", "parallelism": 2, "strategy": "lazy",
+                                "options": {"trickle_keys_per_s": 100}})  # fmt: skip
+
+        def moving() -> bool:
+            status = local.status()
+            local.ensure_instances(status)
+            return bool(status["rescale"]) and status["rescale"]["phase"] == "moving"
+
+        wait_for(moving, 60, "the rescale to start moving state")
+        victim = local.instances["track/1"]
+        victim.process.kill()
+        status = wait_for(
+            lambda: (s := local.status())["rescales"] and s, 30, "the rescale to fail"
+        )
+        (result,) = status["rescales"]
+        assert result["phase"] == "failed"
+        assert "track/1" in result["error"] and "was lost" in result["error"]
+        assert any("track/1" in e for e in status["errors"])
+        client.close()

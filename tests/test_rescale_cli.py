@@ -1,0 +1,60 @@
+"""`keyshift rescale` and `keyshift status` against a job started with `keyshift run`."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+from pathlib import Path
+
+from tests.conftest import KEYSHIFT, REPO, children_of, cli, count_job, wait_for, write_job
+
+
+def keyshift(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [KEYSHIFT, *args], cwd=REPO, capture_output=True, text=True, timeout=120, check=False
+    )
+
+
+def test_rescale_a_running_job_by_name(tmp_path: Path) -> None:
+    job = count_job(
+        name="clicks-cli",
+        source={"config": {"kind": "generator", "keys": 5000, "profile": {"rate": 10_000}}},
+        keyed={"name": "counts", "parallelism": 1},
+        sink={"config": {"kind": "log", "path": str(tmp_path / "out")}},
+    )
+    with cli(["run", str(write_job(tmp_path, job)), "--no-view"]) as run:
+        wait_for(lambda: len(children_of(run.pid)) == 4, 30, "the job's processes")
+        wait_for(
+            lambda: (
+                json.loads(keyshift("status", "clicks-cli").stdout or "{}").get("phase")
+                == "running"
+            ),
+            30,
+            "the job to run",
+        )
+        out = keyshift("rescale", "clicks-cli", "counts", "3")
+        assert out.returncode == 0, out.stdout + out.stderr
+        assert "1->3 (hot-first): done" in out.stdout
+        status = json.loads(keyshift("status", "clicks-cli").stdout)
+        assert status["stages"][1]["parallelism"] == 3
+        out = keyshift("rescale", "clicks-cli", "counts", "2", "--strategy", "batched",
+                       "--option", "batch_groups=500")  # fmt: skip
+        assert out.returncode == 0, out.stdout + out.stderr
+        assert "3->2 (batched): done" in out.stdout
+        os.kill(run.pid, signal.SIGINT)
+        output, _ = run.communicate(timeout=60)
+    assert run.returncode == 0, output
+    assert "rescale 1 of counts 1->3" in output and "rescale 2 of counts 3->2" in output
+
+
+def test_rescale_errors_are_clear(tmp_path: Path) -> None:
+    out = keyshift("rescale", "no-such-job", "counts", "2")
+    assert out.returncode == 2 and "no running job named 'no-such-job'" in out.stdout
+    out = keyshift("rescale", "x", "counts", "2", "--option", "batch_groups")
+    assert out.returncode == 2 and "NAME=NUMBER" in out.stdout
+    out = keyshift("rescale", "x", "counts", "2", "--strategy", "teleport")
+    assert out.returncode == 2 and "invalid choice" in out.stderr
+    out = keyshift("status", "127.0.0.1:1")
+    assert out.returncode == 1 and "unreachable" in out.stdout
