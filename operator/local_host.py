@@ -26,6 +26,7 @@ from keyshift.runtime.transport import JsonClient, TransportError
 
 COORDINATOR_SERVICE = "keyshift.Coordinator"
 STATUS_INTERVAL = 0.5
+LOST_GRACE = 3.0
 
 
 class RunError(RuntimeError):
@@ -65,6 +66,7 @@ class LocalJob:
         self.client: JsonClient | None = None
         self.address = ""
         self.coordinator_metrics_port = 0
+        self._dead_since: dict[str, float] = {}
 
     def __enter__(self) -> LocalJob:
         return self
@@ -138,12 +140,18 @@ class LocalJob:
         if self.client is not None:
             self.client.call("Drain", timeout=5.0)
 
-    def check_children(self, expect_exit: bool) -> None:
-        """Raise RunError if a child died unexpectedly (any exit while running, non-zero ever)."""
+    def check_children(self, expect_exit: bool, let_go: frozenset[str] = frozenset()) -> None:
+        """Raise RunError if a child died unexpectedly (any exit while running, non-zero ever),
+        unless the coordinator has let it go (lost mid-rescale and recovered from). A child
+        that just died gets a moment for the coordinator to say so."""
         for child in self.children():
             code = child.exit_code()
-            if code is None:
+            if code is None or child.name in let_go:
                 continue
+            if code != 0 and child.name in self.instances and not expect_exit:
+                first = self._dead_since.setdefault(child.name, time.monotonic())
+                if time.monotonic() - first < LOST_GRACE:
+                    continue
             if code != 0 or (not expect_exit and child is self.coordinator):
                 raise RunError(self._crash_message(child, code))
 
@@ -191,13 +199,15 @@ def run_job(
     history: list[dict[str, Any]] = []
     started = time.monotonic()
     drain_deadline: float | None = None
+    let_go: frozenset[str] = frozenset()
     while True:
-        job.check_children(expect_exit=False)
+        job.check_children(expect_exit=False, let_go=let_go)
         try:
             status = job.status()
         except TransportError as exc:
             job.check_children(expect_exit=False)
             raise RunError(f"coordinator stopped answering: {exc}") from None
+        let_go = frozenset(status.get("lost", ()))
         history.append(status)
         on_status(status)
         job.ensure_instances(status)
@@ -219,7 +229,7 @@ def run_job(
         c.exit_code() is None for c in job.instances.values()
     ):
         time.sleep(0.05)
-    job.check_children(expect_exit=True)
+    job.check_children(expect_exit=True, let_go=let_go)
     return RunResult(
         status=status, interrupted=interrupted.is_set(), log_dir=job.log_dir, history=history
     )

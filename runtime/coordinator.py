@@ -71,6 +71,8 @@ class Coordinator:
         self._changed = threading.Condition(self._lock)
         self._events: list[dict[str, Any]] = []
         self._abort: str | None = None
+        self._lost_keyed: set[int] = set()
+        self.lost: list[str] = []  # instances lost and recovered from; their hosts let them go
         self.rescale_status: RescaleStatus | None = None
         self.rescale_history: list[RescaleStatus] = []
         self._group_rates = GroupRates(spec.max_key_groups)
@@ -168,7 +170,8 @@ class Coordinator:
         with self._changed:
             while not predicate(self._events):
                 if self._abort:
-                    raise RescaleError(f"{self._abort} while waiting for {what}")
+                    abort, self._abort = self._abort, None
+                    raise RescaleError(f"{abort} while waiting for {what}")
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     raise RescaleError(f"timed out after {timeout:.0f} s waiting for {what}")
@@ -232,12 +235,33 @@ class Coordinator:
         finally:
             self._lost(record)
 
+    def lost_keyed(self) -> set[int]:
+        with self._lock:
+            return set(self._lost_keyed)
+
     def _lost(self, record: InstanceRecord) -> None:
         with self._changed:
             record.watching = False
             if record.retiring and record.finished:
                 del self.members[record.stage][record.index]
                 self._broadcast_topology()
+            elif (
+                record.stage == self.spec.keyed.name
+                and self.rescale_status is not None
+                and not record.finished
+                and self.phase == "running"
+            ):
+                # Mid-rescale, the driver recovers: the job goes on with the survivors.
+                message = (
+                    f"instance {record.name} (pid {record.pid}) was lost during rescale "
+                    f"{self.rescale_status.id}: its process died or stopped answering"
+                )
+                log.error("%s", message)
+                self.errors.append(message)
+                self.lost.append(record.name)
+                self._lost_keyed.add(record.index)
+                del self.members[record.stage][record.index]
+                self._abort = message
             elif not record.finished and self.phase not in ("failed", "stopping"):
                 message = (
                     f"instance {record.name} (pid {record.pid}) was lost: "
@@ -334,6 +358,7 @@ class Coordinator:
             self.rescale_status = status
             self._events.clear()
             self._abort = None
+            self._lost_keyed = set()
             driver = RescaleDriver(
                 self, status, stage, self.spec.source.name, self.assignment,
                 self._group_rates.rates(),
@@ -396,6 +421,7 @@ class Coordinator:
                 "uptime": time.time() - self.started,
                 "stages": stages,
                 "rescale": rescale,
+                "lost": list(self.lost),
                 "rescales": [r.to_json() for r in self.rescale_history[-20:]],
             }
 

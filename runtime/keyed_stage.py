@@ -153,6 +153,13 @@ class KeyedStage:
             self.owned &= move.target < 0
             self.forward_queued(move)
             self.ctx.emit({"type": "ack", "step": "migrate_out", "epoch": move.epoch})
+        elif kind == "abort":
+            lost = set(command["lost"])
+            if self.move_out is not None:
+                self.owned |= self.move_out.abandon(lost)
+            if self.move_in is not None:
+                self.move_in.abandon(lost)
+            self.ctx.emit({"type": "ack", "step": "abort", "epoch": command["epoch"]})
         elif kind == "retire":
             self.retire = True
         elif kind == "rescaling":

@@ -34,6 +34,7 @@ from keyshift.runtime.transport import (
     GRPC_OPTIONS,
     LEAVE,
     STATE,
+    TransportError,
 )
 
 log = logging.getLogger("keyshift.migration")
@@ -68,6 +69,7 @@ class MoveOut:
             self.target[np.asarray(moving, dtype=np.int64)] = int(dst)
         self.outlets = {int(dst): ctx.outlet(command["peers"][dst]) for dst in command["groups"]}
         self.outbox: dict[int, deque[tuple[bytes, bytes]]] = {d: deque() for d in self.outlets}
+        self.unreachable: set[int] = set()
         push = command.get("push", {})
         self.chunk_keys = int(push.get("chunk_keys", 32768))
         self.trickle = push.get("trickle_keys_per_s")
@@ -96,8 +98,16 @@ class MoveOut:
 
     def flush(self) -> None:
         for dst, queued in self.outbox.items():
-            while queued and self.outlets[dst].try_send(queued[0][1], kind=queued[0][0]):
-                queued.popleft()
+            try:
+                while queued and self.outlets[dst].try_send(queued[0][1], kind=queued[0][0]):
+                    queued.popleft()
+            except TransportError as exc:
+                # The new owner died: hold on, the coordinator will give its groups back.
+                if dst not in self.unreachable:
+                    log.warning(
+                        "new owner %s/%d unreachable: %s", self.ctx.spec.keyed.name, dst, exc
+                    )
+                self.unreachable.add(dst)
 
     def forward(self, batch: pa.RecordBatch, groups: np.ndarray) -> None:
         """Hand the records of moving groups to their new owners, in the order received."""
@@ -113,8 +123,7 @@ class MoveOut:
         epoch = json.loads(body)["epoch"] if body is not None else self.epoch
         if epoch < self.epoch:
             return
-        if epoch > self.epoch:
-            raise ProtocolError(f"marker for epoch {epoch} from {sender} during epoch {self.epoch}")
+        # A later epoch's marker (a recovery rerouted past this move) ends this one too.
         self.markers.add(sender)
         if len(self.markers) >= self.sources and not self.forward_done:
             done = json.dumps({"epoch": self.epoch}).encode()
@@ -177,6 +186,17 @@ class MoveOut:
         self.stats["groups_pushed"] += len(chunk)
         return True
 
+    def abandon(self, lost: set[int]) -> np.ndarray:
+        """New owners died: their groups stay here (minus what was already handed over).
+        Returns the mask of groups this instance owns again."""
+        back = np.isin(self.target, list(lost)) & (self.target >= 0)
+        self.target[back] = -1
+        self.push_order = [g for g in self.push_order if not back[g]]
+        for dst in lost & set(self.outlets):
+            self.outbox.pop(dst, None)
+            self.outlets.pop(dst).abort()
+        return back
+
     def done(self) -> bool:
         return self.forward_done and not self.push_order and not any(self.outbox.values())
 
@@ -210,6 +230,8 @@ class MoveIn:
         self.arrived: set[Any] = set()
         self.requested: set[Any] = set()
         self.awaiting: set[Any] = set()  # fetched, reply not yet here
+        self.awaiting_from: dict[int, set[Any]] = {}
+        self.lost: set[int] = set()
         self.parked_forwarded: list[pa.RecordBatch] = []
         self.parked_direct: list[pa.RecordBatch] = []
         self.replies: queue.Queue[tuple[int, bytes | Exception]] = queue.Queue()
@@ -288,6 +310,7 @@ class MoveIn:
                 continue
             self.requested.add(key)
             self.awaiting.add(key)
+            self.awaiting_from.setdefault(int(self.source_of[group]), set()).add(key)
             by_owner.setdefault(int(self.source_of[group]), {})[key] = group
         for owner, wanted in by_owner.items():
             body = {"epoch": self.epoch, "keys": list(wanted), "groups": list(wanted.values())}
@@ -358,6 +381,17 @@ class MoveIn:
                     keep.append(waiting)
                     stuck |= set(key_list(waiting.column(self.key_field)))
             parked[:] = keep
+
+    def abandon(self, lost: set[int]) -> None:
+        """Old owners died: what they had not handed over is gone; their groups start empty
+        here, and their parked records apply to that."""
+        dead = np.isin(self.source_of, list(lost)) & (self.source_of >= 0)
+        self.complete[dead] = True
+        self.lost |= lost
+        self.forward_done |= lost & self.old_owners
+        for owner in lost:
+            self.awaiting.difference_update(self.awaiting_from.pop(owner, set()))
+        self.release()
 
     def parked_records(self) -> int:
         return sum(b.num_rows for b in self.parked_forwarded + self.parked_direct)

@@ -77,6 +77,8 @@ class RescaleHost(Protocol):
 
     def broadcast_keyed(self, command: dict[str, Any]) -> None: ...
 
+    def lost_keyed(self) -> set[int]: ...
+
 
 @dataclass
 class RescaleStatus:
@@ -171,6 +173,7 @@ class RescaleDriver:
         self.source = source_stage
         self.current = current
         self.group_load = group_load
+        self.step: tuple[Assignment, set[int], set[int]] | None = None  # target, from, to
 
     def run(self) -> None:
         status = self.status
@@ -180,9 +183,15 @@ class RescaleDriver:
             self._run()
             status.phase = "done"
         except RescaleError as exc:
-            status.phase = "failed"
             status.error = str(exc)
             log.error("rescale %d failed: %s", status.id, exc)
+            lost = self.host.lost_keyed()
+            if lost:
+                try:
+                    status.error += "; " + self._recover(lost)
+                except RescaleError as again:
+                    status.error += f"; recovery failed too: {again}"
+            status.phase = "failed"
         finally:
             status.finished = time.time()
             ended = [f"{self.source}/{i}" for i in sorted(self.host.finished_sources())]
@@ -244,6 +253,52 @@ class RescaleDriver:
 
         self.host.wait_for(done, STEP_TIMEOUT, f"sources to {step}")
 
+    def _recover(self, lost: set[int]) -> str:
+        """After an instance died mid-move: keep every group whose state survives where it is,
+        or give it back to its old owner; groups whose state died move to survivors empty."""
+        self._phase("recovering")
+        current = self.current.owners
+        target, senders, receivers = self.step or (self.current, set(), set())
+        owners = target.owners.copy()
+        died = np.isin(owners, list(lost))
+        owners[died] = current[died]  # not handed over: the old owner still has it
+        gone = np.isin(owners, list(lost))
+        alive = sorted(set(self.host.keyed_addresses()) - lost)
+        if not alive:
+            raise RescaleError("no keyed instance is left")
+        if gone.any():
+            owners[gone] = np.asarray(alive, dtype=np.int32)[np.arange(gone.sum()) % len(alive)]
+        recovered = Assignment(max(target.epoch, self.current.epoch) + 1, owners)
+        participants = (senders | receivers) - lost
+        self.host.broadcast_keyed({"type": "abort", "epoch": target.epoch, "lost": sorted(lost)})
+        self.host.wait_for(
+            _acked("abort", target.epoch, {(self.keyed, i) for i in participants}),
+            STEP_TIMEOUT,
+            "survivors to abandon the moves to and from the lost instance",
+        )
+        reroute = {
+            "type": "reroute",
+            "assignment": recovered.to_json(),
+            "keyed": {str(i): a for i, a in self.host.keyed_addresses().items() if i not in lost},
+            "lost": sorted(lost),
+        }
+        self._broadcast_sources(reroute, "reroute", recovered.epoch)
+        self.host.wait_for(
+            lambda events: (
+                _reported("out_done", target.epoch, senders - lost)(events)
+                and _reported("in_done", target.epoch, receivers - lost)(events)
+            ),
+            MOVE_TIMEOUT,
+            "the survivors' moves to finish",
+        )
+        self.current = recovered
+        self.host.commit(recovered)
+        self.host.set_desired(max(alive) + 1)
+        return (
+            f"recovered at parallelism {len(alive)}: {int(gone.sum())} key groups lost their "
+            f"state with instance(s) {sorted(lost)}, the rest stay where their state is"
+        )
+
     def _step(self, new: Assignment) -> None:
         status = self.status
         epoch = new.epoch
@@ -257,6 +312,7 @@ class RescaleDriver:
             incoming.setdefault(dst, {})[src] = groups.tolist()
             outgoing.setdefault(src, {})[dst] = groups.tolist()
         peers = {str(i): a for i, a in addresses.items()}
+        self.step = (new, set(outgoing), set(incoming))
         self._phase("preparing")
         for dst, by_src in incoming.items():
             groups_in = {str(k): v for k, v in by_src.items()}
@@ -301,5 +357,6 @@ class RescaleDriver:
             "state to move",
         )
         self.current = new
+        self.step = None
         self.host.commit(new)
         status.groups_moved += sum(len(g) for g in pairs.values())

@@ -27,13 +27,14 @@ from keyshift.runtime.records import (
     METADATA_FIELDS,
     SEQ,
     SOURCE,
+    decode,
     encode,
     now_us,
     record_schema,
     split_by_owner,
 )
 from keyshift.runtime.schema_check import check_records
-from keyshift.runtime.transport import MARKER
+from keyshift.runtime.transport import MARKER, TransportError
 
 log = logging.getLogger("keyshift.source")
 Transform = tuple[str, Callable[..., Any]]
@@ -101,6 +102,8 @@ class Router:
         self.outlets = ctx.connect(self.keyed)
         self.assignment = Assignment.from_json(ctx.wait_topology()["assignment"])
         self.paused = False
+        self.dead: set[int] = set()
+        self.stranded: list[bytes] = []
 
     def route(self, batch: pa.RecordBatch, groups: np.ndarray) -> list[tuple[int, bytes]]:
         owners = self.assignment.owners[groups]
@@ -109,7 +112,17 @@ class Router:
 
     def send(self, parts: list[tuple[int, bytes]]) -> None:
         for owner, payload in parts:
-            self.ctx.send(self.outlets[owner], payload)
+            if owner in self.dead:
+                self.stranded.append(payload)
+                continue
+            try:
+                self.ctx.send(self.outlets[owner], payload)
+            except TransportError as exc:
+                # A keyed instance died; the coordinator reroutes its groups to survivors, and
+                # these records follow them then. (What it had received is gone with it.)
+                log.warning("keyed instance %d is gone (%s); holding its records", owner, exc)
+                self.dead.add(owner)
+                self.stranded.append(payload)
 
     def handle(self, command: dict[str, Any]) -> None:
         kind = command.get("type")
@@ -125,6 +138,10 @@ class Router:
 
     def reroute(self, command: dict[str, Any]) -> None:
         new = Assignment.from_json(command["assignment"])
+        for index in set(command.get("lost", ())) | self.dead:
+            if index in self.outlets:
+                self.outlets.pop(index).abort()
+        self.dead.clear()
         marker = json.dumps({"epoch": new.epoch}).encode()
         for outlet in self.outlets.values():
             self.ctx.send(outlet, marker, kind=MARKER)
@@ -132,6 +149,10 @@ class Router:
             if int(index) not in self.outlets:
                 self.outlets[int(index)] = self.ctx.outlet(address)
         self.assignment = new
+        stranded, self.stranded = self.stranded, []
+        for payload in stranded:
+            batch = decode(payload)
+            self.send(self.route(batch, batch.column(GROUP).to_numpy()))
         self.ctx.emit({"type": "ack", "step": "reroute", "epoch": new.epoch})
 
     def finish(self) -> None:

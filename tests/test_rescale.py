@@ -9,6 +9,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -16,6 +17,7 @@ from hypothesis import strategies as st
 from keyshift.operator.local_host import LocalJob
 from keyshift.runtime.generator import KeyGenerator
 from keyshift.runtime.job import GeneratorSource
+from keyshift.runtime.keyspace import key_groups
 from keyshift.runtime.output_log import OutputLogReader
 from keyshift.runtime.rescale import STRATEGIES
 from keyshift.runtime.transport import JsonClient, TransportError
@@ -212,17 +214,19 @@ def test_bad_rescale_requests_are_refused_and_change_nothing(tmp_path: Path) -> 
         client.close()
 
 
-def test_new_owner_dying_mid_move_fails_the_rescale_naming_it(tmp_path: Path) -> None:
-    """Without checkpoints a dead instance's state is gone, so the job stops (see the README);
-    what must hold is a clear, named failure and no hang."""
-    source = {"kind": "generator", "keys": 50_000, "seed": 2, "profile": {"rate": 20_000}}
-    with running_job(tmp_path, tracked_job(tmp_path / "out", source, 1)) as local:
+def test_new_owner_dying_mid_move_fails_the_rescale_and_the_stage_goes_on(tmp_path: Path) -> None:
+    """The new owner is killed mid-move: the rescale fails naming it, the moving groups go back
+    to the old owner with all state not yet handed over, and the job keeps running correctly
+    for every key except those whose state had already moved to the dead instance."""
+    out = tmp_path / "out"
+    source = {"kind": "generator", "keys": 5_000, "seed": 2, "profile": {"rate": 10_000}}
+    with running_job(tmp_path, tracked_job(out, source, 1)) as local:
         client = JsonClient(local.address, SERVICE)
         wait_for(lambda: local.status()["phase"] == "running", 30, "the job to run")
         wait_for(lambda: sum_out(local) > 20_000, 30, "records to flow")
         # lazy moves state slowly, so the move is still running when the new owner dies.
         client.call("Rescale", {"stage": "track", "parallelism": 2, "strategy": "lazy",
-                                "options": {"trickle_keys_per_s": 100}})  # fmt: skip
+                                "options": {"trickle_keys_per_s": 200}})  # fmt: skip
 
         def moving() -> bool:
             status = local.status()
@@ -230,13 +234,37 @@ def test_new_owner_dying_mid_move_fails_the_rescale_naming_it(tmp_path: Path) ->
             return bool(status["rescale"]) and status["rescale"]["phase"] == "moving"
 
         wait_for(moving, 60, "the rescale to start moving state")
-        victim = local.instances["track/1"]
-        victim.process.kill()
-        status = wait_for(
-            lambda: (s := local.status())["rescales"] and s, 30, "the rescale to fail"
-        )
+        wait_for(lambda: sum_out(local) > 40_000, 30, "records to flow during the move")
+        local.instances["track/1"].process.kill()
+        status = wait_for(lambda: (s := local.status())["rescales"] and s, 60, "the rescale")
         (result,) = status["rescales"]
         assert result["phase"] == "failed"
         assert "track/1" in result["error"] and "was lost" in result["error"]
-        assert any("track/1" in e for e in status["errors"])
+        assert "recovered at parallelism 1" in result["error"], result["error"]
+        assert status["phase"] == "running" and status["lost"] == ["track/1"]
+        assert [i["index"] for i in status["stages"][1]["instances"]] == [0]
+        flowed = sum_out(local)
+        wait_for(lambda: sum_out(local) > flowed + 20_000, 30, "records to flow after it")
+        local.drain()
+        final = wait_for(
+            lambda: (s := local.status())["phase"] == "finished" and s, 60, "the job to drain"
+        )
         client.close()
+    emitted = [i["stats"]["emitted"] for i in final["stages"][0]["instances"]]
+    counts_truth, _ = truth(source, emitted)
+    table = OutputLogReader(out).read_all()
+    applied: dict[int, list[tuple[int, int, int]]] = {}
+    for key, value in zip(
+        table.column("key").to_pylist(), table.column("value").to_pylist(), strict=True
+    ):
+        applied.setdefault(key, []).append(tuple(json.loads(value)))
+    wrong = [k for k, n in counts_truth.items() if len(applied.get(k, ())) != n
+             or max(c for c, _, _ in applied[k]) != n]  # fmt: skip
+    # Records the dead instance had received, and state already handed to it, are gone (no
+    # replay without checkpoints); so only keys of moving groups may be off, never any other,
+    # and no record is ever applied twice.
+    affected_groups = set(key_groups(np.asarray(wrong, dtype=np.int64), 4096).tolist())
+    assert len(affected_groups) <= result["groups_to_move"], (len(affected_groups), result)
+    assert len(wrong) < 0.5 * len(counts_truth)
+    records = [(sender, seq) for outputs in applied.values() for _, sender, seq in outputs]
+    assert len(records) == len(set(records)), "a record was applied twice"
