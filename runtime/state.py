@@ -184,6 +184,7 @@ class AggregateState:
                 pa.array(counts),
                 pa.array(np.maximum.reduceat(event, starts)),
                 pa.array(np.minimum.reduceat(ingest, starts)),
+                pa.array(self._hits[slots]),
                 pa.array(self._group[slots]),
             ],
             schema=self.output_schema(),
@@ -199,6 +200,10 @@ class AggregateState:
                 pa.field("n", pa.int64()),
                 pa.field(EVENT_TIME, pa.int64()),
                 pa.field(INGEST_TIME, pa.int64()),
+                # Records applied to the key so far, wherever it lived: the latest update of a
+                # key is its highest version, even if a migration interleaved two owners'
+                # updates at the sink.
+                pa.field("version", pa.int64()),
                 pa.field(GROUP, pa.int32()),
             ]
         )
