@@ -107,6 +107,7 @@ class InstanceContext:
         self._outlets: list[Outlet] = []
         self._reports = 0
         self.metrics_address = ""
+        self.host = "127.0.0.1"  # the address this instance listens on
 
     # -- commands ------------------------------------------------------------------------
 
@@ -316,6 +317,7 @@ def main(argv: list[str] | None = None) -> int:
     spec = parse_job(reply["job"], origin="from the coordinator")
     inbox.open(spec.batching.credits)
     ctx = InstanceContext(spec, args.stage, args.index, control, inbox)
+    ctx.host = args.host
     holder.append(ctx)
     try:
         metrics_port = ctx.metrics.serve(args.host, args.metrics_port)

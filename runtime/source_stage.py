@@ -1,5 +1,6 @@
-"""The source stage loop: make records (generator), run the chained map/filter functions, check
-them against the schema, compute key groups, and send each record to its keyed owner.
+"""The source stage loop: make records (generator) or take them from clients (ingest), run the
+chained map/filter functions, check them against the schema, compute key groups, and send each
+record to its keyed owner by the current assignment epoch.
 
 Called by `keyshift.runtime.instance` for instances of the job's source stage.
 """
@@ -16,8 +17,9 @@ import numpy as np
 import pyarrow as pa
 
 from keyshift.runtime.generator import KeyGenerator, Pacer, instance_total, rate_at
+from keyshift.runtime.ingest import IngestService
 from keyshift.runtime.instance import InstanceContext
-from keyshift.runtime.job import GeneratorSource, JobSpec, resolve_function
+from keyshift.runtime.job import GeneratorSource, IngestSource, JobSpec, resolve_function
 from keyshift.runtime.keyspace import Assignment, key_groups
 from keyshift.runtime.metrics import MetricName
 from keyshift.runtime.records import (
@@ -34,7 +36,7 @@ from keyshift.runtime.records import (
     split_by_owner,
 )
 from keyshift.runtime.schema_check import check_records
-from keyshift.runtime.transport import MARKER, TransportError
+from keyshift.runtime.transport import MARKER, TransportError, start_server
 
 log = logging.getLogger("keyshift.source")
 Transform = tuple[str, Callable[..., Any]]
@@ -160,18 +162,88 @@ class Router:
             outlet.finish()
 
 
+class Emitter:
+    """Turns a batch of new records into routed sends: transforms, key groups, routing."""
+
+    def __init__(self, ctx: InstanceContext, router: Router) -> None:
+        self.ctx = ctx
+        self.router = router
+        self.transforms = _transforms(ctx.spec)
+        self.emitted = 0
+
+    def emit(self, batch: pa.RecordBatch, started: float) -> None:
+        spec = self.ctx.spec
+        metrics = self.ctx.metrics
+        made = batch.num_rows
+        if self.transforms:
+            batch = apply_transforms(self.ctx, batch, self.transforms)
+        groups = key_groups(batch.column(spec.keyed.key_by), spec.max_key_groups)
+        batch = batch.set_column(batch.schema.get_field_index(GROUP), GROUP, pa.array(groups))
+        parts = self.router.route(batch, groups)
+        metrics.count(MetricName.BUSY_SECONDS, time.perf_counter() - started)
+        self.router.send(parts)
+        metrics.count(MetricName.RECORDS_OUT, batch.num_rows)
+        metrics.count(MetricName.RECORDS_IN, made)
+        self.emitted += made
+        self.ctx.extra_stats["emitted"] = self.emitted
+
+    def follow_commands(self) -> None:
+        while (command := self.ctx.next_command()) is not None:
+            self.router.handle(command)
+
+
 def run(ctx: InstanceContext) -> None:
+    config = ctx.spec.source.config
+    router = Router(ctx)
+    emitter = Emitter(ctx, router)
+    if isinstance(config, GeneratorSource):
+        run_generator(ctx, config, emitter)
+    else:
+        run_ingest(ctx, config, emitter)
+    router.finish()
+
+
+def run_ingest(ctx: InstanceContext, config: IngestSource, emitter: Emitter) -> None:
+    """Rows pushed by clients (keyshift.runtime.ingest_client; the PySpark writer) flow on."""
     spec = ctx.spec
-    config = spec.source.config
-    if not isinstance(config, GeneratorSource):
-        raise NotImplementedError("the ingest source arrives with the PySpark connectors")
+    service = IngestService(
+        spec.fields,
+        ctx.index,
+        max_pending=spec.batching.credits,
+        # The first word of a reason is the metric's label.
+        on_reject=lambda reason, sample, count: ctx.reject(f"ingest {reason}", sample, count),
+    )
+    server, port = start_server(f"{ctx.host}:{config.port}", [service.handler()])
+    ctx.extra_stats["ingest_address"] = f"{ctx.host}:{port}"
+    linger = spec.batching.linger_ms / 1000.0
+    try:
+        while True:
+            ctx.check()
+            emitter.follow_commands()
+            if ctx.drain.is_set():
+                service.close()
+                while (batch := service.take(0)) is not None:
+                    emitter.emit(batch, time.perf_counter())
+                return
+            if emitter.router.paused:
+                time.sleep(linger)
+                continue
+            waited = time.perf_counter()
+            batch = service.take(max(linger, 0.01))
+            ctx.metrics.count(MetricName.IDLE_SECONDS, time.perf_counter() - waited)
+            if batch is not None:
+                emitter.emit(batch, time.perf_counter())
+    finally:
+        server.stop(grace=0.5)
+
+
+def run_generator(ctx: InstanceContext, config: GeneratorSource, emitter: Emitter) -> None:
+    spec = ctx.spec
     parallelism = spec.source.parallelism
     generator = KeyGenerator(config, source_id=ctx.index)
     pacer = Pacer(
         config.profile, 1.0 / parallelism, instance_total(config.total, ctx.index, parallelism)
     )
-    transforms = _transforms(spec)
-    router = Router(ctx)
     schema = record_schema({"key": "int", "value": "float"})
     max_records = spec.batching.max_records
     linger = spec.batching.linger_ms / 1000.0
@@ -181,8 +253,7 @@ def run(ctx: InstanceContext) -> None:
     last_emit = start
     while not pacer.done(seq):
         ctx.check()
-        while (command := ctx.next_command()) is not None:
-            router.handle(command)
+        emitter.follow_commands()
         if ctx.drain.is_set():
             break
         now = time.monotonic()
@@ -190,7 +261,7 @@ def run(ctx: InstanceContext) -> None:
         target = rate_at(config.profile, elapsed)
         metrics.source_target_rate.set(target / parallelism if target is not None else 0)
         due = pacer.due(elapsed, seq)
-        if router.paused:
+        if emitter.router.paused:
             due = 0
         if due is None:
             n = max_records
@@ -220,15 +291,5 @@ def run(ctx: InstanceContext) -> None:
             schema=schema,
         )
         seq += n
-        if transforms:
-            batch = apply_transforms(ctx, batch, transforms)
-        groups = key_groups(batch.column(spec.keyed.key_by), spec.max_key_groups)
-        batch = batch.set_column(batch.schema.get_field_index(GROUP), GROUP, pa.array(groups))
-        parts = router.route(batch, groups)
-        metrics.count(MetricName.BUSY_SECONDS, time.perf_counter() - t0)
-        router.send(parts)
-        metrics.count(MetricName.RECORDS_OUT, batch.num_rows)
-        metrics.count(MetricName.RECORDS_IN, n)
+        emitter.emit(batch, t0)
         last_emit = now
-    ctx.extra_stats["emitted"] = seq
-    router.finish()
