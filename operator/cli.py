@@ -30,6 +30,10 @@ from keyshift.runtime.rescale import STRATEGIES
 from keyshift.runtime.transport import JsonClient, TransportError
 
 
+def _error(console: Console, problem: object) -> None:
+    console.print(f"[bold red]error:[/] {problem}", highlight=False)
+
+
 def _positive(text: str) -> float:
     try:
         value = float(text)
@@ -137,10 +141,10 @@ def cmd_rescale(args: argparse.Namespace, console: Console) -> int:
              "strategy": args.strategy, "options": options},
         )  # fmt: skip
     except (ValueError, RegistryError) as exc:
-        console.print(f"[bold red]error:[/] {exc}", highlight=False)
+        _error(console, exc)
         return 2
     except TransportError as exc:
-        console.print(f"[bold red]error:[/] {exc}", highlight=False)
+        _error(console, exc)
         return 1
     console.print(f"started rescale {started['id']}: {args.stage} -> {args.parallelism}")
     if args.no_wait:
@@ -150,14 +154,14 @@ def cmd_rescale(args: argparse.Namespace, console: Console) -> int:
         try:
             status = client.call("Status")
         except TransportError as exc:
-            console.print(f"[bold red]error:[/] lost the job while rescaling: {exc}")
+            _error(console, f"lost the job while rescaling: {exc}")
             return 1
         done = next((r for r in status["rescales"] if r["id"] == started["id"]), None)
         if done is not None:
             console.print(describe_rescale(done), highlight=False, soft_wrap=True)
             return 0 if done["phase"] == "done" else 1
         time.sleep(0.2)
-    console.print(f"[bold red]error:[/] rescale not finished after {args.timeout:.0f} s")
+    _error(console, f"rescale not finished after {args.timeout:.0f} s")
     return 1
 
 
@@ -165,10 +169,10 @@ def cmd_status(args: argparse.Namespace, console: Console) -> int:
     try:
         status = _client(args.job).call("Status")
     except RegistryError as exc:
-        console.print(f"[bold red]error:[/] {exc}", highlight=False)
+        _error(console, exc)
         return 2
     except TransportError as exc:
-        console.print(f"[bold red]error:[/] {exc}", highlight=False)
+        _error(console, exc)
         return 1
     print(json.dumps(status, indent=2))
     return 0
@@ -178,14 +182,14 @@ def cmd_run(args: argparse.Namespace, console: Console) -> int:
     try:
         spec = load_job(args.job)
     except JobError as exc:
-        console.print(f"[bold red]error:[/] {exc}", highlight=False)
+        _error(console, exc)
         return 2
     running = lookup(spec.name)
     if running is not None:
-        console.print(
-            f"[bold red]error:[/] job {spec.name} is already running here "
+        _error(
+            console,
+            f"job {spec.name} is already running here "
             f"(pid {running['pid']}, coordinator {running['coordinator']})",
-            highlight=False,
         )
         return 2
     started = time.monotonic()
@@ -215,10 +219,10 @@ def cmd_run(args: argparse.Namespace, console: Console) -> int:
             finally:
                 registered.unlink(missing_ok=True)
     except RegistryError as exc:
-        console.print(f"[bold red]error:[/] {exc}", highlight=False)
+        _error(console, exc)
         return 2
     except RunError as exc:
-        console.print(f"[bold red]error:[/] {exc}", highlight=False)
+        _error(console, exc)
         return 1
     console.print(
         final_report(result.status, view.tracker, time.monotonic() - started), highlight=False
