@@ -403,6 +403,21 @@ class Pacer:
             return None
         return max(target - emitted, 0)
 
+    def arrival(self, count: int, elapsed: float) -> float:
+        """The elapsed time at which the `count`-th record fell due: when it arrived, as a
+        record appended to a log would have. A source that is backpressured or paused emits it
+        later, and its latency must include that wait. Without a rate it is `elapsed`."""
+        if records_due(self.profile, elapsed) is None or (self.target(elapsed) or 0) < count:
+            return elapsed
+        lo, hi = 0.0, elapsed
+        for _ in range(40):
+            mid = (lo + hi) / 2.0
+            if (self.target(mid) or 0) >= count:
+                hi = mid
+            else:
+                lo = mid
+        return hi
+
     def done(self, emitted: int) -> bool:
         """Whether the total is reached (never, without a total)."""
         return self.total is not None and emitted >= self.total

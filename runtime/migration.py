@@ -232,8 +232,9 @@ class MoveIn:
         self.awaiting: set[Any] = set()  # fetched, reply not yet here
         self.awaiting_from: dict[int, set[Any]] = {}
         self.lost: set[int] = set()
-        self.parked_forwarded: list[pa.RecordBatch] = []
-        self.parked_direct: list[pa.RecordBatch] = []
+        # Parked records by whether they were forwarded (they go first), and their keys.
+        self.parked: dict[bool, list[pa.RecordBatch]] = {True: [], False: []}
+        self.parked_keys: dict[bool, Counter[Any]] = {True: Counter(), False: Counter()}
         self.replies: queue.Queue[tuple[int, bytes | Exception]] = queue.Queue()
         self.channels = {
             int(src): grpc.insecure_channel(command["peers"][src], options=GRPC_OPTIONS)
@@ -273,32 +274,29 @@ class MoveIn:
 
     def receive(self, batch: pa.RecordBatch, forwarded: bool) -> None:
         """Records of incoming groups: apply the ready ones, park the rest per key."""
-        parked = self.parked_forwarded if forwarded else self.parked_direct
-        ready = self._ready(batch, forwarded) & ~self._mask(batch, self._blocking(forwarded))
+        # A key with parked records must not be overtaken by its newer ones; a direct record
+        # also waits behind its key's parked forwarded records.
+        blocking = [self.parked_keys[True]] if forwarded else list(self.parked_keys.values())
+        ready = self._ready(batch, forwarded) & ~self._mask(batch, blocking)
         if ready.all():
             self.apply(batch)
             return
         if ready.any():
             self.apply(batch.filter(pa.array(ready)))
         waiting = batch.filter(pa.array(~ready))
-        parked.append(waiting)
+        self.parked[forwarded].append(waiting)
+        self.parked_keys[forwarded].update(key_list(waiting.column(self.key_field)))
         self.stats["records_parked"] += waiting.num_rows
         self._request(waiting)
 
-    def _blocking(self, forwarded: bool) -> set[Any]:
-        """Keys whose newer records must wait: they have parked records (and a direct record
-        also waits behind its key's parked forwarded ones)."""
-        keys = self._parked_keys(self.parked_forwarded)
-        return keys if forwarded else keys | self._parked_keys(self.parked_direct)
-
-    def _mask(self, batch: pa.RecordBatch, keys: set[Any]) -> np.ndarray:
-        if not keys:
-            return np.zeros(batch.num_rows, dtype=bool)
-        column = key_list(batch.column(self.key_field))
-        return np.fromiter(map(keys.__contains__, column), dtype=bool, count=len(column))
-
-    def _parked_keys(self, parked: list[pa.RecordBatch]) -> set[Any]:
-        return {k for b in parked for k in key_list(b.column(self.key_field))}
+    def _mask(self, batch: pa.RecordBatch, key_sets: list[Counter[Any]]) -> np.ndarray:
+        mask = np.zeros(batch.num_rows, dtype=bool)
+        column: list[Any] | None = None
+        for keys in key_sets:
+            if keys:
+                column = column if column is not None else key_list(batch.column(self.key_field))
+                mask |= np.fromiter(map(keys.__contains__, column), dtype=bool, count=len(column))
+        return mask
 
     def _request(self, waiting: pa.RecordBatch) -> None:
         groups = waiting.column(GROUP).to_numpy()
@@ -367,20 +365,23 @@ class MoveIn:
     def release(self) -> None:
         """Apply parked records whose keys are now ready: forwarded ones first, in order."""
         for forwarded in (True, False):
-            parked = self.parked_forwarded if forwarded else self.parked_direct
+            if not self.parked[forwarded]:
+                continue
             # Once one record of a key stays parked, its later records stay too; direct
             # records also stay behind their key's forwarded records.
-            stuck = set() if forwarded else self._parked_keys(self.parked_forwarded)
+            stuck: Counter[Any] = Counter()
+            behind = [] if forwarded else [self.parked_keys[True]]
             keep: list[pa.RecordBatch] = []
-            for batch in parked:
-                ready = self._ready(batch, forwarded) & ~self._mask(batch, stuck)
+            for batch in self.parked[forwarded]:
+                ready = self._ready(batch, forwarded) & ~self._mask(batch, [stuck, *behind])
                 if ready.any():
                     self.apply(batch.filter(pa.array(ready)))
                 if not ready.all():
                     waiting = batch.filter(pa.array(~ready))
                     keep.append(waiting)
-                    stuck |= set(key_list(waiting.column(self.key_field)))
-            parked[:] = keep
+                    stuck.update(key_list(waiting.column(self.key_field)))
+            self.parked[forwarded] = keep
+            self.parked_keys[forwarded] = stuck
 
     def abandon(self, lost: set[int]) -> None:
         """Old owners died: what they had not handed over is gone; their groups start empty
@@ -394,7 +395,7 @@ class MoveIn:
         self.release()
 
     def parked_records(self) -> int:
-        return sum(b.num_rows for b in self.parked_forwarded + self.parked_direct)
+        return sum(b.num_rows for batches in self.parked.values() for b in batches)
 
     def done(self) -> bool:
         incoming = self.source_of >= 0
@@ -402,8 +403,8 @@ class MoveIn:
             bool(self.complete[incoming].all())
             and not self.awaiting
             and self.forward_done >= self.old_owners
-            and not self.parked_forwarded
-            and not self.parked_direct
+            and not self.parked[True]
+            and not self.parked[False]
         )
 
     def close(self) -> None:

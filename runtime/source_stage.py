@@ -250,6 +250,7 @@ def run_generator(ctx: InstanceContext, config: GeneratorSource, emitter: Emitte
     metrics = ctx.metrics
     seq = 0
     start = time.monotonic()
+    started_us = now_us()
     last_emit = start
     while not pacer.done(seq):
         ctx.check()
@@ -276,8 +277,9 @@ def run_generator(ctx: InstanceContext, config: GeneratorSource, emitter: Emitte
             continue
         t0 = time.perf_counter()
         keys, values = generator.records(seq, n)
-        stamp = now_us()
-        times = np.full(n, stamp, dtype=np.int64)
+        # Each record carries the time it fell due, not the time it could be sent.
+        first, last = pacer.arrival(seq + 1, elapsed), pacer.arrival(seq + n, elapsed)
+        times = started_us + (np.linspace(first, last, n) * 1e6).astype(np.int64)
         batch = pa.RecordBatch.from_arrays(
             [
                 pa.array(keys),

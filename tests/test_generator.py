@@ -403,3 +403,14 @@ def test_pacer_wait_hint() -> None:
     finished = Pacer(ConstantProfile(rate=100.0), 1.0, 5)
     assert finished.seconds_until_next(10.0, 5) == MAX_WAIT_SECONDS
     assert finished.rate(1.0) == 100.0
+
+
+def test_arrival_inverts_the_load_profile() -> None:
+    """The count-th record falls due when the integral of the rate reaches count."""
+    pacer = Pacer(StepProfile(kind="step", rate=100, to=1000, at=2.0), 1.0, None)
+    assert pacer.arrival(100, 10.0) == pytest.approx(1.0, abs=1e-6)
+    assert pacer.arrival(200, 10.0) == pytest.approx(2.0, abs=1e-6)
+    assert pacer.arrival(1200, 10.0) == pytest.approx(3.0, abs=1e-6)
+    # Not yet due by `elapsed`, or no rate at all: it arrives now.
+    assert pacer.arrival(10_000, 3.0) == 3.0
+    assert Pacer(None, 1.0, None).arrival(5, 7.0) == 7.0
