@@ -154,7 +154,7 @@ def plain_line(status: dict[str, Any], tracker: RateTracker) -> str:
         parts.append(rescale_note(status))
     for s in tracker.stages():
         parts.append(
-            f"{s.name}x{s.parallelism} in {_rate(s.rate_in)} busy {s.busy:.0%} q {s.queue}"
+            f"{s.name} x{s.parallelism} in {_rate(s.rate_in)} busy {s.busy:.0%} q {s.queue}"
         )
     parts.append(f"latency p50 {_ms(p50)} p99 {_ms(p99)}")
     return " | ".join(parts)
