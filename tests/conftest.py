@@ -24,6 +24,7 @@ import yaml
 from keyshift.operator.local_host import LocalJob
 from keyshift.runtime.job import JobSpec, parse_job
 from keyshift.runtime.lifecycle import PARENT_ENV
+from keyshift.runtime.output_log import OutputLogReader
 
 REPO = Path(__file__).resolve().parent.parent
 KEYSHIFT = str(Path(sys.executable).with_name("keyshift"))
@@ -120,3 +121,18 @@ def count_job(**overrides: Any) -> dict[str, Any]:
 def _job_registry(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Each test records its running jobs in its own registry (keyshift.operator.job_registry)."""
     monkeypatch.setenv("KEYSHIFT_HOME", str(tmp_path / "keyshift-home"))
+
+
+def latest_by_version(out: Path) -> dict[Any, tuple[int, Any]]:
+    """Each key's latest aggregate update in an output log, as (version, value)."""
+    table = OutputLogReader(out).read_all()
+    latest: dict[Any, tuple[int, Any]] = {}
+    for key, value, version in zip(
+        table.column("key").to_pylist(),
+        table.column("value").to_pylist(),
+        table.column("version").to_pylist(),
+        strict=True,
+    ):
+        if version > latest.get(key, (-1, None))[0]:
+            latest[key] = (version, value)
+    return latest

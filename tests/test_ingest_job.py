@@ -9,8 +9,7 @@ from pathlib import Path
 import pyarrow as pa
 
 from keyshift.runtime.ingest_client import IngestClient
-from keyshift.runtime.output_log import OutputLogReader
-from tests.conftest import count_job, running_job, wait_for
+from tests.conftest import count_job, latest_by_version, running_job, wait_for
 
 
 def test_pushed_rows_are_counted_once_and_bad_rows_rejected(tmp_path: Path) -> None:
@@ -54,16 +53,7 @@ def test_pushed_rows_are_counted_once_and_bad_rows_rejected(tmp_path: Path) -> N
         )
         local.drain()
         wait_for(lambda: local.status()["phase"] == "finished", 30, "the job to drain")
-    log = OutputLogReader(out).read_all()
-    latest: dict[str, tuple[int, float]] = {}
-    for user, value, version in zip(
-        log.column("key").to_pylist(),
-        log.column("value").to_pylist(),
-        log.column("version").to_pylist(),
-        strict=True,
-    ):
-        if version > latest.get(user, (-1, 0.0))[0]:
-            latest[user] = (version, value)
+    latest = latest_by_version(out)
     assert {u: v for u, (_, v) in latest.items()} == {"ann": 400.0, "bob": 200.0, "cid": 11.0}
     assert Counter(u for u, (n, _) in latest.items() for _ in range(n)) == Counter(
         {"ann": 200, "bob": 100, "cid": 2}

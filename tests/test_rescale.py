@@ -21,7 +21,7 @@ from keyshift.runtime.keyspace import key_groups
 from keyshift.runtime.output_log import OutputLogReader
 from keyshift.runtime.rescale import STRATEGIES
 from keyshift.runtime.transport import JsonClient, TransportError
-from tests.conftest import count_job, running_job, wait_for
+from tests.conftest import count_job, latest_by_version, running_job, wait_for
 
 SERVICE = "keyshift.Coordinator"
 
@@ -113,16 +113,7 @@ def run_with_rescales(
 
 def check_counts(out: Path, source: dict[str, Any], emitted: list[int]) -> None:
     """Every key's latest update (highest version) holds its true count."""
-    table = OutputLogReader(out).read_all()
-    latest: dict[int, tuple[int, int]] = {}
-    for key, value, version in zip(
-        table.column("key").to_pylist(),
-        table.column("value").to_pylist(),
-        table.column("version").to_pylist(),
-        strict=True,
-    ):
-        if version > latest.get(key, (-1, 0))[0]:
-            latest[key] = (version, value)
+    latest = latest_by_version(out)
     counts_truth, _ = truth(source, emitted)
     assert {k: v for k, (_, v) in latest.items()} == dict(counts_truth)
     assert all(version == value for version, value in latest.values())
