@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 PYTHON ?= python3
 
-.PHONY: demo test lint typecheck unit bench clean
+.PHONY: demo test lint typecheck bench bench-rescale clean
 
 # `python -m` puts the working directory first on sys.path, where our operator/ folder would
 # shadow the standard library's `operator`; so venv and pip run from / and by their scripts.
@@ -30,7 +30,10 @@ test: lint typecheck
 	$(VENV)/bin/pytest
 
 bench: $(STAMP)
-	$(VENV)/bin/keyshift bench throughput
+	$(PY) bench/throughput.py
+
+bench-rescale: $(STAMP)
+	$(PY) bench/rescale.py
 
 clean:
 	rm -rf $(VENV) .typecheck .mypy_cache .ruff_cache .pytest_cache out
