@@ -177,10 +177,6 @@ class Coordinator:
                     raise RescaleError(f"timed out after {timeout:.0f} s waiting for {what}")
                 self._changed.wait(min(remaining, 0.5))
 
-    def events(self) -> list[dict[str, Any]]:
-        with self._lock:
-            return list(self._events)
-
     # -- RPCs ----------------------------------------------------------------------------
 
     def register(self, body: dict[str, Any]) -> dict[str, Any]:

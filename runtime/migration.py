@@ -27,7 +27,7 @@ import pyarrow as pa
 
 from keyshift.runtime.instance import MIGRATE_SERVICE, FetchRequest, InstanceContext
 from keyshift.runtime.records import GROUP, encode, pack, unpack
-from keyshift.runtime.state import KEY_COL, AggregateState, ProcessState
+from keyshift.runtime.state import KEY_COL, KeyedState
 from keyshift.runtime.transport import (
     FORWARD,
     FORWARD_DONE,
@@ -38,7 +38,6 @@ from keyshift.runtime.transport import (
 )
 
 log = logging.getLogger("keyshift.migration")
-State = AggregateState | ProcessState
 
 
 class ProtocolError(RuntimeError):
@@ -55,7 +54,7 @@ class MoveOut:
     def __init__(
         self,
         ctx: InstanceContext,
-        state: State,
+        state: KeyedState,
         command: dict[str, Any],
     ) -> None:
         self.ctx = ctx
@@ -211,7 +210,7 @@ class MoveIn:
     def __init__(
         self,
         ctx: InstanceContext,
-        state: State,
+        state: KeyedState,
         command: dict[str, Any],
         apply: Callable[[pa.RecordBatch], None],
     ) -> None:
