@@ -359,6 +359,7 @@ class Coordinator:
                 self, status, stage, self.spec.source.name, self.assignment,
                 self._group_rates.rates(),
             )  # fmt: skip
+        self.metrics.rescale_started(stage)
         threading.Thread(target=self._run_rescale, args=(driver,), daemon=True).start()
         return status.to_json()
 
@@ -366,6 +367,8 @@ class Coordinator:
         driver.run()
         with self._lock:
             driver.status.progress = self._progress(live=False)
+            status = driver.status
+            self.metrics.rescale_finished(status.stage, status.strategy, status.phase)
             self.rescale_history.append(driver.status)
             self.rescale_status = None
             if self._drain_requested and self.phase == "running":

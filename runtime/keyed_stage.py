@@ -217,6 +217,7 @@ class KeyedStage:
             live.update(move_stats)
         if self.move_in is not None:
             live["records_parked_now"] = self.move_in.parked_records()
+        self.ctx.metrics.parked_now.set(live["records_parked_now"])
         self.ctx.extra_stats["migration"] = dict(live)
 
     # -- loop ------------------------------------------------------------------------------

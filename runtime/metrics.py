@@ -8,6 +8,7 @@ Used by the stage instances, the coordinator, and the tests that check what is e
 
 from __future__ import annotations
 
+import collections
 import threading
 from collections.abc import Iterator, Sequence
 from enum import StrEnum
@@ -40,6 +41,10 @@ class MetricName(StrEnum):
     SOURCE_TARGET_RATE = "keyshift_source_target_rate"
     JOB_PARALLELISM = "keyshift_job_stage_parallelism"
     JOB_PHASE = "keyshift_job_phase"
+    MIGRATION = "keyshift_migration_total"
+    PARKED_NOW = "keyshift_migration_parked_records"
+    RESCALE_RUNNING = "keyshift_rescale_in_progress"
+    RESCALES = "keyshift_rescales_total"
 
 
 COUNTERS = (
@@ -66,6 +71,11 @@ HELP: dict[MetricName, str] = {
     MetricName.SOURCE_TARGET_RATE: "Records per second the source's load profile asks for now.",
     MetricName.JOB_PARALLELISM: "Parallelism of each stage, as the coordinator assigns it.",
     MetricName.JOB_PHASE: "1 for the job's current phase, 0 for the others.",
+    MetricName.MIGRATION: "Live-migration work by kind (groups/keys/bytes in and out, fetches, "
+    "records parked and forwarded).",
+    MetricName.PARKED_NOW: "Records parked at this instance, waiting for their key's state.",
+    MetricName.RESCALE_RUNNING: "1 while a rescale of the stage runs.",
+    MetricName.RESCALES: "Finished rescales by strategy and result (done or failed).",
 }
 
 
@@ -106,6 +116,21 @@ class BatchHistogram(Collector):
         yield family
 
 
+class MigrationStats(collections.Counter[str]):
+    """One move's counters (sent to the coordinator when it ends), mirrored to Prometheus."""
+
+    def __init__(self, family: Any, labels: list[str]) -> None:
+        super().__init__()
+        self._family = family
+        self._labels = labels
+
+    def __setitem__(self, kind: str, value: int) -> None:
+        delta = value - self.get(kind, 0)
+        super().__setitem__(kind, value)
+        if delta > 0:
+            self._family.labels(*self._labels, kind).inc(delta)
+
+
 class InstanceMetrics:
     """The metrics of one process, in their own registry, served on their own port."""
 
@@ -136,11 +161,22 @@ class InstanceMetrics:
         self.state_bytes = gauge(MetricName.STATE_BYTES)
         self.parallelism = gauge(MetricName.PARALLELISM)
         self.source_target_rate = gauge(MetricName.SOURCE_TARGET_RATE)
+        self._migration = Counter(
+            MetricName.MIGRATION.removesuffix("_total"),
+            HELP[MetricName.MIGRATION],
+            (*LABELS, "kind"),
+            registry=self.registry,
+        )
+        self.parked_now = gauge(MetricName.PARKED_NOW)
         self.latency = BatchHistogram(
             MetricName.LATENCY, HELP[MetricName.LATENCY], LATENCY_BUCKETS, self.labels
         )
         self.registry.register(self.latency)
         self.invalid_total = 0
+
+    def migration_stats(self) -> MigrationStats:
+        """A fresh per-move counter whose increments are also exported."""
+        return MigrationStats(self._migration, list(self.labels.values()))
 
     def count(self, name: MetricName, amount: float) -> None:
         """Add to one of the COUNTERS; `totals` keeps the values for reports."""
@@ -196,9 +232,28 @@ class CoordinatorMetrics:
             ("job", "phase"),
             registry=self.registry,
         )
+        self._rescale_running = Gauge(
+            MetricName.RESCALE_RUNNING,
+            HELP[MetricName.RESCALE_RUNNING],
+            ("job", "stage"),
+            registry=self.registry,
+        )
+        self._rescales = Counter(
+            MetricName.RESCALES.removesuffix("_total"),
+            HELP[MetricName.RESCALES],
+            ("job", "stage", "strategy", "result"),
+            registry=self.registry,
+        )
 
     def set_parallelism(self, stage: str, parallelism: int) -> None:
         self._parallelism.labels(self.job, stage).set(parallelism)
+
+    def rescale_started(self, stage: str) -> None:
+        self._rescale_running.labels(self.job, stage).set(1)
+
+    def rescale_finished(self, stage: str, strategy: str, result: str) -> None:
+        self._rescale_running.labels(self.job, stage).set(0)
+        self._rescales.labels(self.job, stage, strategy, result).inc()
 
     def set_phase(self, phase: str) -> None:
         for name in PHASES:

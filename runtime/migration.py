@@ -59,7 +59,7 @@ class MoveOut:
     ) -> None:
         self.ctx = ctx
         self.state = state
-        self.stats: Counter[str] = Counter()
+        self.stats = ctx.metrics.migration_stats()
         self.epoch = int(command["epoch"])
         self.sources = int(command["sources"])
         groups = ctx.spec.max_key_groups
@@ -217,7 +217,7 @@ class MoveIn:
         self.ctx = ctx
         self.state = state
         self.apply = apply
-        self.stats: Counter[str] = Counter()
+        self.stats = ctx.metrics.migration_stats()
         self.epoch = int(command["epoch"])
         groups = ctx.spec.max_key_groups
         self.source_of = np.full(groups, -1, dtype=np.int32)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import re
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -18,10 +19,12 @@ from keyshift.operator.local_host import LocalJob
 from keyshift.runtime.generator import KeyGenerator
 from keyshift.runtime.job import GeneratorSource
 from keyshift.runtime.keyspace import key_groups
+from keyshift.runtime.metrics import MetricName
 from keyshift.runtime.output_log import OutputLogReader
 from keyshift.runtime.rescale import STRATEGIES
 from keyshift.runtime.transport import JsonClient, TransportError
 from tests.conftest import count_job, latest_by_version, running_job, wait_for
+from tests.test_metrics import scrape
 
 SERVICE = "keyshift.Coordinator"
 
@@ -86,6 +89,7 @@ def run_with_rescales(
     start: int,
     steps: list[tuple[int, str]],
     job: dict[str, Any] | None = None,
+    after: Callable[[LocalJob], None] = lambda local: None,
 ) -> list[dict[str, Any]]:
     out = tmp_path / "out"
     results = []
@@ -98,6 +102,7 @@ def run_with_rescales(
             flowed = sum_out(local)
             wait_for(lambda f=flowed: sum_out(local) > f + 5000, 30, "records to flow")
             results.append(rescale_via(local, client, parallelism, strategy))
+        after(local)
         local.drain()
         final = wait_for(
             lambda: (s := local.status())["phase"] == "finished" and s, 120, "the job to drain"
@@ -176,7 +181,21 @@ def test_count_aggregate_through_rescales_equals_truth(tmp_path: Path) -> None:
             "config": {"kind": "log", "path": str(tmp_path / "out"), "format": "parquet"},
         },
     )
-    run_with_rescales(tmp_path, source, 2, [(4, "hot-first"), (1, "hot-first")], job=job)
+
+    def exported(local: LocalJob) -> None:
+        """Rescales and the migration work are Prometheus metrics too."""
+        coordinator = scrape(f"127.0.0.1:{local.coordinator_metrics_port}")
+        done = coordinator[MetricName.RESCALES]
+        key = (("job", "t"), ("result", "done"), ("stage", "track"), ("strategy", "hot-first"))
+        assert done[key] == 2
+        assert max(coordinator[MetricName.RESCALE_RUNNING].values()) == 0
+        keyed = scrape(local.status()["stages"][1]["instances"][0]["metrics"])
+        kinds = {dict(labels)["kind"]: v for labels, v in keyed[MetricName.MIGRATION].items()}
+        assert kinds["keys_in"] > 0 and kinds["bytes_in"] > 0 and kinds["groups_in"] > 0
+
+    run_with_rescales(
+        tmp_path, source, 2, [(4, "hot-first"), (1, "hot-first")], job=job, after=exported
+    )
 
 
 @settings(
