@@ -32,7 +32,6 @@ class MetricName(StrEnum):
     IDLE_SECONDS = "keyshift_idle_seconds_total"
     BACKPRESSURED_SECONDS = "keyshift_backpressured_seconds_total"
     QUEUE_DEPTH = "keyshift_input_queue_batches"
-    QUEUE_RECORDS = "keyshift_input_queue_records"
     LATENCY = "keyshift_end_to_end_latency_seconds"
     STATE_KEYS = "keyshift_state_keys"
     STATE_BYTES = "keyshift_state_bytes"
@@ -62,7 +61,6 @@ HELP: dict[MetricName, str] = {
     MetricName.IDLE_SECONDS: "Seconds spent waiting for input.",
     MetricName.BACKPRESSURED_SECONDS: "Seconds spent waiting for downstream credit.",
     MetricName.QUEUE_DEPTH: "Batches waiting in this instance's input queue.",
-    MetricName.QUEUE_RECORDS: "Records waiting in this instance's input queue.",
     MetricName.LATENCY: "Ingest-to-sink latency of records, in seconds.",
     MetricName.STATE_KEYS: "Keys held in this instance's keyed state.",
     MetricName.STATE_BYTES: "Estimated bytes of this instance's keyed state.",
@@ -156,7 +154,6 @@ class InstanceMetrics:
             registry=self.registry,
         )
         self.queue_depth = gauge(MetricName.QUEUE_DEPTH)
-        self.queue_records = gauge(MetricName.QUEUE_RECORDS)
         self.state_keys = gauge(MetricName.STATE_KEYS)
         self.state_bytes = gauge(MetricName.STATE_BYTES)
         self.parallelism = gauge(MetricName.PARALLELISM)
