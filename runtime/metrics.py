@@ -114,6 +114,15 @@ class BatchHistogram(Collector):
         yield family
 
 
+def counter(name: MetricName, labels: Sequence[str], registry: CollectorRegistry) -> Any:
+    """A counter family; prometheus_client adds the `_total` our names already carry."""
+    return Counter(name.removesuffix("_total"), HELP[name], labels, registry=registry)
+
+
+def gauge(name: MetricName, labels: Sequence[str], registry: CollectorRegistry) -> Any:
+    return Gauge(name, HELP[name], labels, registry=registry)
+
+
 class MigrationStats(collections.Counter[str]):
     """One move's counters (sent to the coordinator when it ends), mirrored to Prometheus."""
 
@@ -137,34 +146,23 @@ class InstanceMetrics:
         self.labels = {"job": job, "stage": stage, "instance": instance}
         values = list(self.labels.values())
 
-        def gauge(name: MetricName) -> Any:
-            return Gauge(name, HELP[name], LABELS, registry=self.registry).labels(*values)
+        def own(name: MetricName) -> Any:
+            return gauge(name, LABELS, self.registry).labels(*values)
 
         self.totals: dict[MetricName, float] = dict.fromkeys(COUNTERS, 0.0)
         self._counters = {
-            name: Counter(
-                name.removesuffix("_total"), HELP[name], LABELS, registry=self.registry
-            ).labels(*values)
-            for name in COUNTERS
+            name: counter(name, LABELS, self.registry).labels(*values) for name in COUNTERS
         }
-        self.invalid_counter = Counter(
-            MetricName.INVALID_RECORDS.removesuffix("_total"),
-            HELP[MetricName.INVALID_RECORDS],
-            (*LABELS, "reason"),
-            registry=self.registry,
+        self.invalid_counter = counter(
+            MetricName.INVALID_RECORDS, (*LABELS, "reason"), self.registry
         )
-        self.queue_depth = gauge(MetricName.QUEUE_DEPTH)
-        self.state_keys = gauge(MetricName.STATE_KEYS)
-        self.state_bytes = gauge(MetricName.STATE_BYTES)
-        self.parallelism = gauge(MetricName.PARALLELISM)
-        self.source_target_rate = gauge(MetricName.SOURCE_TARGET_RATE)
-        self._migration = Counter(
-            MetricName.MIGRATION.removesuffix("_total"),
-            HELP[MetricName.MIGRATION],
-            (*LABELS, "kind"),
-            registry=self.registry,
-        )
-        self.parked_now = gauge(MetricName.PARKED_NOW)
+        self.queue_depth = own(MetricName.QUEUE_DEPTH)
+        self.state_keys = own(MetricName.STATE_KEYS)
+        self.state_bytes = own(MetricName.STATE_BYTES)
+        self.parallelism = own(MetricName.PARALLELISM)
+        self.source_target_rate = own(MetricName.SOURCE_TARGET_RATE)
+        self._migration = counter(MetricName.MIGRATION, (*LABELS, "kind"), self.registry)
+        self.parked_now = own(MetricName.PARKED_NOW)
         self.latency = BatchHistogram(
             MetricName.LATENCY, HELP[MetricName.LATENCY], LATENCY_BUCKETS, self.labels
         )
@@ -217,29 +215,11 @@ class CoordinatorMetrics:
     def __init__(self, job: str) -> None:
         self.registry = CollectorRegistry()
         self.job = job
-        self._parallelism = Gauge(
-            MetricName.JOB_PARALLELISM,
-            HELP[MetricName.JOB_PARALLELISM],
-            ("job", "stage"),
-            registry=self.registry,
-        )
-        self._phase = Gauge(
-            MetricName.JOB_PHASE,
-            HELP[MetricName.JOB_PHASE],
-            ("job", "phase"),
-            registry=self.registry,
-        )
-        self._rescale_running = Gauge(
-            MetricName.RESCALE_RUNNING,
-            HELP[MetricName.RESCALE_RUNNING],
-            ("job", "stage"),
-            registry=self.registry,
-        )
-        self._rescales = Counter(
-            MetricName.RESCALES.removesuffix("_total"),
-            HELP[MetricName.RESCALES],
-            ("job", "stage", "strategy", "result"),
-            registry=self.registry,
+        self._parallelism = gauge(MetricName.JOB_PARALLELISM, ("job", "stage"), self.registry)
+        self._phase = gauge(MetricName.JOB_PHASE, ("job", "phase"), self.registry)
+        self._rescale_running = gauge(MetricName.RESCALE_RUNNING, ("job", "stage"), self.registry)
+        self._rescales = counter(
+            MetricName.RESCALES, ("job", "stage", "strategy", "result"), self.registry
         )
 
     def set_parallelism(self, stage: str, parallelism: int) -> None:
