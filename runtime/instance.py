@@ -34,6 +34,7 @@ from keyshift.runtime.transport import (
     BATCH,
     Inbox,
     JsonClient,
+    NoCredit,
     Outlet,
     PortInUseError,
     TransportError,
@@ -183,9 +184,7 @@ class InstanceContext:
                 waited = outlet.send(payload, deadline=time.monotonic() + 1.0, kind=kind)
                 self.metrics.count(MetricName.BACKPRESSURED_SECONDS, waited)
                 return
-            except TransportError as exc:
-                if "deadline" not in str(exc):
-                    raise
+            except NoCredit:
                 self.metrics.count(MetricName.BACKPRESSURED_SECONDS, 1.0)
                 self.check()
 

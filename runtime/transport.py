@@ -51,6 +51,10 @@ class PortInUseError(TransportError):
     pass
 
 
+class NoCredit(TransportError):
+    """The receiver granted no credit before the sender's deadline: it is backpressuring."""
+
+
 def start_server(
     address: str, handlers: list[grpc.GenericRpcHandler[Any, Any]], max_workers: int = 64
 ) -> tuple[grpc.Server, int]:
@@ -275,7 +279,7 @@ class Outlet:
         with self._cv:
             while self._credits == 0 and self._error is None:
                 if deadline is not None and time.monotonic() > deadline:
-                    raise TransportError(f"no credit from {self.address} before the deadline")
+                    raise NoCredit(f"no credit from {self.address} before the deadline")
                 self._cv.wait(0.1)
             if self._error is not None:
                 raise TransportError(self._error)
