@@ -5,8 +5,12 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 PYTHON ?= python3
+PROMETHEUS := /usr/bin/prometheus
+# apt-get needs root: use sudo when we are not root and it exists (else apt-get says why it fails).
+SUDO := $(shell [ "$$(id -u)" -eq 0 ] || command -v sudo)
+APT_INSTALL := $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends
 
-.PHONY: demo test lint typecheck bench bench-rescale clean
+.PHONY: demo test lint typecheck prometheus bench bench-rescale clean
 
 # `python -m` puts the working directory first on sys.path, where our operator/ folder would
 # shadow the standard library's `operator`; so venv and pip run from / and by their scripts.
@@ -16,8 +20,21 @@ $(STAMP): pyproject.toml
 	$(VENV)/bin/pip install --quiet -e '.[dev]'
 	touch $(STAMP)
 
+# The tests use a real Prometheus server, Debian's `prometheus` package; install it
+# when missing. Refresh the package lists only when apt does not know the package yet.
+prometheus: $(PROMETHEUS)
+
+$(PROMETHEUS):
+	@out=$$($(APT_INSTALL) prometheus 2>&1); status=$$?; echo "$$out"; \
+	if [ $$status -ne 0 ]; then \
+	  echo "$$out" | grep -qE 'Unable to locate package|has no installation candidate' || exit $$status; \
+	  $(SUDO) apt-get update && $(APT_INSTALL) prometheus; \
+	fi
+
+# The main job: load rises and falls, DS2 scales the keyed stage out and in (live view, then a
+# report of rate, parallelism, latency and decisions over time).
 demo: $(STAMP)
-	$(VENV)/bin/keyshift run examples/clicks.yaml --duration 30
+	$(VENV)/bin/keyshift run examples/autoscale.yaml --duration 100 --report out/autoscale-report.png
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
@@ -26,7 +43,7 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	tools/typecheck.sh
 
-test: lint typecheck
+test: lint typecheck prometheus
 	$(VENV)/bin/pytest
 
 bench: $(STAMP)

@@ -2,7 +2,7 @@
 
 Every process a test starts is stopped by the test, also when it fails: jobs run inside
 `running_job` (a LocalJob context manager) or `cli` (a `keyshift` subprocess in its own session
-whose whole process group is killed at the end).
+whose whole process group is killed at the end), and the `prometheus` fixture stops its server.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from keyshift.operator.local_host import LocalJob
 from keyshift.runtime.job import JobSpec, parse_job
 from keyshift.runtime.lifecycle import PARENT_ENV
 from keyshift.runtime.output_log import OutputLogReader
+from tests.prometheus_server import PrometheusServer
 
 REPO = Path(__file__).resolve().parent.parent
 KEYSHIFT = str(Path(sys.executable).with_name("keyshift"))
@@ -121,6 +122,13 @@ def count_job(**overrides: Any) -> dict[str, Any]:
 def _job_registry(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Each test records its running jobs in its own registry (keyshift.operator.job_registry)."""
     monkeypatch.setenv("KEYSHIFT_HOME", str(tmp_path / "keyshift-home"))
+
+
+@pytest.fixture
+def prometheus(tmp_path: Path) -> Iterator[PrometheusServer]:
+    """A real Prometheus server (tests/prometheus_server.py), ready; stopped after the test."""
+    with PrometheusServer(tmp_path / "prometheus") as server:
+        yield server
 
 
 def latest_by_version(out: Path) -> dict[Any, tuple[int, Any]]:
