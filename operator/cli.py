@@ -24,7 +24,10 @@ from keyshift.operator.local_host import (
     interrupt_flag,
     run_job,
 )
-from keyshift.runtime.job import JobError, load_job
+from keyshift.operator.local_scaling import LocalAutoscaler, TargetsFile, local_autoscaler
+from keyshift.operator.run_report import Timeline, write_png
+from keyshift.policies.settings import AutoscalerSettings
+from keyshift.runtime.job import JobError, JobSpec, load_job
 from keyshift.runtime.lifecycle import allow_user_code
 from keyshift.runtime.rescale import STRATEGIES
 from keyshift.runtime.transport import JsonClient, TransportError
@@ -74,6 +77,16 @@ def build_parser() -> argparse.ArgumentParser:
         type=_positive,
         default=30.0,
         help="seconds for all instances to register",
+    )
+    run.add_argument(
+        "--report",
+        type=Path,
+        help="write a PNG of input rate, parallelism, latency and decisions here at the end",
+    )
+    run.add_argument(
+        "--prometheus-targets",
+        type=Path,
+        help="keep a Prometheus file_sd list of the job's metrics endpoints in this file",
     )
     rescale = sub.add_parser("rescale", help="change a keyed stage's parallelism, live")
     rescale.add_argument("job", help="job name (as run by `keyshift run` here) or HOST:PORT")
@@ -194,6 +207,7 @@ def cmd_run(args: argparse.Namespace, console: Console) -> int:
         return 2
     started = time.monotonic()
     view = LiveView(console, enabled=not args.no_view)
+    timeline = Timeline(time.monotonic(), spec.keyed.name)
     try:
         with (
             interrupt_flag() as interrupted,
@@ -207,17 +221,31 @@ def cmd_run(args: argparse.Namespace, console: Console) -> int:
         ):
             job.start()
             registered = register(spec.name, job.address, job.log_dir)
+            autoscaler = None
             try:
                 console.print(
                     f"job {spec.name}: coordinator at {job.address}, logs in {job.log_dir}",
                     highlight=False,
                 )
+                if spec.autoscaler is not None:
+                    autoscaler = start_autoscaler(spec, spec.autoscaler, job, console, view)
+                targets = _targets_file(args.prometheus_targets, spec.name, job, autoscaler)
+
+                def on_status(status: dict[str, Any]) -> None:
+                    now = time.monotonic()
+                    view.update(status, now)
+                    timeline.add(now, status, view.tracker)
+                    if targets is not None:
+                        targets.update(status)
+                    if autoscaler is not None:
+                        timeline.decided(now, autoscaler.poll(status))
+
                 with view:
-                    result = run_job(
-                        job, args.duration, interrupted, lambda s: view.update(s, time.monotonic())
-                    )
+                    result = run_job(job, args.duration, interrupted, on_status)
             finally:
                 registered.unlink(missing_ok=True)
+                if autoscaler is not None:
+                    autoscaler.close()
     except RegistryError as exc:
         _error(console, exc)
         return 2
@@ -229,9 +257,58 @@ def cmd_run(args: argparse.Namespace, console: Console) -> int:
     )
     for rescale in result.status.get("rescales", []):
         console.print("  " + describe_rescale(rescale), highlight=False, soft_wrap=True)
+    if autoscaler is not None:
+        actions = [d for _, d in timeline.decisions]
+        console.print(
+            f"  autoscaler ({spec.autoscaler.policy if spec.autoscaler else ''}): "
+            f"{len(actions)} scaling decision(s); all decisions in {autoscaler.events.path}",
+            highlight=False,
+        )
+    if args.report is not None:
+        path = write_png(timeline, args.report, f"keyshift job {spec.name}")
+        console.print(f"  report: {path}", highlight=False)
     if result.interrupted:
         console.print("stopped by Ctrl-C; the job drained cleanly", highlight=False)
     return 0
+
+
+def start_autoscaler(
+    spec: JobSpec, settings: AutoscalerSettings, job: LocalJob, console: Console, view: LiveView
+) -> LocalAutoscaler:
+    """The autoscaling loop for this run; its decisions show in the view and as lines."""
+    assert job.client is not None
+    autoscaler = local_autoscaler(
+        spec,
+        settings,
+        job.client,
+        job,
+        job.log_dir,
+        lambda line: console.print(line, highlight=False, soft_wrap=True),
+        host=job.host,
+    )
+    scalable = autoscaler.loop.executor.scalable
+    view.notes = lambda: [
+        f"autoscaler: {d.reason}" for d in autoscaler.events.latest.values() if d.stage in scalable
+    ]
+    source = settings.prometheus_url or "direct scraping"
+    console.print(
+        f"autoscaler: {settings.policy} every {settings.interval:g} s over "
+        f"{settings.metrics_window:g} s of metrics from {source}"
+        + (" (dry run)" if settings.dry_run else ""),
+        highlight=False,
+    )
+    return autoscaler
+
+
+def _targets_file(
+    path: Path | None, job_name: str, job: LocalJob, autoscaler: LocalAutoscaler | None
+) -> TargetsFile | None:
+    if path is None:
+        return None
+    extra = [f"{job.host}:{job.coordinator_metrics_port}"]
+    if autoscaler is not None:
+        extra.append(f"{job.host}:{autoscaler.metrics_port}")
+    return TargetsFile(path, job_name, extra)
 
 
 def main(argv: list[str] | None = None) -> int:

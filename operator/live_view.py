@@ -8,6 +8,7 @@ printed as plain lines otherwise. Used by `keyshift.operator.cli`.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -109,12 +110,13 @@ def _rate(value: float) -> str:
     return f"{value:.0f}/s"
 
 
-def render_table(status: dict[str, Any], tracker: RateTracker) -> Table:
+def render_table(status: dict[str, Any], tracker: RateTracker, notes: Sequence[str] = ()) -> Table:
     p50, p99 = tracker.latency()
+    caption = "\n".join(line for line in (rescale_note(status), *notes) if line)
     table = Table(
         title=f"keyshift job {status['job']} — {status['phase']} — {status['uptime']:.0f} s — "
         f"latency p50 {_ms(p50)} p99 {_ms(p99)}",
-        caption=rescale_note(status) or None,
+        caption=caption or None,
     )
     for column in (
         "stage",
@@ -147,7 +149,7 @@ def rescale_note(status: dict[str, Any]) -> str:
     )
 
 
-def plain_line(status: dict[str, Any], tracker: RateTracker) -> str:
+def plain_line(status: dict[str, Any], tracker: RateTracker, notes: Sequence[str] = ()) -> str:
     p50, p99 = tracker.latency()
     parts = [f"[{status['uptime']:6.1f}s {status['phase']}]"]
     if status.get("rescale"):
@@ -157,14 +159,21 @@ def plain_line(status: dict[str, Any], tracker: RateTracker) -> str:
             f"{s.name} x{s.parallelism} in {_rate(s.rate_in)} busy {s.busy:.0%} q {s.queue}"
         )
     parts.append(f"latency p50 {_ms(p50)} p99 {_ms(p99)}")
-    return " | ".join(parts)
+    return " | ".join([*parts, *notes])
 
 
 class LiveView:
     """Feeds on status snapshots; redraws a rich table, or prints a line every few seconds."""
 
-    def __init__(self, console: Console, enabled: bool = True, plain_every: float = 5.0) -> None:
+    def __init__(
+        self,
+        console: Console,
+        enabled: bool = True,
+        plain_every: float = 5.0,
+        notes: Callable[[], Sequence[str]] = tuple,
+    ) -> None:
         self.console = console
+        self.notes = notes
         self.tracker = RateTracker()
         self.enabled = enabled
         self.plain_every = plain_every
@@ -186,10 +195,10 @@ class LiveView:
         if not self.enabled:
             return
         if self._live is not None:
-            self._live.update(render_table(status, self.tracker))
+            self._live.update(render_table(status, self.tracker, self.notes()))
         elif now - self._last_plain >= self.plain_every:
             self._last_plain = now
-            self.console.print(plain_line(status, self.tracker), highlight=False)
+            self.console.print(plain_line(status, self.tracker, self.notes()), highlight=False)
 
 
 def final_report(status: dict[str, Any], tracker: RateTracker, elapsed: float) -> str:

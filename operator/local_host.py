@@ -14,7 +14,7 @@ import signal
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -109,14 +109,18 @@ class LocalJob:
                 self.start_instance(stage.name, index)
 
     def ensure_instances(self, status: dict[str, Any]) -> None:
-        """Start the instances the coordinator wants and nobody runs (a scale-out); a retired
-        instance's index may be started again by a later scale-out."""
+        """Start the instances the coordinator wants and nobody runs (a scale-out)."""
         for stage in status["stages"]:
-            members = {i["index"] for i in stage["instances"]}
-            for index in range(stage["desired"]):
-                child = self.instances.get(f"{stage['name']}/{index}")
-                if child is None or (child.exit_code() == 0 and index not in members):
-                    self.start_instance(stage["name"], index)
+            registered = {i["index"] for i in stage["instances"]}
+            self.ensure(stage["name"], stage["desired"], registered)
+
+    def ensure(self, stage: str, parallelism: int, registered: Collection[int] = ()) -> None:
+        """Have instances 0..parallelism-1 of `stage` running: the local WorkerPool. A retired
+        instance (exited cleanly, no longer registered) may be started again."""
+        for index in range(parallelism):
+            child = self.instances.get(f"{stage}/{index}")
+            if child is None or (child.exit_code() == 0 and index not in registered):
+                self.start_instance(stage, index)
 
     def start_instance(self, stage: str, index: int) -> Child:
         name = f"{stage}/{index}"

@@ -363,6 +363,11 @@ class IngestService:
         with self._cv:
             return len(self._queue)
 
+    def pending_rows(self) -> int:
+        """Accepted rows not yet taken: the source's backlog."""
+        with self._cv:
+            return sum(batch.num_rows for batch in self._queue)
+
     def close(self) -> None:
         """Stop accepting; later (and waiting) pushes get UNAVAILABLE. `take` still drains."""
         with self._cv:

@@ -25,6 +25,7 @@ from pydantic import (
     model_validator,
 )
 
+from keyshift.policies.settings import AutoscalerSettings
 from keyshift.runtime.records import RESERVED_FIELDS
 
 FieldType = Literal["int", "float", "str", "bool"]
@@ -275,12 +276,18 @@ class JobSpec(_Model):
     keyed: KeyedStage = Field(default_factory=KeyedStage)
     sink: SinkStage = Field(default_factory=SinkStage)
     batching: Batching = Field(default_factory=Batching)
+    autoscaler: AutoscalerSettings | None = Field(
+        default=None, description="pick the parallelism by itself; none keeps it as given"
+    )
 
     @model_validator(mode="after")
     def _consistent(self) -> JobSpec:
         names = [self.source.name, self.keyed.name, self.sink.name]
         if len(set(names)) != len(names):
             raise ValueError(f"stage names must be distinct, got {names}")
+        unknown = sorted(set(self.autoscaler.stages) - set(names)) if self.autoscaler else []
+        if unknown:
+            raise ValueError(f"autoscaler.stages names {unknown}, which are not stages {names}")
         if self.keyed.key_by not in self.fields:
             raise ValueError(
                 f"keyed.key_by {self.keyed.key_by!r} is not one of fields {list(self.fields)}"

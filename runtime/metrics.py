@@ -38,12 +38,17 @@ class MetricName(StrEnum):
     PARALLELISM = "keyshift_stage_parallelism"
     INVALID_RECORDS = "keyshift_invalid_records_total"
     SOURCE_TARGET_RATE = "keyshift_source_target_rate"
+    SOURCE_BACKLOG = "keyshift_source_backlog_records"
     JOB_PARALLELISM = "keyshift_job_stage_parallelism"
     JOB_PHASE = "keyshift_job_phase"
     MIGRATION = "keyshift_migration_total"
     PARKED_NOW = "keyshift_migration_parked_records"
     RESCALE_RUNNING = "keyshift_rescale_in_progress"
     RESCALES = "keyshift_rescales_total"
+    AUTOSCALER_PARALLELISM = "keyshift_autoscaler_parallelism"
+    AUTOSCALER_RECOMMENDED = "keyshift_autoscaler_recommended_parallelism"
+    AUTOSCALER_DECISIONS = "keyshift_autoscaler_decisions_total"
+    AUTOSCALER_ERRORS = "keyshift_autoscaler_errors_total"
 
 
 COUNTERS = (
@@ -67,6 +72,8 @@ HELP: dict[MetricName, str] = {
     MetricName.PARALLELISM: "Current parallelism of this instance's stage.",
     MetricName.INVALID_RECORDS: "Records rejected because they do not fit the job's schema.",
     MetricName.SOURCE_TARGET_RATE: "Records per second the source's load profile asks for now.",
+    MetricName.SOURCE_BACKLOG: "Records that arrived (or fell due) but the source has not "
+    "taken in yet.",
     MetricName.JOB_PARALLELISM: "Parallelism of each stage, as the coordinator assigns it.",
     MetricName.JOB_PHASE: "1 for the job's current phase, 0 for the others.",
     MetricName.MIGRATION: "Live-migration work by kind (groups/keys/bytes in and out, fetches, "
@@ -74,6 +81,12 @@ HELP: dict[MetricName, str] = {
     MetricName.PARKED_NOW: "Records parked at this instance, waiting for their key's state.",
     MetricName.RESCALE_RUNNING: "1 while a rescale of the stage runs.",
     MetricName.RESCALES: "Finished rescales by strategy and result (done or failed).",
+    MetricName.AUTOSCALER_PARALLELISM: "Parallelism of each stage when the autoscaler last looked.",
+    MetricName.AUTOSCALER_RECOMMENDED: "Parallelism the autoscaler's policy recommends per stage.",
+    MetricName.AUTOSCALER_DECISIONS: "Autoscaler decisions by stage and action (scale_up, "
+    "scale_down, hold).",
+    MetricName.AUTOSCALER_ERRORS: "Ticks without a decision or failed rescales, by reason "
+    "(metrics, rescale).",
 }
 
 
@@ -112,6 +125,12 @@ class BatchHistogram(Collector):
             list(self._labels.values()), list(zip(bounds, cumulative, strict=True)), total
         )
         yield family
+
+
+def serve_registry(registry: CollectorRegistry, host: str, port: int) -> int:
+    """Serve a registry's /metrics on a thread; return the bound port (0 picks a free one)."""
+    server, _thread = start_http_server(port, addr=host, registry=registry)
+    return int(server.server_port)
 
 
 def counter(name: MetricName, labels: Sequence[str], registry: CollectorRegistry) -> Any:
@@ -161,6 +180,7 @@ class InstanceMetrics:
         self.state_bytes = own(MetricName.STATE_BYTES)
         self.parallelism = own(MetricName.PARALLELISM)
         self.source_target_rate = own(MetricName.SOURCE_TARGET_RATE)
+        self.source_backlog = own(MetricName.SOURCE_BACKLOG)
         self._migration = counter(MetricName.MIGRATION, (*LABELS, "kind"), self.registry)
         self.parked_now = own(MetricName.PARKED_NOW)
         self.latency = BatchHistogram(
@@ -183,9 +203,7 @@ class InstanceMetrics:
         self.invalid_total += count
 
     def serve(self, host: str, port: int) -> int:
-        """Serve /metrics; return the bound port (0 picks a free one)."""
-        server, _thread = start_http_server(port, addr=host, registry=self.registry)
-        return int(server.server_port)
+        return serve_registry(self.registry, host, port)
 
 
 def quantile_from_buckets(counts: Sequence[int], q: float) -> float | None:
@@ -237,5 +255,31 @@ class CoordinatorMetrics:
             self._phase.labels(self.job, name).set(1 if name == phase else 0)
 
     def serve(self, host: str, port: int) -> int:
-        server, _thread = start_http_server(port, addr=host, registry=self.registry)
-        return int(server.server_port)
+        return serve_registry(self.registry, host, port)
+
+
+class AutoscalerMetrics:
+    """The autoscaling loop's view, served by whichever host runs the loop."""
+
+    def __init__(self, job: str) -> None:
+        self.registry = CollectorRegistry()
+        self.job = job
+        self._current = gauge(MetricName.AUTOSCALER_PARALLELISM, ("job", "stage"), self.registry)
+        self._recommended = gauge(
+            MetricName.AUTOSCALER_RECOMMENDED, ("job", "stage"), self.registry
+        )
+        self._decisions = counter(
+            MetricName.AUTOSCALER_DECISIONS, ("job", "stage", "action"), self.registry
+        )
+        self._errors = counter(MetricName.AUTOSCALER_ERRORS, ("job", "reason"), self.registry)
+
+    def decided(self, stage: str, current: int, recommended: int, action: str) -> None:
+        self._current.labels(self.job, stage).set(current)
+        self._recommended.labels(self.job, stage).set(recommended)
+        self._decisions.labels(self.job, stage, action).inc()
+
+    def error(self, reason: str) -> None:
+        self._errors.labels(self.job, reason).inc()
+
+    def serve(self, host: str, port: int) -> int:
+        return serve_registry(self.registry, host, port)

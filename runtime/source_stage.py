@@ -228,6 +228,7 @@ def run_ingest(ctx: InstanceContext, config: IngestSource, emitter: Emitter) -> 
             if emitter.router.paused:
                 time.sleep(linger)
                 continue
+            ctx.metrics.source_backlog.set(service.pending_rows())
             waited = time.perf_counter()
             batch = service.take(max(linger, 0.01))
             ctx.metrics.count(MetricName.IDLE_SECONDS, time.perf_counter() - waited)
@@ -262,6 +263,7 @@ def run_generator(ctx: InstanceContext, config: GeneratorSource, emitter: Emitte
         target = rate_at(config.profile, elapsed)
         metrics.source_target_rate.set(target / parallelism if target is not None else 0)
         due = pacer.due(elapsed, seq)
+        metrics.source_backlog.set(due or 0)
         if emitter.router.paused:
             due = 0
         if due is None:

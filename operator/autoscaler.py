@@ -1,0 +1,172 @@
+"""The autoscaling loop: collect -> decide -> guard -> execute -> record, once per tick.
+
+One object with its parts injected (DESIGN.md, "Control plane"); it has no Kubernetes and no
+process code. The local host (`keyshift.operator.local_scaling`) and the Kubernetes operator wire
+their own MetricsSource, RescaleExecutor and EventSink into it. A tick never raises for a
+problem of the job's: no metrics, NaN rates or a failed rescale become a recorded reason, and
+the job runs on.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import Protocol
+
+from keyshift.policies.guards import GuardState, guard
+from keyshift.policies.model import Decision, Policy, ScalingInput
+from keyshift.policies.settings import AutoscalerSettings
+from keyshift.runtime.metrics import AutoscalerMetrics
+
+log = logging.getLogger(__name__)
+
+# Rates over less than this many seconds are mostly noise (and Prometheus needs two scrapes).
+MIN_WINDOW = 3.0
+KEPT_DECISIONS = 200
+
+
+class MetricsUnavailable(RuntimeError):
+    """The metrics for a decision cannot be had now; the message says why."""
+
+
+class RescaleRefused(RuntimeError):
+    """The runtime did not start a rescale; the message says why."""
+
+
+@dataclass(frozen=True)
+class RescaleOutcome:
+    stage: str
+    ok: bool
+    detail: str
+
+
+class MetricsSource(Protocol):
+    def collect(self, window: float, now: float) -> ScalingInput:
+        """Every stage's rates over the last `window` seconds; raises MetricsUnavailable."""
+        ...
+
+
+class RescaleExecutor(Protocol):
+    scalable: frozenset[str]  # the stages this host can rescale live
+
+    def apply(self, stage: str, parallelism: int, strategy: str) -> None:
+        """Start a rescale (workers first, then the coordinator); raises RescaleRefused."""
+        ...
+
+    def running(self) -> str | None:
+        """The stage being rescaled now, whoever started it, or None."""
+        ...
+
+    def finished(self) -> list[RescaleOutcome]:
+        """Rescales that ended since the last call."""
+        ...
+
+
+class EventSink(Protocol):
+    def decided(self, decisions: Sequence[Decision]) -> None:
+        """One tick's decisions, one per stage."""
+        ...
+
+    def problem(self, at: float, reason: str) -> None:
+        """Something kept the loop from deciding or from acting."""
+        ...
+
+
+class Clock(Protocol):
+    def now(self) -> float: ...
+
+
+class AutoscalingLoop:
+    def __init__(
+        self,
+        settings: AutoscalerSettings,
+        metrics: MetricsSource,
+        policy: Policy,
+        executor: RescaleExecutor,
+        events: EventSink,
+        clock: Clock,
+        exported: AutoscalerMetrics,
+    ) -> None:
+        self.settings = settings
+        self.metrics = metrics
+        self.policy = policy
+        self.executor = executor
+        self.events = events
+        self.clock = clock
+        self.exported = exported
+        self.state = GuardState()
+        self.decisions: deque[Decision] = deque(maxlen=KEPT_DECISIONS)
+        self._next_tick: float | None = None
+
+    def poll(self) -> list[Decision]:
+        """Tick if one is due by the clock; hosts call this as often as they like."""
+        now = self.clock.now()
+        if self._next_tick is not None and now < self._next_tick:
+            return []
+        self._next_tick = now + self.settings.interval
+        return self.tick(now)
+
+    def tick(self, now: float) -> list[Decision]:
+        self._take_outcomes(now)
+        try:
+            observed = self.metrics.collect(self._window(now), now)
+        except MetricsUnavailable as exc:
+            self._problem(now, "metrics", f"no decision: {exc}")
+            return []
+        problem = next((p for s in observed.stages if (p := s.problem()) is not None), None)
+        if problem is not None:
+            self._problem(now, "metrics", f"no decision: {problem}")
+            return []
+        recommendations = [
+            r if r.stage in self.executor.scalable else replace(r, scalable=False)
+            for r in self.policy.decide(observed)
+        ]
+        decisions, self.state = guard(
+            recommendations,
+            self.state,
+            self.settings,
+            now,
+            self.policy.name,
+            rescaling=self.executor.running(),
+        )
+        for decision in decisions:
+            self.exported.decided(
+                decision.stage, decision.current, decision.recommended, decision.action
+            )
+            if decision.action != "hold" and not self.settings.dry_run:
+                self._execute(decision, now)
+        self.decisions.extend(decisions)
+        self.events.decided(decisions)
+        return decisions
+
+    def _window(self, now: float) -> float:
+        """The metrics window, cut at the end of the last rescale: rates from before it describe
+        a parallelism that no longer exists."""
+        ends = [h.rescaled_at for h in self.state.stages.values() if h.rescaled_at is not None]
+        if not ends:
+            return self.settings.metrics_window
+        return max(MIN_WINDOW, min(self.settings.metrics_window, now - max(ends)))
+
+    def _execute(self, decision: Decision, now: float) -> None:
+        try:
+            self.executor.apply(decision.stage, decision.target, self.settings.strategy)
+        except RescaleRefused as exc:
+            self.state = self.state.failed(decision.stage, now, self.settings)
+            self._problem(now, "rescale", f"rescale of {decision.stage} not started: {exc}")
+
+    def _take_outcomes(self, now: float) -> None:
+        for outcome in self.executor.finished():
+            if outcome.ok:
+                self.state = self.state.rescaled(outcome.stage, now)
+            else:
+                self.state = self.state.failed(outcome.stage, now, self.settings)
+                self._problem(
+                    now, "rescale", f"rescale of {outcome.stage} failed: {outcome.detail}"
+                )
+
+    def _problem(self, now: float, kind: str, reason: str) -> None:
+        log.warning("autoscaler: %s", reason)
+        self.exported.error(kind)
+        self.events.problem(now, reason)

@@ -1,0 +1,136 @@
+"""Guards between a policy's recommendation and a rescale: bounds, warm-up, back-off,
+noise threshold, activation (and a slower scale-down), one rescale at a time, dry run.
+
+Pure: the loop passes in what happened so far as a `GuardState` value and gets the next one
+back with the decisions. Called by keyshift.operator.autoscaler and the simulation harness.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
+
+from keyshift.policies.model import Action, Decision, Recommendation
+from keyshift.policies.settings import AutoscalerSettings
+
+
+@dataclass(frozen=True)
+class StageHistory:
+    """What the guards remember of one stage."""
+
+    rescaled_at: float | None = None  # when its last rescale ended
+    direction: Action = "hold"  # of the current streak of recommendations
+    streak: tuple[int, ...] = ()  # consecutive recommendations in that direction
+    failures: int = 0  # consecutive failed rescales
+    blocked_until: float = float("-inf")  # no rescale before this (back-off)
+
+
+@dataclass(frozen=True)
+class GuardState:
+    stages: Mapping[str, StageHistory] = field(default_factory=dict)
+
+    def of(self, stage: str) -> StageHistory:
+        return self.stages.get(stage, StageHistory())
+
+    def with_stage(self, stage: str, history: StageHistory) -> GuardState:
+        return GuardState({**self.stages, stage: history})
+
+    def rescaled(self, stage: str, now: float) -> GuardState:
+        """A rescale of `stage` finished at `now`: warm up, forget the streak and failures."""
+        return self.with_stage(stage, StageHistory(rescaled_at=now))
+
+    def failed(self, stage: str, now: float, settings: AutoscalerSettings) -> GuardState:
+        """A rescale of `stage` failed at `now`: back off, longer after every failure in a row."""
+        old = self.of(stage)
+        failures = old.failures + 1
+        backoff = min(settings.failure_backoff * 2 ** (failures - 1), settings.max_failure_backoff)
+        return self.with_stage(
+            stage, StageHistory(rescaled_at=now, failures=failures, blocked_until=now + backoff)
+        )
+
+
+def guard(
+    recommendations: Sequence[Recommendation],
+    state: GuardState,
+    settings: AutoscalerSettings,
+    now: float,
+    policy: str,
+    rescaling: str | None = None,
+) -> tuple[list[Decision], GuardState]:
+    """Decide what to do for each stage. `rescaling` names a stage whose rescale is running;
+    while one runs, and after the first stage this tick decides to rescale, the rest hold."""
+    decisions = []
+    busy = rescaling
+    for rec in recommendations:
+        history = state.of(rec.stage)
+        action, target, why, history = _one(rec, history, settings, now, busy)
+        state = state.with_stage(rec.stage, history)
+        if action != "hold" and not settings.dry_run:
+            busy = rec.stage
+        if action != "hold" and settings.dry_run:
+            why = f"dry run, not applied: {why}"
+        decisions.append(
+            Decision(
+                stage=rec.stage,
+                at=now,
+                policy=policy,
+                current=rec.current,
+                recommended=rec.recommended,
+                target=target,
+                action=action,
+                reason=f"{rec.reason}; {why}",
+                inputs=rec.inputs,
+            )
+        )
+    return decisions, state
+
+
+def _one(
+    rec: Recommendation,
+    history: StageHistory,
+    settings: AutoscalerSettings,
+    now: float,
+    busy: str | None,
+) -> tuple[Action, int, str, StageHistory]:
+    current = rec.current
+    hold: Action = "hold"
+    if not rec.scalable:
+        return hold, current, "not scaled by the autoscaler", history
+    if busy is not None:
+        return hold, current, f"held: a rescale of {busy} is running", history
+    if history.rescaled_at is not None and now - history.rescaled_at < settings.warmup:
+        left = settings.warmup - (now - history.rescaled_at)
+        return hold, current, f"held: warming up after a rescale ({left:.0f} s left)", history
+    if now < history.blocked_until:
+        return (
+            hold,
+            current,
+            f"held: backing off after {history.failures} failed rescale(s) "
+            f"({history.blocked_until - now:.0f} s left)",
+            history,
+        )
+    bounds = settings.bounds_of(rec.stage)
+    wanted = min(max(rec.recommended, bounds.min_parallelism), bounds.max_parallelism)
+    capped = ""
+    if wanted != rec.recommended:
+        capped = f" (bounded to [{bounds.min_parallelism}, {bounds.max_parallelism}])"
+    if abs(wanted - current) <= settings.change_threshold * current or wanted == current:
+        why = "no change" if wanted == current else (
+            f"held: {current}→{wanted} is within the change threshold "
+            f"{settings.change_threshold:.0%}"
+        )  # fmt: skip
+        return hold, current, why + capped, replace(history, direction=hold, streak=())
+    direction: Action = "scale_up" if wanted > current else "scale_down"
+    streak = (*history.streak, wanted) if history.direction == direction else (wanted,)
+    needed = settings.activation if direction == "scale_up" else settings.scale_down_activation
+    if len(streak) < needed:
+        why = (
+            f"held: {direction.replace('_', '-')} to {wanted}{capped} seen "
+            f"{len(streak)}/{needed} ticks in a row"
+        )
+        return hold, current, why, replace(history, direction=direction, streak=streak)
+    # Up: the latest answer. Down: the highest of the ticks that agreed, so one low sample
+    # cannot take away capacity.
+    target = wanted if direction == "scale_up" else max(streak[-needed:])
+    why = f"{direction.replace('_', ' ')} {current}→{target}{capped}"
+    return direction, target, why, replace(history, direction="hold", streak=())
