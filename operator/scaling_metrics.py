@@ -22,6 +22,7 @@ from prometheus_api_client import PrometheusConnect
 from prometheus_api_client.exceptions import PrometheusApiClientException
 from prometheus_client.parser import text_string_to_metric_families
 from requests import RequestException
+from urllib3.util.retry import Retry
 
 from keyshift.operator.autoscaler import Clock, MetricsUnavailable
 from keyshift.policies.model import InstanceRates, ScalingInput, StageRates
@@ -106,14 +107,16 @@ class PrometheusSource:
         job: str,
         graph: Graph,
         members: Callable[[], Members],
-        timeout: float = 5.0,
+        timeout: int = 5,
     ) -> None:
         self.url = url
         self.job = job
         self.graph = graph
         self.members = members
         self.timeout = timeout
-        self._client = PrometheusConnect(url=url, disable_ssl=True)
+        # One quick retry at most: a tick that waits out a long back-off only delays the next.
+        retry = Retry(total=1, backoff_factor=0.1, status_forcelist=(502, 503, 504))
+        self._client = PrometheusConnect(url=url, disable_ssl=True, retry=retry, timeout=timeout)
 
     def collect(self, window: float, now: float) -> ScalingInput:
         selector = f'{{job="{self.job}"}}'

@@ -45,7 +45,10 @@ class GuardState:
         failures = old.failures + 1
         backoff = min(settings.failure_backoff * 2 ** (failures - 1), settings.max_failure_backoff)
         return self.with_stage(
-            stage, StageHistory(rescaled_at=now, failures=failures, blocked_until=now + backoff)
+            stage,
+            StageHistory(
+                rescaled_at=old.rescaled_at, failures=failures, blocked_until=now + backoff
+            ),
         )
 
 

@@ -1,0 +1,202 @@
+"""The autoscaling loop's own logic: what it does with bad metrics, refused and failed rescales,
+and the metrics window after a rescale. Its parts are the interfaces of DESIGN.md's control
+plane; here they are small scripted implementations (the live tests use the real ones), so
+each fault can be produced exactly. The policy, guards and exported metrics are the real ones."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from prometheus_client import generate_latest
+
+from keyshift.operator.autoscaler import (
+    AutoscalingLoop,
+    MetricsUnavailable,
+    RescaleOutcome,
+    RescaleRefused,
+)
+from keyshift.operator.scaling_metrics import _rate
+from keyshift.policies import make_policy
+from keyshift.policies.model import Decision, InstanceRates, ScalingInput, StageRates
+from keyshift.policies.settings import AutoscalerSettings
+from keyshift.runtime.metrics import AutoscalerMetrics
+
+SETTINGS = AutoscalerSettings(activation=1, warmup=10, metrics_window=30, failure_backoff=20)
+
+
+def overloaded(busy: float = 1.0, records_in: float = 10_000) -> ScalingInput:
+    """A source offering 30k/s to one keyed instance that manages 10k/s."""
+    source = StageRates("source", 1, (InstanceRates(10_000, 10_000, 0.1),), offered=30_000)
+    keyed = StageRates("keyed", 1, (InstanceRates(records_in, records_in, busy),), {"source": 1})
+    return ScalingInput(0, 30, (source, keyed))
+
+
+@dataclass
+class ScriptedMetrics:
+    answers: list[ScalingInput | str]
+    windows: list[float] = field(default_factory=list)
+
+    def collect(self, window: float, now: float) -> ScalingInput:
+        self.windows.append(window)
+        answer = self.answers.pop(0) if len(self.answers) > 1 else self.answers[0]
+        if isinstance(answer, str):
+            raise MetricsUnavailable(answer)
+        return answer
+
+
+@dataclass
+class ScriptedExecutor:
+    refuse: str | None = None
+    outcomes: list[RescaleOutcome] = field(default_factory=list)
+    applied: list[tuple[str, int, str]] = field(default_factory=list)
+    scalable: frozenset[str] = frozenset({"keyed"})
+
+    def apply(self, stage: str, parallelism: int, strategy: str) -> None:
+        if self.refuse:
+            raise RescaleRefused(self.refuse)
+        self.applied.append((stage, parallelism, strategy))
+
+    def running(self) -> str | None:
+        return None
+
+    def finished(self) -> list[RescaleOutcome]:
+        done, self.outcomes = self.outcomes, []
+        return done
+
+
+@dataclass
+class Recorded:
+    decisions: list[Decision] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)
+
+    def decided(self, decisions: Sequence[Decision]) -> None:
+        self.decisions += decisions
+
+    def problem(self, at: float, reason: str) -> None:
+        self.problems.append(reason)
+
+
+class FixedClock:
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def now(self) -> float:
+        return self.t
+
+
+def make_loop(
+    metrics: ScriptedMetrics,
+    executor: ScriptedExecutor,
+    settings: AutoscalerSettings = SETTINGS,
+) -> tuple[AutoscalingLoop, Recorded, AutoscalerMetrics]:
+    events, exported = Recorded(), AutoscalerMetrics("j")
+    loop = AutoscalingLoop(
+        settings, metrics, make_policy(settings), executor, events, FixedClock(), exported
+    )
+    return loop, events, exported
+
+
+def exported_text(exported: AutoscalerMetrics) -> str:
+    return generate_latest(exported.registry).decode()
+
+
+def test_an_overloaded_stage_is_scaled_in_one_step_and_the_decision_exported() -> None:
+    executor = ScriptedExecutor()
+    loop, events, exported = make_loop(ScriptedMetrics([overloaded()]), executor)
+    decisions = loop.tick(0.0)
+    keyed = next(d for d in decisions if d.stage == "keyed")
+    assert (keyed.action, keyed.target) == ("scale_up", 4)  # ceil(30k / (10k x 0.8))
+    assert executor.applied == [("keyed", 4, "hot-first")]
+    assert "true rate 10k/s per instance, target 30k/s" in keyed.reason
+    text = exported_text(exported)
+    assert 'keyshift_autoscaler_recommended_parallelism{job="j",stage="keyed"} 4.0' in text
+    assert (
+        'keyshift_autoscaler_decisions_total{action="scale_up",job="j",stage="keyed"} 1.0' in text
+    )
+    assert events.decisions == decisions
+
+
+def test_no_metrics_or_nan_rates_mean_no_decision_and_a_recorded_reason() -> None:
+    nan = overloaded(busy=math.nan)
+    executor = ScriptedExecutor()
+    loop, events, exported = make_loop(
+        ScriptedMetrics(["Prometheus at http://x failed: refused", nan]), executor
+    )
+    assert loop.tick(0.0) == [] and loop.tick(5.0) == []
+    assert events.problems == [
+        "no decision: Prometheus at http://x failed: refused",
+        "no decision: stage keyed has a NaN, infinite or negative rate",
+    ]
+    assert executor.applied == [] and events.decisions == []
+    assert 'keyshift_autoscaler_errors_total{job="j",reason="metrics"} 2.0' in exported_text(
+        exported
+    )
+
+
+def test_a_refused_rescale_backs_off_instead_of_retrying_every_tick() -> None:
+    executor = ScriptedExecutor(refuse="job is draining")
+    loop, events, _ = make_loop(ScriptedMetrics([overloaded()]), executor)
+    loop.tick(0.0)
+    assert events.problems == ["rescale of keyed not started: job is draining"]
+    for now in (5.0, 10.0, 15.0):
+        keyed = next(d for d in loop.tick(now) if d.stage == "keyed")
+        assert keyed.action == "hold" and "backing off after 1 failed" in keyed.reason
+    assert len(events.problems) == 1
+    loop.tick(21.0)  # the back-off (20 s) is over: one more attempt, then twice as long
+    assert len(events.problems) == 2
+    keyed = next(d for d in loop.tick(50.0) if d.stage == "keyed")
+    assert "backing off after 2 failed" in keyed.reason
+
+
+def test_a_rescale_that_fails_later_is_recorded_and_backed_off() -> None:
+    executor = ScriptedExecutor()
+    loop, events, _ = make_loop(ScriptedMetrics([overloaded()]), executor)
+    loop.tick(0.0)
+    executor.outcomes = [RescaleOutcome("keyed", False, "instance keyed/3 did not register")]
+    keyed = next(d for d in loop.tick(5.0) if d.stage == "keyed")
+    assert events.problems == ["rescale of keyed failed: instance keyed/3 did not register"]
+    assert keyed.action == "hold" and "backing off after 1 failed" in keyed.reason
+    assert len(executor.applied) == 1
+
+
+def test_after_a_rescale_the_window_starts_at_its_end() -> None:
+    metrics = ScriptedMetrics([overloaded()])
+    executor = ScriptedExecutor()
+    loop, _, _ = make_loop(metrics, executor)
+    loop.tick(0.0)
+    executor.outcomes = [RescaleOutcome("keyed", True, "done")]
+    loop.tick(4.0)  # the rescale ended now: 3 s (the least) of metrics, then more as they come
+    loop.tick(12.0)
+    loop.tick(100.0)
+    assert metrics.windows == [30, 3, 8, 30]
+
+
+def test_dry_run_decides_but_never_applies() -> None:
+    executor = ScriptedExecutor()
+    settings = SETTINGS.model_copy(update={"dry_run": True})
+    loop, _, _ = make_loop(ScriptedMetrics([overloaded()]), executor, settings)
+    keyed = next(d for d in loop.tick(0.0) if d.stage == "keyed")
+    assert keyed.action == "scale_up" and keyed.reason.endswith(
+        "dry run, not applied: scale up 1→4"
+    )
+    assert executor.applied == []
+
+
+def test_poll_ticks_once_per_interval() -> None:
+    executor = ScriptedExecutor()
+    loop, events, _ = make_loop(ScriptedMetrics(["not yet"]), executor)
+    clock = loop.clock
+    assert isinstance(clock, FixedClock)
+    loop.poll()
+    clock.t += SETTINGS.interval / 2
+    loop.poll()
+    clock.t += SETTINGS.interval / 2
+    loop.poll()
+    assert len(events.problems) == 2
+
+
+def test_counter_rates_survive_a_restart() -> None:
+    samples = [(0.0, {"c": 100.0}), (1.0, {"c": 150.0}), (2.0, {"c": 20.0}), (3.0, {"c": 70.0})]
+    assert _rate(samples, "c") == (50 + 20 + 50) / 3

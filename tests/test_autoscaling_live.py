@@ -1,0 +1,221 @@
+"""Autoscaling with real processes: `keyshift run` under a load step, DS2 deciding from a real
+Prometheus server (or from scraping the instances), live rescales, output checked exactly-once;
+and the loop's failure paths against real parts (Prometheus down, a query that finds nothing,
+invalid settings)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from keyshift.operator.autoscaler import MetricsUnavailable
+from keyshift.operator.local_scaling import WallClock
+from keyshift.operator.scaling_metrics import (
+    PrometheusSource,
+    ScrapeSource,
+    job_graph,
+    members_of,
+)
+from keyshift.runtime.job import parse_job
+from tests.conftest import KEYSHIFT, REPO, cli, count_job, running_job, wait_for, write_job
+from tests.prometheus_server import PrometheusServer, free_port
+from tests.test_rescale import check_output
+
+STEP_AT = 10.0
+
+
+def slow_job(out: Path, profile: dict[str, Any], autoscaler: dict[str, Any], **extra: Any
+             ) -> dict[str, Any]:  # fmt: skip
+    """One generator, a keyed stage capped near 12k records/s per instance (tests.job_fns:
+    slow_track), a JSON-lines sink: 20k records/s needs two keyed instances, 4k needs one."""
+    return count_job(
+        name="auto",
+        source={"config": {"kind": "generator", "keys": 3000, "distribution": "zipf",
+                           "seed": 5, "profile": profile, **extra}},
+        keyed={"name": "track", "parallelism": 1,
+               "operator": {"kind": "process", "function": "tests.job_fns:slow_track"}},
+        sink={"config": {"kind": "log", "path": str(out), "format": "jsonl"}},
+        batching={"max_records": 1024, "linger_ms": 5, "credits": 4},
+        autoscaler=autoscaler,
+    )  # fmt: skip
+
+
+class Output:
+    """Collects a process's output lines on a thread, so the test can wait for one."""
+
+    def __init__(self, proc: subprocess.Popen[str]) -> None:
+        self.lines: list[str] = []
+        self._thread = threading.Thread(target=self._read, args=(proc,), daemon=True)
+        self._thread.start()
+
+    def _read(self, proc: subprocess.Popen[str]) -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            self.lines.append(line.rstrip("\n"))
+
+    def text(self) -> str:
+        return "\n".join(self.lines)
+
+    def has(self, needle: str) -> bool:
+        return any(needle in line for line in self.lines)
+
+    def join(self) -> None:
+        self._thread.join(timeout=30)
+
+
+def keyshift_status(name: str) -> dict[str, Any]:
+    out = subprocess.run([KEYSHIFT, "status", name], cwd=REPO, capture_output=True, text=True,
+                         timeout=30, check=False)  # fmt: skip
+    return json.loads(out.stdout) if out.returncode == 0 else {}
+
+
+def test_load_step_scales_out_then_in_with_default_settings_and_real_prometheus(
+    tmp_path: Path, prometheus: PrometheusServer
+) -> None:
+    out = tmp_path / "out"
+    # 4k/s, a step to 20k/s at 10 s, back to 4k/s at 40 s; the source ends after 100 s.
+    profile = {"kind": "points", "points": [[0, 4000], [STEP_AT, 20_000], [40, 4000]]}
+    total = 4000 * 10 + 20_000 * 30 + 4000 * 60
+    job = slow_job(out, profile, {"prometheus_url": prometheus.url}, total=total)
+    logs = tmp_path / "logs"
+    args = ["run", str(write_job(tmp_path, job)), "--no-view", "--log-dir", str(logs),
+            "--prometheus-targets", str(prometheus.targets_file)]  # fmt: skip
+    with cli(args) as run:
+        output = Output(run)
+        wait_for(lambda: keyshift_status("auto").get("phase") == "running", 60, "the job to run")
+        started = time.time()
+        wait_for(lambda: output.has("scale up"), 90, "a scale-out decision", every=0.5)
+        wait_for(lambda: output.has("scale down"), 120, "a scale-in decision", every=0.5)
+        run.wait(timeout=150)
+        output.join()
+    text = output.text()
+    assert run.returncode == 0, text
+    decisions = [json.loads(line) for line in (logs / "decisions.jsonl").read_text().splitlines()]
+    acted = [d for d in decisions if d.get("action") in ("scale_up", "scale_down")]
+    first_up = next(d for d in acted if d["action"] == "scale_up")
+    assert first_up["at"] - (started + STEP_AT) < 60, first_up
+    assert first_up["to"] >= 2 and "true rate" in first_up["reason"], first_up
+    assert first_up["inputs"]["target_rate"] > 12_000, first_up
+    downs = [d for d in acted if d["action"] == "scale_down"]
+    assert downs and downs[-1]["to"] == 1, acted
+    # Never back and forth: up first, then down only.
+    assert [d["action"] for d in acted] == sorted((d["action"] for d in acted), reverse=True)
+    assert "rescale 1 of track 1->" in text and ": done after" in text, text
+    assert "failed" not in text, text
+    check_output(out, job["source"]["config"], [total])
+
+
+def test_dry_run_reports_decisions_and_never_rescales(tmp_path: Path) -> None:
+    """The embedded default (direct scraping); 20k/s against one ~12k/s instance."""
+    job = slow_job(tmp_path / "out", {"kind": "constant", "rate": 20_000},
+                   {"dry_run": True, "interval": 1, "metrics_window": 5})  # fmt: skip
+    with cli(["run", str(write_job(tmp_path, job)), "--no-view"]) as run:
+        output = Output(run)
+        wait_for(lambda: output.has("dry run, not applied: scale up"), 60, "a dry-run decision")
+        os.kill(run.pid, signal.SIGINT)
+        run.wait(timeout=60)
+        output.join()
+    text = output.text()
+    assert run.returncode == 0, text
+    assert "direct scraping (dry run)" in text
+    assert "rescale 1" not in text and "track      x1" in text, text
+
+
+def test_prometheus_down_means_no_decision_and_the_job_runs_on(tmp_path: Path) -> None:
+    nobody = f"http://127.0.0.1:{free_port()}"
+    job = slow_job(
+        tmp_path / "out",
+        {"kind": "constant", "rate": 2000},
+        {"prometheus_url": nobody, "interval": 1},
+    )
+    with cli(["run", str(write_job(tmp_path, job)), "--no-view"]) as run:
+        output = Output(run)
+        wait_for(lambda: output.has("no decision: Prometheus at"), 60, "the loop to say why")
+        os.kill(run.pid, signal.SIGINT)
+        run.wait(timeout=60)
+        output.join()
+    assert run.returncode == 0, output.text()
+    assert "job auto finished" in output.text()
+
+
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [
+        ({"bounds": {"min_parallelism": 3, "max_parallelism": 2}}, "must not exceed"),
+        ({"metrics_window": -5}, "metrics_window"),
+        ({"stages": {"nope": {"max_parallelism": 2}}}, "not stages"),
+        ({"policy": "magic"}, "policy"),
+        ({"scale_down_busy": 0.95}, "scale_down_busy"),
+    ],
+)
+def test_invalid_settings_are_refused_before_anything_starts(
+    tmp_path: Path, settings: dict[str, Any], message: str
+) -> None:
+    job = slow_job(tmp_path / "out", {"kind": "constant", "rate": 10}, settings)
+    out = subprocess.run([KEYSHIFT, "run", str(write_job(tmp_path, job))], cwd=REPO,
+                         capture_output=True, text=True, timeout=60, check=False,
+                         env={**os.environ, "COLUMNS": "200"})  # fmt: skip
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert "invalid job" in out.stdout and message in out.stdout, out.stdout
+
+
+def test_both_metrics_sources_read_the_same_rates_from_a_running_job(
+    tmp_path: Path, prometheus: PrometheusServer
+) -> None:
+    job = count_job(source={"config": {"kind": "generator", "keys": 2000,
+                                       "profile": {"rate": 5000}}})  # fmt: skip
+    spec = parse_job(job)
+    with running_job(tmp_path, job) as local:
+        members = wait_for(
+            lambda: (m := members_of(local.status())) and all(m.values()) and m,
+            30,
+            "every instance to report its metrics address",
+        )
+        prometheus.write_targets([{"targets": [a for g in members.values() for a in g.values()]}])
+        scrape = ScrapeSource(job_graph(spec), lambda: members, WallClock()).start()
+        from_prometheus = PrometheusSource(
+            prometheus.url, spec.name, job_graph(spec), lambda: members
+        )
+        try:
+            wait_for(lambda: _collects(scrape), 30, "two scrapes")
+            wait_for(lambda: _collects(from_prometheus), 60, "Prometheus to have the series")
+            # Let both sources see the same ten seconds.
+            t0 = time.time()
+            wait_for(lambda: time.time() > t0 + 10, 15, "ten seconds of samples")
+            now = time.time()
+            a, b = scrape.collect(10, now), from_prometheus.collect(10, now)
+        finally:
+            scrape.close()
+    for mine, theirs in zip(a.stages, b.stages, strict=True):
+        assert mine.name == theirs.name and mine.parallelism == theirs.parallelism
+        assert mine.records_in == pytest.approx(theirs.records_in, rel=0.25), (mine, theirs)
+    source = a.stage("source")
+    assert source.offered == pytest.approx(5000) and source.records_in == pytest.approx(
+        5000, rel=0.2
+    )
+    assert 0 < a.stage("counts").busy < 1
+
+
+def _collects(source: ScrapeSource | PrometheusSource) -> bool:
+    try:
+        source.collect(5, time.time())
+    except MetricsUnavailable:
+        return False
+    return True
+
+
+def test_a_query_that_finds_nothing_is_a_reason_not_a_crash(
+    prometheus: PrometheusServer,
+) -> None:
+    spec = parse_job(count_job())
+    source = PrometheusSource(prometheus.url, spec.name, job_graph(spec), lambda: {})
+    with pytest.raises(MetricsUnavailable, match="Prometheus has no keyshift_records_in_total"):
+        source.collect(10, time.time())
