@@ -288,6 +288,13 @@ class JobSpec(_Model):
         unknown = sorted(set(self.autoscaler.stages) - set(names)) if self.autoscaler else []
         if unknown:
             raise ValueError(f"autoscaler.stages names {unknown}, which are not stages {names}")
+        if self.autoscaler is not None:
+            ceiling = self.autoscaler.bounds_of(self.keyed.name).max_parallelism
+            if ceiling > self.max_key_groups:
+                raise ValueError(
+                    f"the autoscaler's max_parallelism for {self.keyed.name} ({ceiling}) must "
+                    f"not exceed max_key_groups ({self.max_key_groups})"
+                )
         if self.keyed.key_by not in self.fields:
             raise ValueError(
                 f"keyed.key_by {self.keyed.key_by!r} is not one of fields {list(self.fields)}"

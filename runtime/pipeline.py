@@ -126,6 +126,7 @@ class _Draft:
     keyed: Mapping[str, Any] | None = None
     sink: Mapping[str, Any] | None = None
     batching: Mapping[str, Any] | None = None
+    autoscaler: Mapping[str, Any] | None = None
 
 
 class Pipeline:
@@ -320,6 +321,13 @@ class Pipeline:
         given = _given(max_records=max_records, linger_ms=linger_ms, credits=credits)
         return Pipeline._of(replace(self._draft, batching=given))
 
+    def autoscale(self, **settings: Any) -> Pipeline:
+        """Let the job pick its parallelism; keyword arguments are the autoscaler settings
+        (keyshift.policies.settings.AutoscalerSettings; the README lists them)."""
+        if self._draft.autoscaler is not None:
+            raise JobError("autoscale() was already called: a job has one autoscaler")
+        return Pipeline._of(replace(self._draft, autoscaler=dict(settings)))
+
     # -- results ------------------------------------------------------------------------------
 
     def to_dict(self) -> dict[str, Any]:
@@ -345,6 +353,8 @@ class Pipeline:
             data["sink"] = dict(d.sink)
         if d.batching is not None:
             data["batching"] = dict(d.batching)
+        if d.autoscaler is not None:
+            data["autoscaler"] = dict(d.autoscaler)
         return data
 
     def build(self) -> JobSpec:

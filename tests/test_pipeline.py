@@ -264,6 +264,7 @@ def test_a_bad_function_string_fails_at_build() -> None:
         (lambda p: p.key_by("key").fields(key="int"), r"fields\(\) cannot come after key_by"),
         (lambda p: p.map(fns.enrich).key_by("user"), r"declare it with fields\(.*before key_by"),
         (lambda p: p.batching().batching(), "one batching setting"),
+        (lambda p: p.autoscale().autoscale(), "one autoscaler"),
         (lambda p: p.build(), r"no keyed operator: call key_by\(field\) and then one of"),
         (lambda p: p.key_by("key").build(), r"key_by\('key'\) needs a keyed operator after it"),
     ],
@@ -292,6 +293,8 @@ def test_steps_in_order_show_the_order_when_refused() -> None:
         (Pipeline("a").fields(event_time="int").key_by("key").count(), "reserved"),
         (Pipeline("a").generator(profile={"kind": "step", "rate": 1}).key_by("key").count(), "to"),
         (Pipeline("a", max_key_groups=2).key_by("key").count(parallelism=4), "max_key_groups"),
+        (Pipeline("a", max_key_groups=4).key_by("key").count().autoscale(), "max_key_groups"),
+        (Pipeline("a").key_by("key").count().autoscale(interval=0), "autoscaler.interval"),
     ],
 )
 def test_invalid_jobs_fail_with_job_py_messages(pipeline: Pipeline, why: str) -> None:
@@ -312,3 +315,10 @@ def test_fields_accepts_a_mapping_for_names_that_are_not_identifiers() -> None:
         .build()
     )
     assert spec.fields == {"user": "int", "amount": "float", "big": "bool"}
+
+
+def test_autoscale_sets_the_autoscaler_settings() -> None:
+    spec = Pipeline("a").key_by("key").count().autoscale(policy="threshold", dry_run=True).build()
+    assert spec.autoscaler is not None
+    assert (spec.autoscaler.policy, spec.autoscaler.dry_run) == ("threshold", True)
+    assert Pipeline("a").key_by("key").count().build().autoscaler is None
