@@ -10,7 +10,7 @@ PROMETHEUS := /usr/bin/prometheus
 SUDO := $(shell [ "$$(id -u)" -eq 0 ] || command -v sudo)
 APT_INSTALL := $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends
 
-.PHONY: demo test lint typecheck prometheus bench bench-rescale clean
+.PHONY: demo test lint typecheck prometheus bench bench-rescale bench-autoscaling clean
 
 # `python -m` puts the working directory first on sys.path, where our operator/ folder would
 # shadow the standard library's `operator`; so venv and pip run from / and by their scripts.
@@ -51,6 +51,9 @@ bench: $(STAMP)
 
 bench-rescale: $(STAMP)
 	$(PY) bench/rescale.py
+
+bench-autoscaling: $(STAMP)
+	$(PY) bench/autoscaling_sim.py
 
 clean:
 	rm -rf $(VENV) .typecheck .mypy_cache .ruff_cache .pytest_cache out

@@ -2,15 +2,27 @@
 
 Per instance, the true processing rate is records processed per second of useful (busy) time,
 and the true output rate likewise; a stage's true rates are the sums over its instances. The
-target input rate of each stage comes from the sources' offered rates (plus a backlog to catch
-up) through every upstream stage's observed selectivity, in one pass over the graph; the
-optimal parallelism is ceil(target input rate / true processing rate per instance), divided by
-the target utilization to leave headroom. Pure: called by the control loop and the simulation.
+target input rate of each stage comes from the sources' offered rates through every upstream
+stage's observed selectivity, in one pass over the graph; the optimal parallelism is
+ceil(target input rate / (true processing rate per instance * target utilization)).
+
+A source's backlog is caught up by the headroom the target utilization leaves: it adds
+instances only when that headroom would take longer than `catch_up` seconds, i.e. when the
+catch-up rate (offered + backlog / catch_up, through the same selectivities) exceeds the target
+rate / target utilization; then a stage gets ceil(catch-up rate / true rate per instance). So
+the ordinary backlog a step or a rescale leaves behind never buys instances that must be given
+back once it is drained (an overshoot, then a reversal, under a load that no longer changes).
+
+An instance busy less than MIN_BUSY of the window says nothing of its true rate. When no
+instance of a stage is busier, the stage is all but idle: each instance does at least its
+records in / MIN_BUSY, a lower bound that may scale the stage in but never out.
+Pure: called by the control loop and the simulation.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 from keyshift.policies.model import Recommendation, ScalingInput, StageRates, rate_text
 from keyshift.policies.settings import AutoscalerSettings
@@ -19,6 +31,14 @@ from keyshift.policies.settings import AutoscalerSettings
 MIN_BUSY = 0.01
 # Rates are measured, so 2.0000001 instances' worth of work is two instances, not three.
 EPSILON = 1e-6
+
+
+@dataclass(frozen=True)
+class Rates:
+    """A stage's target output rate, and the rate that would also catch up the backlog."""
+
+    target: float
+    catch_up: float
 
 
 def true_rates(stage: StageRates) -> tuple[float, float, int]:
@@ -41,7 +61,7 @@ class DS2Policy:
         self.settings = settings
 
     def decide(self, given: ScalingInput) -> list[Recommendation]:
-        target_out: dict[str, float | None] = {}
+        target_out: dict[str, Rates | None] = {}
         result = []
         for stage in given.stages:
             if stage.is_source:
@@ -51,12 +71,12 @@ class DS2Policy:
             result.append(rec)
         return result
 
-    def _source(self, stage: StageRates) -> tuple[Recommendation, float | None]:
+    def _source(self, stage: StageRates) -> tuple[Recommendation, Rates | None]:
         problem = stage.problem()
         if problem is not None:
             return _hold(stage, problem, scalable=False), None
         offered = stage.offered if stage.offered is not None else stage.records_in
-        target_in = offered + stage.backlog / self.settings.catch_up
+        catch_up = offered + stage.backlog / self.settings.catch_up
         selectivity = stage.records_out / stage.records_in if stage.records_in > 0 else 1.0
         reason = (
             f"{stage.name}: source, offered {rate_text(offered)}, "
@@ -65,50 +85,98 @@ class DS2Policy:
         inputs = {
             "offered_rate": offered,
             "backlog": stage.backlog,
-            "target_rate": target_in,
+            "target_rate": offered,
+            "catch_up_rate": catch_up,
             "selectivity": selectivity,
             "busy": stage.busy,
         }
         rec = Recommendation(
             stage.name, stage.parallelism, stage.parallelism, reason, inputs, scalable=False
         )
-        return rec, target_in * selectivity
+        return rec, Rates(offered * selectivity, catch_up * selectivity)
 
     def _operator(
-        self, stage: StageRates, target_out: dict[str, float | None]
-    ) -> tuple[Recommendation, float | None]:
+        self, stage: StageRates, target_out: dict[str, Rates | None]
+    ) -> tuple[Recommendation, Rates | None]:
         problem = stage.problem()
         if problem is not None:
             return _hold(stage, problem), None
-        upstream = {u: target_out.get(u) for u in stage.upstream}
-        unknown = sorted(u for u, t in upstream.items() if t is None)
+        upstream: dict[str, Rates] = {}
+        unknown = []
+        for name in stage.upstream:
+            rates = target_out.get(name)
+            if rates is None:
+                unknown.append(name)
+            else:
+                upstream[name] = rates
         if unknown:
-            return _hold(stage, f"no target rate for upstream {', '.join(unknown)}"), None
-        target_in = sum((t or 0.0) * share for (u, t), share in zip(
-            upstream.items(), stage.upstream.values(), strict=True
-        ))  # fmt: skip
+            return _hold(stage, f"no target rate for upstream {', '.join(sorted(unknown))}"), None
+        target_in = sum(upstream[u].target * share for u, share in stage.upstream.items())
+        catch_up_in = sum(upstream[u].catch_up * share for u, share in stage.upstream.items())
         processing, output, measured = true_rates(stage)
         if measured == 0:
-            if target_in <= EPSILON:
+            if catch_up_in <= EPSILON:
                 reason = f"{stage.name}: {stage.parallelism}→1, no input"
-                return Recommendation(stage.name, stage.parallelism, 1, reason, {}), 0.0
-            return _hold(stage, f"no busy time measured for stage {stage.name} yet"), None
+                return Recommendation(stage.name, stage.parallelism, 1, reason, {}), Rates(0, 0)
+            return self._idle(stage, target_in, catch_up_in)
         per_instance = processing / measured
         selectivity = output / processing if processing > 0 else 1.0
         optimal = optimal_parallelism(target_in, per_instance, self.settings.target_utilization)
+        catching_up = optimal_parallelism(catch_up_in, per_instance, 1.0)
+        why = f"target {rate_text(target_in)}"
+        if catching_up > optimal:
+            optimal = catching_up
+            why = (
+                f"catch-up rate {rate_text(catch_up_in)} (target {rate_text(target_in)} "
+                f"plus the backlog over {self.settings.catch_up:g} s)"
+            )
         reason = (
             f"{stage.name}: {stage.parallelism}→{optimal}, true rate {rate_text(per_instance)} "
-            f"per instance, target {rate_text(target_in)}, busy {stage.busy:.2f}"
+            f"per instance, {why}, busy {stage.busy:.2f}"
         )
         inputs = {
             "target_rate": target_in,
+            "catch_up_rate": catch_up_in,
             "true_rate_per_instance": per_instance,
             "observed_rate": stage.records_in,
             "selectivity": selectivity,
             "busy": stage.busy,
         }
         rec = Recommendation(stage.name, stage.parallelism, optimal, reason, inputs)
-        return rec, target_in * selectivity
+        return rec, Rates(target_in * selectivity, catch_up_in * selectivity)
+
+    def _idle(
+        self, stage: StageRates, target_in: float, catch_up_in: float
+    ) -> tuple[Recommendation, Rates | None]:
+        """No instance was busy enough to measure its capacity. One that took in records at
+        under MIN_BUSY busy does at least records in / MIN_BUSY when busy throughout: a bound
+        loose enough to scale in a stage that is all but idle, never to scale one out."""
+        if stage.records_in <= 0:
+            return _hold(stage, f"no busy time measured for stage {stage.name} yet"), None
+        selectivity = stage.records_out / stage.records_in
+        rates = Rates(target_in * selectivity, catch_up_in * selectivity)
+        at_least = stage.records_in / (len(stage.instances) * MIN_BUSY)
+        utilization = self.settings.target_utilization
+        enough = max(
+            optimal_parallelism(target_in, at_least, utilization),
+            optimal_parallelism(catch_up_in, at_least, 1.0),
+        )
+        if enough >= stage.parallelism:
+            return _hold(stage, f"no busy time measured for stage {stage.name} yet"), rates
+        reason = (
+            f"{stage.name}: {stage.parallelism}→{enough}, every instance under {MIN_BUSY:.0%} "
+            f"busy: true rate at least {rate_text(at_least)} per instance, "
+            f"target {rate_text(target_in)}"
+        )
+        inputs = {
+            "target_rate": target_in,
+            "catch_up_rate": catch_up_in,
+            "true_rate_per_instance": at_least,
+            "observed_rate": stage.records_in,
+            "selectivity": selectivity,
+            "busy": stage.busy,
+        }
+        return Recommendation(stage.name, stage.parallelism, enough, reason, inputs), rates
 
 
 def _hold(stage: StageRates, why: str, scalable: bool = True) -> Recommendation:

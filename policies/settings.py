@@ -69,10 +69,11 @@ class AutoscalerSettings(_Model):
         description="busy fraction each instance should run at (headroom for bursts)",
     )
     catch_up: float = Field(
-        default=30.0,
+        default=300.0,
         gt=0,
         le=86_400,
-        description="seconds in which a measured backlog is caught up",
+        description="ds2: seconds in which a source's backlog is caught up; it adds instances "
+        "only when the target utilization's headroom would take longer",
     )
     scale_up_busy: float = Field(
         default=0.9,
