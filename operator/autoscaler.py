@@ -12,18 +12,17 @@ from __future__ import annotations
 import logging
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Protocol
 
-from keyshift.policies.guards import GuardState, guard
+from keyshift.policies.decide import decide, window
+from keyshift.policies.guards import GuardState
 from keyshift.policies.model import Decision, Policy, ScalingInput
 from keyshift.policies.settings import AutoscalerSettings
 from keyshift.runtime.metrics import AutoscalerMetrics
 
 log = logging.getLogger(__name__)
 
-# Rates over less than this many seconds are mostly noise (and Prometheus needs two scrapes).
-MIN_WINDOW = 3.0
 KEPT_DECISIONS = 200
 
 
@@ -111,26 +110,23 @@ class AutoscalingLoop:
     def tick(self, now: float) -> list[Decision]:
         self._take_outcomes(now)
         try:
-            observed = self.metrics.collect(self._window(now), now)
+            observed = self.metrics.collect(window(self.state, self.settings, now), now)
         except MetricsUnavailable as exc:
             self._problem(now, "metrics", f"no decision: {exc}")
             return []
-        problem = next((p for s in observed.stages if (p := s.problem()) is not None), None)
-        if problem is not None:
-            self._problem(now, "metrics", f"no decision: {problem}")
-            return []
-        recommendations = [
-            r if r.stage in self.executor.scalable else replace(r, scalable=False)
-            for r in self.policy.decide(observed)
-        ]
-        decisions, self.state = guard(
-            recommendations,
+        step = decide(
+            observed,
+            self.policy,
             self.state,
             self.settings,
             now,
-            self.policy.name,
             rescaling=self.executor.running(),
+            scalable=self.executor.scalable,
         )
+        self.state, decisions = step.state, step.decisions
+        if step.problem is not None:
+            self._problem(now, "metrics", step.problem)
+            return []
         for decision in decisions:
             self.exported.decided(
                 decision.stage, decision.current, decision.recommended, decision.action
@@ -140,14 +136,6 @@ class AutoscalingLoop:
         self.decisions.extend(decisions)
         self.events.decided(decisions)
         return decisions
-
-    def _window(self, now: float) -> float:
-        """The metrics window, cut at the end of the last rescale: rates from before it describe
-        a parallelism that no longer exists."""
-        ends = [h.rescaled_at for h in self.state.stages.values() if h.rescaled_at is not None]
-        if not ends:
-            return self.settings.metrics_window
-        return max(MIN_WINDOW, min(self.settings.metrics_window, now - max(ends)))
 
     def _execute(self, decision: Decision, now: float) -> None:
         try:

@@ -36,7 +36,8 @@ from functools import cached_property
 from typing import Literal, NamedTuple, Protocol
 
 from keyshift.policies import make_policy
-from keyshift.policies.guards import GuardState, guard
+from keyshift.policies.decide import decide, window
+from keyshift.policies.guards import GuardState
 from keyshift.policies.model import (
     Decision,
     InstanceRates,
@@ -46,8 +47,6 @@ from keyshift.policies.model import (
 )
 from keyshift.policies.settings import AutoscalerSettings
 
-# As keyshift.operator.autoscaler: the shortest window the loop averages rates over.
-MIN_WINDOW = 3.0
 # A backlog below this many records is rounding, not a pipeline that is behind.
 BACKLOG_EPSILON = 1.0
 # Busy fractions within this of the target utilization still count as meeting it.
@@ -529,18 +528,10 @@ class _Simulation:
             # As the loop: the end of a rescale is seen at the first tick after it.
             self.state = self.state.rescaled(self.stages[self.running.stage].name, now)
             self.running = None
-        observed = self._measure(now, self._window(now))
-        if any(s.problem() is not None for s in observed.stages):
-            return  # as the loop: no decision on rates that cannot be trusted
-        recommendations = self.policy.decide(observed)
-        decisions, self.state = guard(
-            recommendations,
-            self.state,
-            self.settings,
-            now,
-            self.policy.name,
-            rescaling=self.stages[self.running.stage].name if self.running is not None else None,
-        )
+        observed = self._measure(now, window(self.state, self.settings, now))
+        rescaling = self.stages[self.running.stage].name if self.running is not None else None
+        step = decide(observed, self.policy, self.state, self.settings, now, rescaling)
+        self.state, decisions = step.state, step.decisions
         acted = [d for d in decisions if d.action != "hold"]
         if self.settings.dry_run or not acted:
             return
@@ -558,13 +549,6 @@ class _Simulation:
         self.running = _Running(i, decision.target, now + self.scenario.rescale_duration)
         self._reshape(i)
         self._finish_rescale(now)
-
-    def _window(self, now: float) -> float:
-        """As the loop: the metrics window, cut at the end of the last rescale."""
-        ends = [h.rescaled_at for h in self.state.stages.values() if h.rescaled_at is not None]
-        if not ends:
-            return self.settings.metrics_window
-        return max(MIN_WINDOW, min(self.settings.metrics_window, now - max(ends)))
 
     def _measure(self, now: float, window: float) -> ScalingInput:
         rates = []
