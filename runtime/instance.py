@@ -270,11 +270,35 @@ def run_stage(ctx: InstanceContext) -> None:
     runner(ctx)
 
 
+def _index(text: str) -> int:
+    """An index, or the ordinal at the end of $HOSTNAME (a StatefulSet's pod `name-N`)."""
+    if text == "hostname":
+        host = os.environ.get("HOSTNAME", "")
+        ordinal = host.rpartition("-")[2]
+        if not ordinal.isdigit():
+            raise argparse.ArgumentTypeError(
+                f"HOSTNAME {host!r} does not end in -N, so it gives no index"
+            )
+        return int(ordinal)
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is neither an index nor 'hostname'") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"index must be >= 0, got {value}")
+    return value
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="keyshift-instance")
     parser.add_argument("--coordinator", required=True, help="host:port of the job's coordinator")
     parser.add_argument("--stage", required=True)
-    parser.add_argument("--index", type=int, required=True)
+    parser.add_argument(
+        "--index",
+        type=_index,
+        required=True,
+        help="this instance's index, or 'hostname' for a StatefulSet pod's ordinal (name-N)",
+    )
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
     parser.add_argument("--port", type=int, default=0, help="data port (0: any free port)")
     parser.add_argument("--metrics-port", type=int, default=0)

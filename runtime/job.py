@@ -21,6 +21,7 @@ from pydantic import (
     Field,
     Tag,
     ValidationError,
+    ValidationInfo,
     field_validator,
     model_validator,
 )
@@ -85,7 +86,15 @@ def _tag(kind: str) -> str:
     return f"{_TAG_PREFIX}{kind}"
 
 
-def _check_function_path(path: str) -> str:
+def _check_function_path(path: str, info: ValidationInfo) -> str:
+    """Import the function now, so a job that cannot run fails before anything starts; unless
+    the validation context says the functions live elsewhere (the Kubernetes operator checks a
+    job whose functions are in the job's image: there only the form is checked)."""
+    if not (info.context or {}).get("resolve_functions", True):
+        module, sep, name = path.partition(":")
+        if not (sep and module and name):
+            raise ValueError(f"{path!r} is not of the form 'module:function'")
+        return path
     try:
         resolve_function(path)
     except JobError as exc:
@@ -208,10 +217,10 @@ class Transform(_Model):
     filter: str | None = Field(default=None, description="module:function(record) -> bool")
 
     @model_validator(mode="after")
-    def _exactly_one(self) -> Transform:
+    def _exactly_one(self, info: ValidationInfo) -> Transform:
         if (self.map is None) == (self.filter is None):
             raise ValueError("a transform has exactly one of 'map' or 'filter'")
-        _check_function_path(self.map or self.filter or "")
+        _check_function_path(self.map or self.filter or "", info)
         return self
 
 
@@ -348,12 +357,13 @@ def _format_errors(exc: ValidationError, origin: str) -> str:
     return "\n".join(lines)
 
 
-def parse_job(data: Any, origin: str = "definition") -> JobSpec:
-    """Validate a job given as plain data; raise JobError naming each bad field and why."""
+def parse_job(data: Any, origin: str = "definition", resolve_functions: bool = True) -> JobSpec:
+    """Validate a job given as plain data; raise JobError naming each bad field and why.
+    Without `resolve_functions`, user functions are checked for their form only."""
     if not isinstance(data, dict):
         raise JobError(f"invalid job {origin}: the top level must be a mapping")
     try:
-        return JobSpec.model_validate(data)
+        return JobSpec.model_validate(data, context={"resolve_functions": resolve_functions})
     except ValidationError as exc:
         raise JobError(_format_errors(exc, origin)) from None
 
