@@ -122,6 +122,10 @@ class LocalJob:
             if child is None or (child.exit_code() == 0 and index not in registered):
                 self.start_instance(stage, index)
 
+    def shrink(self, stage: str, parallelism: int) -> None:
+        """Nothing to do: retired instances exit by themselves (and `ensure` may start their
+        indexes again later)."""
+
     def start_instance(self, stage: str, index: int) -> Child:
         name = f"{stage}/{index}"
         if name in self.instances:

@@ -14,23 +14,17 @@ import os
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
-from keyshift.operator.autoscaler import (
-    AutoscalingLoop,
-    MetricsSource,
-    RescaleOutcome,
-    RescaleRefused,
-)
+from keyshift.operator.autoscaler import AutoscalingLoop, MetricsSource
+from keyshift.operator.rescale_executor import CoordinatorExecutor, LatestStatus, WorkerPool
 from keyshift.operator.scaling_metrics import PrometheusSource, ScrapeSource, job_graph, members_of
 from keyshift.policies import make_policy
 from keyshift.policies.model import Decision
 from keyshift.policies.settings import AutoscalerSettings
 from keyshift.runtime.job import JobSpec
 from keyshift.runtime.metrics import AutoscalerMetrics
-from keyshift.runtime.transport import JsonClient, TransportError
-
-Status = Callable[[], Mapping[str, Any]]
+from keyshift.runtime.transport import JsonClient
 
 
 class WallClock:
@@ -38,52 +32,6 @@ class WallClock:
 
     def now(self) -> float:
         return time.time()
-
-
-class WorkerPool(Protocol):
-    def ensure(self, stage: str, parallelism: int) -> None:
-        """Have at least `parallelism` workers of `stage` running (or starting)."""
-        ...
-
-
-class CoordinatorExecutor:
-    """Starts a rescale at the job's coordinator, then the workers a scale-out needs: the
-    coordinator refuses a worker before it expects one. Reads progress from the status."""
-
-    def __init__(
-        self, client: JsonClient, pool: WorkerPool, status: Status, scalable: frozenset[str]
-    ) -> None:
-        self.client = client
-        self.pool = pool
-        self.status = status
-        self.scalable = scalable
-        self._reported: set[int] = set()
-
-    def apply(self, stage: str, parallelism: int, strategy: str) -> None:
-        try:
-            self.client.call(
-                "Rescale",
-                {"stage": stage, "parallelism": parallelism, "strategy": strategy},
-                timeout=10.0,
-            )
-        except TransportError as exc:
-            raise RescaleRefused(str(exc)) from None
-        self.pool.ensure(stage, parallelism)
-
-    def running(self) -> str | None:
-        rescale = self.status().get("rescale")
-        return str(rescale["stage"]) if rescale else None
-
-    def finished(self) -> list[RescaleOutcome]:
-        outcomes = []
-        for rescale in self.status().get("rescales", []):
-            if rescale["id"] in self._reported:
-                continue
-            self._reported.add(rescale["id"])
-            ok = rescale["phase"] == "done"
-            detail = rescale.get("error") or rescale["phase"]
-            outcomes.append(RescaleOutcome(rescale["stage"], ok, str(detail)))
-        return outcomes
 
 
 class RunEvents:
@@ -135,17 +83,6 @@ class TargetsFile:
         tmp.write_text(json.dumps(body))
         os.replace(tmp, self.path)
         self._written = addresses
-
-
-class LatestStatus:
-    """The coordinator status the run loop fetched last; the parts read it instead of asking
-    the coordinator again."""
-
-    def __init__(self) -> None:
-        self.value: Mapping[str, Any] = {"stages": []}
-
-    def __call__(self) -> Mapping[str, Any]:
-        return self.value
 
 
 class LocalAutoscaler:

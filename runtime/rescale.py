@@ -55,6 +55,8 @@ class RescaleError(Exception):
 class RescaleHost(Protocol):
     """What the driver needs from the coordinator (implemented by Coordinator)."""
 
+    register_timeout: float  # how long a new instance may take to start and register
+
     def keyed_addresses(self) -> dict[int, str]: ...
 
     def source_count(self) -> int: ...
@@ -207,7 +209,7 @@ class RescaleDriver:
             self.host.set_desired(new_p)
             self.host.wait_for(
                 lambda _events: len(self.host.keyed_addresses()) >= new_p,
-                STEP_TIMEOUT,
+                self.host.register_timeout,
                 f"new instances {self.keyed}/{old_p}..{new_p - 1} to register",
             )
         target = plan(self.current.owners, new_p, self.group_load)
