@@ -1,4 +1,5 @@
-"""The `keyshift` command line: `keyshift run JOB.yaml` runs a job on this machine.
+"""The `keyshift` command line: `keyshift run JOB.yaml` runs a job on this machine; `keyshift
+crds` writes the StreamingJob CRD generated from the models (`--check` for CI).
 
 Entry point of the console script. Bad arguments and bad job files get a one-paragraph error
 and exit code 2 before anything starts; a run that fails exits 1.
@@ -15,6 +16,7 @@ from typing import Any
 
 from rich.console import Console
 
+from keyshift.operator.crd import CRD_DIRS, stale_crds, write_crds
 from keyshift.operator.job_registry import RegistryError, lookup, register, resolve
 from keyshift.operator.live_view import LiveView, final_report
 from keyshift.operator.local_host import (
@@ -109,6 +111,30 @@ def build_parser() -> argparse.ArgumentParser:
     rescale.add_argument("--timeout", type=_positive, default=600.0, help="seconds to wait")
     status = sub.add_parser("status", help="show a running job's status as JSON")
     status.add_argument("job", help="job name (as run by `keyshift run` here) or HOST:PORT")
+    crds = sub.add_parser("crds", help="write the StreamingJob CRD generated from the models")
+    crds.add_argument(
+        "--check",
+        action="store_true",
+        help="write nothing; exit 1 if a CRD file is missing or stale (for CI)",
+    )
+    crds.add_argument(
+        "--out",
+        type=Path,
+        action="append",
+        metavar="DIR",
+        help="directory for the CRD file (repeatable; default: crds/ and helm/keyshift/crds/)",
+    )
+    operator = sub.add_parser("operator", help="run the Kubernetes operator (kopf)")
+    operator.add_argument(
+        "--namespace",
+        action="append",
+        default=[],
+        help="watch only this namespace (repeatable; default: the whole cluster)",
+    )
+    operator.add_argument("--liveness-port", type=_port, default=8080, help="serves /healthz")
+    operator.add_argument(
+        "--metrics-port", type=_port, default=9100, help="the autoscalers' Prometheus metrics"
+    )
     return parser
 
 
@@ -188,6 +214,25 @@ def cmd_status(args: argparse.Namespace, console: Console) -> int:
         _error(console, exc)
         return 1
     print(json.dumps(status, indent=2))
+    return 0
+
+
+def cmd_crds(args: argparse.Namespace, console: Console) -> int:
+    dirs: list[Path] = args.out or list(CRD_DIRS)
+    if not args.check:
+        for path in write_crds(dirs):
+            console.print(f"wrote {path}", highlight=False)
+        return 0
+    stale = stale_crds(dirs)
+    if stale:
+        again = "keyshift crds" + "".join(f" --out {d}" for d in args.out or [])
+        _error(
+            console,
+            f"the StreamingJob CRD in {', '.join(map(str, stale))} is missing or differs from "
+            f"operator/streamingjob.py; run `{again}` and commit the result",
+        )
+        return 1
+    console.print(f"CRDs are current: {', '.join(map(str, dirs))}", highlight=False)
     return 0
 
 
@@ -323,6 +368,19 @@ def main(argv: list[str] | None = None) -> int:
         return cmd_rescale(args, console)
     if args.command == "status":
         return cmd_status(args, console)
+    if args.command == "crds":
+        return cmd_crds(args, console)
+    if args.command == "operator":
+        # Imported here: kopf and the Kubernetes client take a second to import, which every
+        # other command would pay for nothing.
+        from keyshift.operator.k8s_operator import OperatorError, run_operator
+
+        try:
+            run_operator(args.namespace, args.liveness_port, args.metrics_port)
+        except OperatorError as exc:
+            _error(console, exc)
+            return 2
+        return 0
     raise AssertionError(f"unhandled command {args.command}")
 
 

@@ -78,6 +78,7 @@ def running_job(tmp_path: Path, job: dict[str, Any], **kwargs: Any) -> Iterator[
 @contextmanager
 def cli(args: list[str], cwd: Path = REPO, **popen: Any) -> Iterator[subprocess.Popen[str]]:
     """Run `keyshift ARGS` in its own session; kill its whole group on exit."""
+    env = {**os.environ, **popen.pop("env", {}), "COLUMNS": "200"}
     proc = subprocess.Popen(
         [KEYSHIFT, *args],
         cwd=cwd,
@@ -85,7 +86,7 @@ def cli(args: list[str], cwd: Path = REPO, **popen: Any) -> Iterator[subprocess.
         stderr=subprocess.STDOUT,
         text=True,
         start_new_session=True,
-        env={**os.environ, "COLUMNS": "200"},
+        env=env,
         **popen,
     )
     try:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 import sys
@@ -35,6 +36,14 @@ def test_bad_cli_arguments_exit_2(tmp_path: Path) -> None:
     with cli(["run", str(tmp_path / "missing.yaml")]) as proc:
         output, _ = proc.communicate(timeout=30)
     assert proc.returncode == 2 and "cannot read job file" in output
+
+
+def test_operator_without_cluster_credentials_is_a_clear_error(tmp_path: Path) -> None:
+    env = {**os.environ, "HOME": str(tmp_path), "KUBECONFIG": str(tmp_path / "none")}
+    with cli(["operator", "--liveness-port", "0"], env=env) as proc:
+        output, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 2, output
+    assert "no Kubernetes credentials" in output and "KUBECONFIG" in output
 
 
 def test_records_that_do_not_fit_are_counted_and_the_rest_kept(tmp_path: Path) -> None:

@@ -1,0 +1,623 @@
+"""The Kubernetes objects a StreamingJob owns, built as plain manifests (dicts).
+
+Pure functions, no I/O: the kopf handlers in `keyshift.operator.k8s_operator` call `children`
+on create, update and resume, adopt each manifest (`kopf.adopt` sets the owner reference, which
+is why none is set here) and create or patch it; they also use the names, labels and selectors
+defined here to find the children again (`stage_set_name`, `stage_selector`, ...) and
+`child_problems` to refuse a job whose children could not exist before creating any of them.
+
+What a job becomes, in creation order:
+
+- a ConfigMap `<job>-job` holding the job as `job.yaml` (the same model `keyshift run` reads);
+- the coordinator: a Deployment (one replica, Recreate) running `keyshift.runtime.coordinator`
+  on that file, and a ClusterIP Service `<job>-coordinator` (grpc 7000, metrics 9100);
+- per stage (source, keyed, sink): a headless Service `<job>-<stage>` and a StatefulSet of the
+  same name whose pods run `keyshift.runtime.instance --index hostname` (the pod ordinal is the
+  instance index) and register their pod IP with the coordinator;
+- per entry of `spec.sources` and `spec.sinks`: a Deployment `<job>-<source|sink>-<app>` (one
+  replica, Recreate) running the PySpark script with `spark-submit --master local[*]`. The app
+  finds the job through its environment: KEYSHIFT_JOB (the job's name), KEYSHIFT_COORDINATOR
+  (host:port of the coordinator), KEYSHIFT_ROLE (`source` or `sink`) and, for sources when the
+  job's source is `kind: ingest` with a fixed port, KEYSHIFT_INGEST (host:port of the source
+  stage's headless Service, which resolves to the source pods; a gRPC client picks one). The
+  PySpark connector that reads these comes with the Spark issue.
+
+Every pod runs as user 10001 with a read-only root filesystem, no privilege escalation, no
+capabilities and the RuntimeDefault seccomp profile; /tmp is an emptyDir and HOME points there.
+No service account token is mounted (the pods do not talk to the Kubernetes API; a podTemplate
+can set `automountServiceAccountToken`). keyshift containers run in APP_DIR (`/app`, where
+keyshift images keep the job's code: the runtime imports users' `module:function` references
+from its working directory), so a `log` sink with a relative path writes below `/app`, and the
+sink stage gets an emptyDir mounted at its output directory. The output therefore lives as long
+as the pod; a PersistentVolumeClaim template for it is future work.
+
+`spec.pod_template` (a partial PodTemplateSpec) is merged into every pod template, the
+coordinator's and the Spark apps' included, so tolerations and node selectors reach all of
+them: dicts are merged, lists replaced, except the lists Kubernetes merges by a key (containers,
+volumes, env, ports, volume mounts), which are merged by that key, so a sidecar or an extra
+volume does not remove ours. Every container we make is named CONTAINER ("keyshift"); a
+podTemplate container of that name is merged into it. The labels set here always win over the
+podTemplate's, so it can add labels but not move a pod out of its selector.
+"""
+
+from __future__ import annotations
+
+import copy
+import posixpath
+import re
+from collections.abc import Mapping
+from typing import Any, Literal
+
+import yaml
+
+from keyshift.operator.streamingjob import Resources, SparkApp, StreamingJobSpec
+from keyshift.runtime.job import IngestSource, JobSpec, LogSink
+
+Manifest = dict[str, Any]
+Role = Literal["source", "sink"]
+
+LABEL_NAME = "app.kubernetes.io/name"
+LABEL_INSTANCE = "app.kubernetes.io/instance"
+LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
+LABEL_COMPONENT = "app.kubernetes.io/component"
+LABEL_JOB = "keyshift.io/job"
+LABEL_STAGE = "keyshift.io/stage"
+LABEL_APP = "keyshift.io/app"
+APP_NAME = "keyshift"
+MANAGER = "keyshift-operator"
+
+COORDINATOR_PORT = 7000
+METRICS_PORT = 9100
+DATA_PORT = 7100
+JOB_MOUNT = "/etc/keyshift"
+JOB_FILE = "job.yaml"
+APP_DIR = "/app"
+TMP_DIR = "/tmp"
+USER_ID = 10001
+CONTAINER = "keyshift"
+REGISTER_TIMEOUT = 300
+
+# A StatefulSet's pods carry a `controller-revision-hash` label of `<name>-<hash>` (up to 10
+# characters of hash), and label values have at most 63 characters.
+MAX_STATEFULSET_NAME = 52
+MAX_DNS_LABEL = 63
+_DNS_1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
+
+# The lists of a pod template that Kubernetes' strategic merge merges by a key.
+POD_MERGE_KEYS: Mapping[str, str] = {
+    "containers": "name",
+    "initContainers": "name",
+    "volumes": "name",
+    "env": "name",
+    "ports": "containerPort",
+    "volumeMounts": "mountPath",
+}
+
+_JOB_VOLUME = "job"
+_TMP_VOLUME = "tmp"
+_OUTPUT_VOLUME = "output"
+
+
+# -- names, labels, selectors -------------------------------------------------------------------
+
+
+def coordinator_service_name(name: str) -> str:
+    """The coordinator's Service (and Deployment)."""
+    return f"{name}-coordinator"
+
+
+def coordinator_address(name: str, namespace: str) -> str:
+    """host:port of the coordinator, as stage instances and Spark apps dial it."""
+    return f"{coordinator_service_name(name)}.{namespace}.svc:{COORDINATOR_PORT}"
+
+
+def stage_set_name(name: str, stage: str) -> str:
+    """A stage's StatefulSet and its headless Service."""
+    return f"{name}-{stage}"
+
+
+def config_map_name(name: str) -> str:
+    """The ConfigMap with the job definition."""
+    return f"{name}-job"
+
+
+def spark_app_name(name: str, role: Role, app: str) -> str:
+    """The Deployment of a PySpark source or sink."""
+    return f"{name}-{role}-{app}"
+
+
+def common_labels(name: str, component: str) -> dict[str, str]:
+    """The labels every child of the job carries."""
+    return {
+        LABEL_NAME: APP_NAME,
+        LABEL_INSTANCE: name,
+        LABEL_MANAGED_BY: MANAGER,
+        LABEL_JOB: name,
+        LABEL_COMPONENT: component,
+    }
+
+
+def coordinator_selector_labels(name: str) -> dict[str, str]:
+    return {LABEL_JOB: name, LABEL_COMPONENT: "coordinator"}
+
+
+def stage_selector_labels(name: str, stage: str) -> dict[str, str]:
+    return {LABEL_JOB: name, LABEL_STAGE: stage}
+
+
+def spark_selector_labels(name: str, role: Role, app: str) -> dict[str, str]:
+    return {LABEL_JOB: name, LABEL_COMPONENT: role, LABEL_APP: app}
+
+
+def stage_selector(name: str, stage: str) -> str:
+    """The label selector of a stage's pods, as status.selector (the scale subresource) wants."""
+    return ",".join(f"{k}={v}" for k, v in stage_selector_labels(name, stage).items())
+
+
+def child_problems(name: str, spec: StreamingJobSpec, job: JobSpec) -> list[str]:
+    """Why the children of this job could not exist (names Kubernetes refuses, clashes), so the
+    operator can refuse the job before it creates any of them; empty when all is well."""
+    found: list[str] = []
+    services = [coordinator_service_name(name)]
+    if not _DNS_1035.match(name) or len(name) > MAX_DNS_LABEL:
+        found.append(
+            f"metadata.name {name!r} must be a DNS label (lower case letters, digits and '-', "
+            f"starting with a letter, ending with a letter or digit, at most {MAX_DNS_LABEL} "
+            "characters): it names Services and labels"
+        )
+    for stage in job.stages():
+        set_name = stage_set_name(name, stage.name)
+        services.append(set_name)
+        if not _DNS_1035.match(set_name) or len(set_name) > MAX_STATEFULSET_NAME:
+            found.append(
+                f"stage {stage.name!r}: the StatefulSet name {set_name!r} must be a DNS label "
+                f"of at most {MAX_STATEFULSET_NAME} characters ending with a letter or digit"
+            )
+    apps: list[tuple[Role, SparkApp]] = [
+        *(("source", app) for app in spec.sources),
+        *(("sink", app) for app in spec.sinks),
+    ]
+    for role, app in apps:
+        app_name = spark_app_name(name, role, app.name)
+        if not _DNS_1035.match(app_name) or len(app_name) > MAX_DNS_LABEL:
+            found.append(
+                f"spec.{role}s {app.name!r}: the Deployment name {app_name!r} must be a DNS label "
+                f"of at most {MAX_DNS_LABEL} characters ending with a letter or digit"
+            )
+    clashes = sorted({s for s in services if services.count(s) > 1})
+    if clashes:
+        found.append(f"two Services would be named {clashes} (is a stage named 'coordinator'?)")
+    source = job.source.config
+    if spec.sources and isinstance(source, IngestSource) and source.port == 0:
+        found.append(
+            "spec.job.source.config.port: a job with Spark sources needs a fixed ingest port "
+            "(0 picks a random one, which the sources cannot find)"
+        )
+    return found
+
+
+# -- merging ------------------------------------------------------------------------------------
+
+
+def deep_merge(
+    base: Mapping[str, Any],
+    override: Mapping[str, Any],
+    list_keys: Mapping[str, str] | None = None,
+) -> dict[str, Any]:
+    """`override` merged into a copy of `base`: dicts are merged recursively, anything else
+    (lists included) is replaced, and a None in `override` removes the key (as in a JSON merge
+    patch). With `list_keys` ({field: key}), a list under one of those fields whose items are
+    dicts is merged item by item instead: items with the same key are deep-merged, new ones
+    appended. Neither input is modified, and the result shares no mutable part with them."""
+    keys = list_keys or {}
+    merged = copy.deepcopy(dict(base))
+    for field, value in override.items():
+        if value is None:
+            merged.pop(field, None)
+        elif isinstance(value, Mapping) and isinstance(merged.get(field), Mapping):
+            merged[field] = deep_merge(merged[field], value, list_keys)
+        elif field in keys and isinstance(value, list) and isinstance(merged.get(field), list):
+            merged[field] = _merge_by_key(merged[field], value, keys[field], keys)
+        else:
+            merged[field] = copy.deepcopy(value)
+    return merged
+
+
+def _merge_by_key(
+    base: list[Any], override: list[Any], key: str, list_keys: Mapping[str, str]
+) -> list[Any]:
+    merged = list(base)
+    for item in override:
+        position = next(
+            (
+                i
+                for i, old in enumerate(merged)
+                if isinstance(item, Mapping)
+                and isinstance(old, Mapping)
+                and key in item
+                and old.get(key) == item[key]
+            ),
+            None,
+        )
+        if position is None:
+            merged.append(copy.deepcopy(item))
+        else:
+            merged[position] = deep_merge(merged[position], item, list_keys)
+    return merged
+
+
+def merge_pod_template(
+    template: Mapping[str, Any], override: Mapping[str, Any], fixed_labels: Mapping[str, str]
+) -> dict[str, Any]:
+    """A pod template with `spec.pod_template` merged in: only the override's metadata labels and
+    annotations and its spec are taken, merged as `deep_merge` with POD_MERGE_KEYS, and
+    `fixed_labels` (ours, selectors among them) are put back on top."""
+    metadata = override.get("metadata") or {}
+    patch: dict[str, Any] = {
+        "metadata": {k: metadata[k] for k in ("labels", "annotations") if k in metadata},
+        "spec": override.get("spec") or {},
+    }
+    merged = deep_merge(template, patch, POD_MERGE_KEYS)
+    merged.setdefault("metadata", {}).setdefault("labels", {}).update(fixed_labels)
+    return merged
+
+
+# -- building blocks ----------------------------------------------------------------------------
+
+
+def _metadata(name: str, namespace: str, labels: Mapping[str, str]) -> Manifest:
+    return {"name": name, "namespace": namespace, "labels": dict(labels)}
+
+
+def _resources(resources: Resources) -> Manifest:
+    out: Manifest = {}
+    for part in ("requests", "limits"):
+        values = getattr(resources, part).model_dump(exclude_none=True)
+        if values:
+            out[part] = values
+    return out
+
+
+def _pod_security() -> Manifest:
+    return {
+        "runAsNonRoot": True,
+        "runAsUser": USER_ID,
+        "runAsGroup": USER_ID,
+        "fsGroup": USER_ID,
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
+
+
+def _container_security() -> Manifest:
+    return {
+        "allowPrivilegeEscalation": False,
+        "readOnlyRootFilesystem": True,
+        "capabilities": {"drop": ["ALL"]},
+    }
+
+
+def _env(values: Mapping[str, str]) -> list[Manifest]:
+    return [{"name": k, "value": v} for k, v in values.items()]
+
+
+def _metrics_probes() -> Manifest:
+    check = {"httpGet": {"path": "/metrics", "port": "metrics"}}
+    return {
+        "readinessProbe": {**check, "periodSeconds": 5, "timeoutSeconds": 3},
+        "livenessProbe": {
+            **copy.deepcopy(check),
+            "initialDelaySeconds": 15,
+            "periodSeconds": 10,
+            "timeoutSeconds": 5,
+            "failureThreshold": 6,
+        },
+    }
+
+
+def _base_env() -> dict[str, str]:
+    return {"HOME": TMP_DIR, "PYTHONUNBUFFERED": "1", "PYTHONDONTWRITEBYTECODE": "1"}
+
+
+def _job_volume(name: str) -> Manifest:
+    return {"name": _JOB_VOLUME, "configMap": {"name": config_map_name(name)}}
+
+
+def _job_mount() -> Manifest:
+    return {"name": _JOB_VOLUME, "mountPath": JOB_MOUNT, "readOnly": True}
+
+
+def _pod_template(
+    *,
+    spec: StreamingJobSpec,
+    labels: Mapping[str, str],
+    annotations: Mapping[str, str],
+    container: Manifest,
+    volumes: list[Manifest],
+) -> Manifest:
+    """A pod template with our security settings, /tmp, `spec.pod_template` merged in."""
+    pod: Manifest = {
+        "securityContext": _pod_security(),
+        "automountServiceAccountToken": False,
+        "enableServiceLinks": False,
+        "containers": [
+            {
+                "name": CONTAINER,
+                "imagePullPolicy": spec.image_pull_policy,
+                **container,
+                "securityContext": _container_security(),
+                "volumeMounts": [
+                    *container.get("volumeMounts", []),
+                    {"name": _TMP_VOLUME, "mountPath": TMP_DIR},
+                ],
+            }
+        ],
+        "volumes": [*volumes, {"name": _TMP_VOLUME, "emptyDir": {}}],
+    }
+    if spec.service_account:
+        # Its token stays unmounted all the same; a podTemplate can mount it.
+        pod["serviceAccountName"] = spec.service_account
+    metadata: Manifest = {"labels": dict(labels)}
+    if annotations:
+        metadata["annotations"] = dict(annotations)
+    return merge_pod_template({"metadata": metadata, "spec": pod}, spec.pod_template, labels)
+
+
+def _scrape_annotations() -> dict[str, str]:
+    return {"prometheus.io/scrape": "true", "prometheus.io/port": str(METRICS_PORT)}
+
+
+# -- the children -------------------------------------------------------------------------------
+
+
+def job_yaml(job: JobSpec) -> str:
+    """The job as the coordinator reads it (`keyshift.runtime.job.load_job`)."""
+    return yaml.safe_dump(job.model_dump(mode="json", exclude_none=True), sort_keys=False)
+
+
+def config_map(name: str, namespace: str, job: JobSpec) -> Manifest:
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": _metadata(config_map_name(name), namespace, common_labels(name, "config")),
+        "data": {JOB_FILE: job_yaml(job)},
+    }
+
+
+def coordinator_deployment(name: str, namespace: str, spec: StreamingJobSpec) -> Manifest:
+    selector = coordinator_selector_labels(name)
+    labels = {**common_labels(name, "coordinator"), **selector}
+    container: Manifest = {
+        "image": spec.image,
+        "command": ["python", "-P", "-m", "keyshift.runtime.coordinator"],
+        "args": [
+            "--job",
+            f"{JOB_MOUNT}/{JOB_FILE}",
+            "--host",
+            "0.0.0.0",
+            "--port",
+            str(COORDINATOR_PORT),
+            "--metrics-port",
+            str(METRICS_PORT),
+            "--register-timeout",
+            str(REGISTER_TIMEOUT),
+        ],
+        "workingDir": APP_DIR,
+        "env": _env({**_base_env(), "KEYSHIFT_JOB": name}),
+        "ports": [
+            {"name": "grpc", "containerPort": COORDINATOR_PORT, "protocol": "TCP"},
+            {"name": "metrics", "containerPort": METRICS_PORT, "protocol": "TCP"},
+        ],
+        "resources": _resources(spec.resources),
+        "volumeMounts": [_job_mount()],
+        **_metrics_probes(),
+    }
+    template = _pod_template(
+        spec=spec,
+        labels=labels,
+        annotations=_scrape_annotations(),
+        container=container,
+        volumes=[_job_volume(name)],
+    )
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": _metadata(coordinator_service_name(name), namespace, labels),
+        "spec": {
+            "replicas": 1,
+            "strategy": {"type": "Recreate"},
+            "selector": {"matchLabels": selector},
+            "template": template,
+        },
+    }
+
+
+def coordinator_service(name: str, namespace: str) -> Manifest:
+    labels = common_labels(name, "coordinator")
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _metadata(coordinator_service_name(name), namespace, labels),
+        "spec": {
+            "type": "ClusterIP",
+            "selector": coordinator_selector_labels(name),
+            "ports": [
+                {"name": "grpc", "port": COORDINATOR_PORT, "targetPort": "grpc", "protocol": "TCP"},
+                {
+                    "name": "metrics",
+                    "port": METRICS_PORT,
+                    "targetPort": "metrics",
+                    "protocol": "TCP",
+                },
+            ],
+        },
+    }
+
+
+def _ingest_port(job: JobSpec, stage: str) -> int | None:
+    """The fixed ingest port of the source stage's pods, if they serve one."""
+    config = job.source.config
+    if stage == job.source.name and isinstance(config, IngestSource) and config.port:
+        return config.port
+    return None
+
+
+def _stage_ports(job: JobSpec, stage: str) -> list[tuple[str, int]]:
+    ports = [("data", DATA_PORT), ("metrics", METRICS_PORT)]
+    ingest = _ingest_port(job, stage)
+    if ingest is not None:
+        ports.append(("ingest", ingest))
+    return ports
+
+
+def _output_dir(job: JobSpec, stage: str) -> str | None:
+    """Where the sink stage writes its output log, as an absolute path in the container."""
+    config = job.sink.config
+    if stage != job.sink.name or not isinstance(config, LogSink):
+        return None
+    return posixpath.normpath(posixpath.join(APP_DIR, config.path))
+
+
+def stage_service(name: str, namespace: str, job: JobSpec, stage: str) -> Manifest:
+    """The headless Service of a stage: stable DNS names for its pods (`<set>-N.<set>`)."""
+    labels = {**common_labels(name, "stage"), LABEL_STAGE: stage}
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _metadata(stage_set_name(name, stage), namespace, labels),
+        "spec": {
+            "clusterIP": "None",
+            "publishNotReadyAddresses": True,
+            "selector": stage_selector_labels(name, stage),
+            "ports": [
+                {"name": port_name, "port": port, "targetPort": port_name, "protocol": "TCP"}
+                for port_name, port in _stage_ports(job, stage)
+            ],
+        },
+    }
+
+
+def stage_stateful_set(
+    name: str, namespace: str, spec: StreamingJobSpec, job: JobSpec, stage: str, replicas: int
+) -> Manifest:
+    selector = stage_selector_labels(name, stage)
+    labels = {**common_labels(name, "stage"), **selector}
+    mounts = [_job_mount()]
+    volumes = [_job_volume(name)]
+    output = _output_dir(job, stage)
+    if output is not None:
+        mounts.append({"name": _OUTPUT_VOLUME, "mountPath": output})
+        volumes.append({"name": _OUTPUT_VOLUME, "emptyDir": {}})
+    container: Manifest = {
+        "image": spec.image,
+        "command": ["python", "-P", "-m", "keyshift.runtime.instance"],
+        "args": [
+            "--coordinator",
+            coordinator_address(name, namespace),
+            "--stage",
+            stage,
+            "--index",
+            "hostname",
+            "--host",
+            "$(POD_IP)",
+            "--port",
+            str(DATA_PORT),
+            "--metrics-port",
+            str(METRICS_PORT),
+        ],
+        "workingDir": APP_DIR,
+        "env": [
+            {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+            *_env({**_base_env(), "KEYSHIFT_JOB": name}),
+        ],
+        "ports": [
+            {"name": port_name, "containerPort": port, "protocol": "TCP"}
+            for port_name, port in _stage_ports(job, stage)
+        ],
+        "resources": _resources(spec.resources),
+        "volumeMounts": mounts,
+        **_metrics_probes(),
+    }
+    template = _pod_template(
+        spec=spec,
+        labels=labels,
+        annotations=_scrape_annotations(),
+        container=container,
+        volumes=volumes,
+    )
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "StatefulSet",
+        "metadata": _metadata(stage_set_name(name, stage), namespace, labels),
+        "spec": {
+            "serviceName": stage_set_name(name, stage),
+            "replicas": replicas,
+            "podManagementPolicy": "Parallel",
+            "selector": {"matchLabels": selector},
+            "template": template,
+        },
+    }
+
+
+def spark_deployment(
+    name: str, namespace: str, spec: StreamingJobSpec, job: JobSpec, role: Role, app: SparkApp
+) -> Manifest:
+    """A PySpark source or sink: one driver in local mode. It serves no metrics, so it has no
+    probes and no scrape annotations."""
+    selector = spark_selector_labels(name, role, app.name)
+    labels = {**common_labels(name, role), **selector}
+    env = {
+        **_base_env(),
+        "KEYSHIFT_JOB": name,
+        "KEYSHIFT_ROLE": role,
+        "KEYSHIFT_COORDINATOR": coordinator_address(name, namespace),
+    }
+    ingest = _ingest_port(job, job.source.name)
+    if role == "source" and ingest is not None:
+        env["KEYSHIFT_INGEST"] = f"{stage_set_name(name, job.source.name)}.{namespace}.svc:{ingest}"
+    container: Manifest = {
+        "image": app.image or spec.image,
+        "command": ["spark-submit", "--master", "local[*]", app.script, *app.args],
+        "env": _env(env),
+        "resources": _resources(app.resources),
+    }
+    template = _pod_template(
+        spec=spec, labels=labels, annotations={}, container=container, volumes=[]
+    )
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": _metadata(spark_app_name(name, role, app.name), namespace, labels),
+        "spec": {
+            "replicas": 1,
+            # Never two drivers at once: both would push the same rows.
+            "strategy": {"type": "Recreate"},
+            "selector": {"matchLabels": selector},
+            "template": template,
+        },
+    }
+
+
+def children(
+    name: str,
+    namespace: str,
+    spec: StreamingJobSpec,
+    job: JobSpec,
+    replicas: Mapping[str, int] | None = None,
+) -> list[Manifest]:
+    """Every child of the StreamingJob `name`, in creation order. `job` is `spec.job_spec()`;
+    `replicas` gives the current replicas per stage (so an update does not undo a rescale),
+    else the job's parallelism is used."""
+    current = replicas or {}
+    out = [
+        config_map(name, namespace, job),
+        coordinator_deployment(name, namespace, spec),
+        coordinator_service(name, namespace),
+    ]
+    for stage in job.stages():
+        count = current.get(stage.name, stage.parallelism)
+        out.append(stage_service(name, namespace, job, stage.name))
+        out.append(stage_stateful_set(name, namespace, spec, job, stage.name, count))
+    roles: list[tuple[Role, list[SparkApp]]] = [("source", spec.sources), ("sink", spec.sinks)]
+    for role, apps in roles:
+        out.extend(spark_deployment(name, namespace, spec, job, role, app) for app in apps)
+    return out

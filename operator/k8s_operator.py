@@ -1,0 +1,411 @@
+"""The Kubernetes operator: kopf handlers that reconcile StreamingJobs and run their autoscaling.
+
+create / resume / update: validate the spec (the schema's rules are the API server's; what it
+cannot express, `StreamingJobSpec.problems`, becomes a Degraded condition and an Event, and no
+child is created), then create or patch the children (`k8s_children`), owned by the job. A
+change of the keyed stage's parallelism (an edit or `kubectl scale`) rescales the running job
+live. A timer per job reads the coordinator's status, runs the autoscaling loop
+(`k8s_scaling`), applies replica changes and writes the status; delete releases the job's parts.
+`keyshift operator` runs it (`run_operator`); tests build it with `build_registry` against an
+API emulator.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import kopf
+from kubernetes_asyncio import client as k8s
+from kubernetes_asyncio.client.exceptions import ApiException
+from pydantic import ValidationError
+
+from keyshift.operator.k8s_children import (
+    child_problems,
+    children,
+    coordinator_address,
+    stage_selector,
+    stage_set_name,
+)
+from keyshift.operator.k8s_scaling import KubeJob, kube_job, timestamp
+from keyshift.operator.streamingjob import GROUP, PLURAL, VERSION, StreamingJobSpec
+from keyshift.runtime.job import JobSpec
+from keyshift.runtime.metrics import AutoscalerMetrics
+from keyshift.runtime.transport import TransportError
+
+log = logging.getLogger(__name__)
+
+STATUS_INTERVAL = 2.0
+PHASES = {"starting": "Pending", "running": "Running", "draining": "Running",
+          "finished": "Finished", "stopping": "Running", "failed": "Failed"}  # fmt: skip
+
+
+@dataclass
+class OperatorConfig:
+    """What differs between a cluster and a test: how to reach the API and the coordinators."""
+
+    api_client: Callable[[], Awaitable[k8s.ApiClient]]
+    login: Callable[..., Any]
+    coordinator_address: Callable[[str, str], str] = coordinator_address
+    exported: dict[str, AutoscalerMetrics] = field(default_factory=dict)
+
+    def metrics_for(self, job: str) -> AutoscalerMetrics:
+        if job not in self.exported:
+            self.exported[job] = AutoscalerMetrics(job)
+        return self.exported[job]
+
+
+def _invalid(spec: Mapping[str, Any]) -> tuple[StreamingJobSpec | None, list[str]]:
+    try:
+        parsed = StreamingJobSpec.model_validate(dict(spec))
+    except ValidationError as exc:
+        return None, [
+            f"spec.{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors()
+        ]
+    return parsed, parsed.problems()
+
+
+def _condition(kind: str, ok: bool, reason: str, message: str = "") -> dict[str, str]:
+    return {
+        "type": kind,
+        "status": "True" if ok else "False",
+        "reason": reason,
+        "message": message,
+        "lastTransitionTime": timestamp(time.time()),
+    }
+
+
+def _merge_conditions(old: list[dict[str, Any]], new: list[dict[str, str]]) -> list[dict[str, Any]]:
+    """Keep a condition's transition time while its status does not change."""
+    by_type = {c["type"]: c for c in old}
+    merged = []
+    for cond in new:
+        before = by_type.get(cond["type"])
+        if before is not None and before.get("status") == cond["status"]:
+            cond = {**cond, "lastTransitionTime": before.get("lastTransitionTime", "")}
+        merged.append(cond)
+    return merged
+
+
+async def _apply(api: k8s.ApiClient, manifest: dict[str, Any]) -> None:
+    """Create a child, or patch it if it exists (handlers must be idempotent)."""
+    kind = manifest["kind"]
+    name = manifest["metadata"]["name"]
+    namespace = manifest["metadata"]["namespace"]
+    core, apps = k8s.CoreV1Api(api), k8s.AppsV1Api(api)
+    calls: dict[str, tuple[Any, Any]] = {
+        "ConfigMap": (core.create_namespaced_config_map, core.patch_namespaced_config_map),
+        "Service": (core.create_namespaced_service, core.patch_namespaced_service),
+        "Deployment": (apps.create_namespaced_deployment, apps.patch_namespaced_deployment),
+        "StatefulSet": (apps.create_namespaced_stateful_set, apps.patch_namespaced_stateful_set),
+    }
+    create, patch = calls[kind]
+    try:
+        await create(namespace, manifest)
+    except ApiException as exc:
+        if exc.status != 409:
+            raise
+        await patch(name, namespace, manifest)
+
+
+async def _replicas(api: k8s.ApiClient, name: str, namespace: str, job: JobSpec) -> dict[str, int]:
+    """The stages' current replicas, so a re-apply does not undo a rescale."""
+    apps = k8s.AppsV1Api(api)
+    found = {}
+    for stage in job.stages():
+        try:
+            sts = await apps.read_namespaced_stateful_set(
+                stage_set_name(name, stage.name), namespace
+            )
+        except ApiException as exc:
+            if exc.status == 404:
+                continue
+            raise
+        if sts.spec is not None and sts.spec.replicas is not None:
+            found[stage.name] = int(sts.spec.replicas)
+    return found
+
+
+def build_registry(config: OperatorConfig) -> kopf.OperatorRegistry:
+    registry = kopf.OperatorRegistry()
+    resource = (GROUP, VERSION, PLURAL)
+
+    @kopf.on.login(registry=registry)
+    def login(**kwargs: Any) -> Any:
+        return config.login(**kwargs)
+
+    async def reconcile(
+        body: kopf.Body,
+        spec: kopf.Spec,
+        name: str,
+        namespace: str | None,
+        memo: Any,
+        patch: kopf.Patch,
+        status: kopf.Status,
+        **_: Any,
+    ) -> None:
+        assert namespace is not None  # StreamingJob is a namespaced kind
+        parsed, problems = _invalid(spec)
+        if parsed is not None and not problems:
+            problems = child_problems(name, parsed, parsed.job_spec())
+        generation = body.get("metadata", {}).get("generation", 0)
+        old_conditions = list(status.get("conditions") or [])
+        if parsed is None or problems:
+            message = "; ".join(problems)
+            patch.status["phase"] = "Degraded"
+            patch.status["message"] = message
+            patch.status["observedGeneration"] = generation
+            patch.status["conditions"] = _merge_conditions(
+                old_conditions,
+                [_condition("Degraded", True, "InvalidSpec", message),
+                 _condition("Ready", False, "InvalidSpec")],
+            )  # fmt: skip
+            kopf.warn(body, reason="InvalidSpec", message=message)
+            return
+        job = parsed.job_spec()
+        async with await config.api_client() as api:
+            replicas = await _replicas(api, name, namespace, job)
+            manifests = children(name, namespace, parsed, job, replicas)
+            kopf.adopt(manifests, owner=body)
+            for manifest in manifests:
+                await _apply(api, manifest)
+        old = memo.get("job")
+        if isinstance(old, KubeJob):
+            old.close()
+        memo["job"] = kube_job(
+            name, namespace, job, config.coordinator_address(name, namespace),
+            config.metrics_for(f"{namespace}/{name}"),
+        )  # fmt: skip
+        memo["spec"] = parsed
+        patch.status["observedGeneration"] = generation
+        patch.status["selector"] = stage_selector(name, job.keyed.name)
+        patch.status["conditions"] = _merge_conditions(
+            old_conditions, [_condition("Degraded", False, "SpecValid")]
+        )
+        if not status.get("phase") or status.get("phase") == "Degraded":
+            patch.status["phase"] = "Pending"
+            patch.status["message"] = ""
+        kopf.info(body, reason="Reconciled", message=f"{len(manifests)} children applied")
+
+    kopf.on.create(*resource, registry=registry, id="reconcile-create")(reconcile)
+    kopf.on.resume(*resource, registry=registry, id="reconcile-resume")(reconcile)
+    kopf.on.update(*resource, registry=registry, id="reconcile-update")(reconcile)
+
+    @kopf.on.field(*resource, field="spec.job.keyed.parallelism", registry=registry, id="rescale")
+    async def rescale(old: Any, new: Any, body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
+        """An edit or `kubectl scale` of the keyed stage: rescale the running job live."""
+        if old is None or new is None or old == new:
+            return
+        kube = memo.get("job")
+        parsed = memo.get("spec")
+        if not isinstance(kube, KubeJob) or not isinstance(parsed, StreamingJobSpec):
+            raise kopf.TemporaryError("the job is not reconciled yet", delay=2)
+        keyed = parsed.job_spec().keyed.name
+        current = _keyed_parallelism(kube.latest(), keyed)
+        if current == new:
+            return
+        try:
+            await asyncio.to_thread(kube.executor.apply, keyed, int(new), parsed.migration.strategy)
+        except Exception as exc:  # RescaleRefused, or the coordinator not up yet
+            raise kopf.TemporaryError(f"rescale to {new} not started: {exc}", delay=5) from exc
+        kopf.info(body, reason="ManualRescale", message=f"{keyed}: {current} -> {new}")
+
+    @kopf.timer(*resource, interval=STATUS_INTERVAL, registry=registry, id="observe")
+    async def observe(
+        body: kopf.Body,
+        name: str,
+        namespace: str | None,
+        memo: Any,
+        patch: kopf.Patch,
+        status: kopf.Status,
+        **_: Any,
+    ) -> None:
+        assert namespace is not None  # StreamingJob is a namespaced kind
+        kube = memo.get("job")
+        parsed = memo.get("spec")
+        if not isinstance(kube, KubeJob) or not isinstance(parsed, StreamingJobSpec):
+            return  # not reconciled (or invalid): the reconcile handlers report why
+        job = parsed.job_spec()
+        try:
+            current = await asyncio.to_thread(kube.client.call, "Status", None, 3.0)
+        except TransportError as exc:
+            patch.status["phase"] = "Pending"
+            patch.status["message"] = f"coordinator not reachable yet: {exc}"
+            return
+        kube.latest.value = current
+        if current.get("phase") == "finished" and not kube.finished:
+            # A finite job is done: its workers exit, and a StatefulSet would restart them.
+            kube.finished = True
+            for stage in job.stages():
+                kube.pool.shrink(stage.name, 0)
+        if kube.loop is not None and current.get("phase") == "running":
+            await asyncio.to_thread(kube.loop.poll)
+        else:
+            # Without a loop the executor still reports finished rescales (manual ones).
+            await asyncio.to_thread(kube.executor.finished)
+        async with await config.api_client() as api:
+            changed = await kube.pool.flush(api)
+            ready = await _ready(api, name, namespace, job)
+        for stage_name, replicas in changed:
+            message = f"{stage_set_name(name, stage_name)} -> {replicas}"
+            kopf.info(body, reason="Scaled", message=message)
+        for decision in kube.events.pending_actions:
+            kopf.info(body, reason="AutoscalerDecision", message=decision.reason)
+        for problem in kube.events.pending_problems:
+            kopf.warn(body, reason="AutoscalerNoDecision", message=problem)
+        kube.events.pending_actions.clear()
+        kube.events.pending_problems.clear()
+        _write_status(patch, status, current, job, ready, kube)
+
+    @kopf.on.delete(*resource, registry=registry, id="release", optional=True)
+    async def release(name: str, memo: kopf.Memo, **_: Any) -> None:
+        kube = memo.pop("job", None)
+        if isinstance(kube, KubeJob):
+            kube.close()
+        log.info("released %s; its children go with it (owner references)", name)
+
+    return registry
+
+
+def _keyed_parallelism(status: Mapping[str, Any], keyed: str) -> int | None:
+    for stage in status.get("stages", []):
+        if stage["name"] == keyed:
+            return int(stage["parallelism"])
+    return None
+
+
+async def _ready(api: k8s.ApiClient, name: str, namespace: str, job: JobSpec) -> dict[str, int]:
+    apps = k8s.AppsV1Api(api)
+    ready = {}
+    for stage in job.stages():
+        try:
+            sts = await apps.read_namespaced_stateful_set(
+                stage_set_name(name, stage.name), namespace
+            )
+        except ApiException:
+            continue
+        ready[stage.name] = int((sts.status.ready_replicas if sts.status else 0) or 0)
+    return ready
+
+
+def _write_status(
+    patch: kopf.Patch,
+    status: kopf.Status,
+    current: Mapping[str, Any],
+    job: JobSpec,
+    ready: Mapping[str, int],
+    kube: KubeJob,
+) -> None:
+    stages = [
+        {
+            "name": s["name"],
+            "current": int(s["parallelism"]),
+            "target": int(s["desired"]),
+            "ready": ready.get(s["name"], 0),
+        }
+        for s in current.get("stages", [])
+    ]
+    rescaling = current.get("rescale")
+    phase = PHASES.get(str(current.get("phase")), "Pending")
+    if rescaling and phase == "Running":
+        phase = "Rescaling"
+    settled = all(s["current"] == s["target"] == s["ready"] for s in stages)
+    errors = "; ".join(current.get("errors") or [])
+    conditions = [
+        _condition("Ready", phase == "Running" and settled, "Running" if settled else "NotSettled"),
+        _condition(
+            "Rescaling",
+            bool(rescaling),
+            "Rescaling" if rescaling else "Idle",
+            f"{rescaling['stage']} {rescaling['from']}->{rescaling['to']}" if rescaling else "",
+        ),
+        _condition("Degraded", phase == "Failed", "JobFailed" if errors else "SpecValid", errors),
+    ]
+    patch.status["phase"] = phase
+    patch.status["parallelism"] = _keyed_parallelism(current, job.keyed.name) or 0
+    patch.status["stages"] = stages
+    patch.status["decisions"] = kube.events.status_decisions()
+    patch.status["rescales"] = [
+        {
+            k: r.get(k)
+            for k in ("id", "stage", "from", "to", "strategy", "phase", "duration", "error")
+        }
+        for r in current.get("rescales", [])[-10:]
+    ]
+    patch.status["conditions"] = _merge_conditions(list(status.get("conditions") or []), conditions)
+    patch.status["message"] = kube.events.last_problem or errors
+
+
+async def in_cluster_api() -> k8s.ApiClient:
+    """An API client with the operator's service account, or the local kubeconfig."""
+    from kubernetes_asyncio import config as k8s_config
+
+    try:
+        k8s_config.load_incluster_config()  # type: ignore[no-untyped-call]
+    except k8s_config.ConfigException:
+        await k8s_config.load_kube_config()
+    return k8s.ApiClient()
+
+
+SERVICE_ACCOUNT_TOKEN = Path("/var/run/secrets/kubernetes.io/serviceaccount/token")
+
+
+class OperatorError(RuntimeError):
+    """The operator cannot start; the message says why."""
+
+
+def check_credentials() -> None:
+    """Fail before kopf starts when there is no way to reach a cluster."""
+    if SERVICE_ACCOUNT_TOKEN.exists():
+        return
+    configs = os.environ.get("KUBECONFIG", str(Path.home() / ".kube" / "config"))
+    if any(Path(p).is_file() for p in configs.split(os.pathsep) if p):
+        return
+    raise OperatorError(
+        "no Kubernetes credentials: not in a pod with a service account, and no kubeconfig "
+        f"at {configs} (set KUBECONFIG)"
+    )
+
+
+def cluster_login(**kwargs: Any) -> Any:
+    return kopf.login_with_service_account(**kwargs) or kopf.login_with_kubeconfig(**kwargs)
+
+
+def run_operator(
+    namespaces: list[str], liveness_port: int = 8080, metrics_port: int = 9100
+) -> None:
+    """`keyshift operator`: kopf with our handlers, standalone (one replica, no peering), a
+    liveness endpoint for the kubelet and the autoscalers' metrics for Prometheus."""
+    from prometheus_client import CollectorRegistry, start_http_server
+
+    check_credentials()
+    config = OperatorConfig(api_client=in_cluster_api, login=cluster_login)
+    settings = kopf.OperatorSettings()
+    settings.peering.standalone = True
+    settings.persistence.finalizer = f"{GROUP}/finalizer"
+    registry = build_registry(config)
+
+    class _AllJobs:
+        def collect(self) -> Any:
+            for exported in list(config.exported.values()):
+                yield from exported.registry.collect()
+
+    metrics = CollectorRegistry()
+    metrics.register(_AllJobs())
+    start_http_server(metrics_port, registry=metrics)
+    asyncio.run(
+        kopf.operator(
+            registry=registry,
+            settings=settings,
+            standalone=True,
+            clusterwide=not namespaces,
+            namespaces=namespaces,
+            liveness_endpoint=f"http://0.0.0.0:{liveness_port}/healthz",
+        )
+    )

@@ -1,0 +1,215 @@
+"""The StreamingJob custom resource (keyshift.io/v1alpha1): its spec and status as pydantic models.
+
+These models are the single source of truth: `keyshift crds` turns them into the CRD's OpenAPI
+schema (`keyshift.operator.crd`), the operator validates every object with them, and the status
+it writes is built from them. The embedded job and autoscaler settings are the very models a
+job file uses (`keyshift.runtime.job.JobSpec`, `keyshift.policies.settings`), so a job moves from
+`keyshift run` to a cluster unchanged. Used by the kopf handlers and the CRD generator.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from keyshift.runtime.job import JobError, JobSpec, parse_job
+from keyshift.runtime.rescale import STRATEGIES, RescaleError, options_for
+
+GROUP = "keyshift.io"
+VERSION = "v1alpha1"
+KIND = "StreamingJob"
+PLURAL = "streamingjobs"
+SINGULAR = "streamingjob"
+SHORT_NAMES = ("sj",)
+QUANTITY_PATTERN = r"^[0-9]+(\.[0-9]+)?(m|k|Ki|M|Mi|G|Gi|T|Ti)?$"
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+
+
+class ResourceList(_Model):
+    cpu: str | None = Field(default=None, pattern=QUANTITY_PATTERN, description="e.g. 500m")
+    memory: str | None = Field(default=None, pattern=QUANTITY_PATTERN, description="e.g. 512Mi")
+
+
+class Resources(_Model):
+    requests: ResourceList = Field(
+        default_factory=lambda: ResourceList(cpu="250m", memory="256Mi"),
+        description="what each worker pod asks for",
+    )
+    limits: ResourceList = Field(
+        default_factory=lambda: ResourceList(cpu="1", memory="1Gi"),
+        description="what each worker pod may use at most",
+    )
+
+
+class Migration(_Model):
+    """How keyed state moves between instances when the keyed stage rescales."""
+
+    strategy: Literal["hot-first", "all-at-once", "batched", "lazy"] = Field(
+        default="hot-first", description="how keyed state moves in a rescale"
+    )
+    options: dict[str, Annotated[float, Field(gt=0)]] = Field(
+        default_factory=dict,
+        description="strategy options (positive numbers), e.g. batch_groups: 256; which ones "
+        "apply depends on the strategy",
+    )
+
+
+class SparkApp(_Model):
+    """A PySpark job that feeds the StreamingJob (a source) or reads its output (a sink)."""
+
+    name: str = Field(pattern=r"^[a-z][a-z0-9-]{0,39}$")
+    image: str | None = Field(default=None, description="defaults to the StreamingJob's image")
+    script: str = Field(min_length=1, description="path of the PySpark script in the image")
+    args: list[str] = Field(default_factory=list, description="arguments of the script")
+    resources: Resources = Field(default_factory=Resources)
+
+
+class StreamingJobSpec(_Model):
+    """What to run (image and job) and how it scales and moves its state."""
+
+    image: str = Field(min_length=1, description="container image with keyshift and the job's code")
+    image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = Field(
+        default="IfNotPresent", alias="imagePullPolicy"
+    )
+    job: dict[str, Any] = Field(
+        description="the job, exactly as a `keyshift run` job file (name, source, keyed, sink, "
+        "batching, autoscaler); stage parallelism is the initial one"
+    )
+    migration: Migration = Field(default_factory=Migration)
+    sources: list[SparkApp] = Field(default_factory=list, description="PySpark jobs feeding it")
+    sinks: list[SparkApp] = Field(default_factory=list, description="PySpark jobs reading it")
+    resources: Resources = Field(default_factory=Resources)
+    pod_template: dict[str, Any] = Field(
+        default_factory=dict,
+        alias="podTemplate",
+        description="merged into every worker pod template (labels, tolerations, ...)",
+    )
+    service_account: str | None = Field(default=None, alias="serviceAccountName")
+
+    @field_validator("job")
+    @classmethod
+    def _job_is_a_mapping(cls, job: dict[str, Any]) -> dict[str, Any]:
+        if "name" not in job:
+            raise ValueError("job.name is required")
+        return job
+
+    def job_spec(self) -> JobSpec:
+        """The embedded job, validated as `keyshift run` would, but without importing the user's
+        functions (they live in the image): raises JobError naming each bad field."""
+        return parse_job(self.job, origin="spec.job", resolve_functions=False)
+
+    def problems(self) -> list[str]:
+        """What the schema cannot express but makes the job unrunnable; every problem found,
+        one message each (empty when the spec can run)."""
+        found: list[str] = []
+        spec: JobSpec | None
+        try:
+            spec = self.job_spec()
+        except JobError as exc:
+            spec = None
+            found.append(str(exc))
+        try:
+            options_for(self.migration.strategy, dict(self.migration.options))
+        except RescaleError as exc:
+            found.append(f"spec.migration: {exc}")
+        names = {app.name for app in [*self.sources, *self.sinks]}
+        if len(names) != len(self.sources) + len(self.sinks):
+            found.append("spec.sources and spec.sinks need distinct names")
+        if spec is not None and spec.autoscaler is not None:
+            keyed = spec.autoscaler.bounds_of(spec.keyed.name)
+            if not keyed.min_parallelism <= spec.keyed.parallelism <= keyed.max_parallelism:
+                found.append(
+                    f"spec.job.keyed.parallelism {spec.keyed.parallelism} is outside the "
+                    f"autoscaler's bounds [{keyed.min_parallelism}, {keyed.max_parallelism}]"
+                )
+        return found
+
+
+class StageStatus(_Model):
+    name: str
+    current: int = Field(description="instances registered with the coordinator")
+    target: int = Field(description="instances the job should have")
+    ready: int = Field(description="pods ready")
+
+
+class DecisionStatus(_Model):
+    time: str
+    stage: str
+    from_: int = Field(alias="from")
+    to: int
+    action: str
+    reason: str
+    inputs: dict[str, float] = Field(default_factory=dict)
+
+
+class RescaleStatus(_Model):
+    id: int
+    stage: str
+    from_: int = Field(alias="from")
+    to: int
+    strategy: str
+    phase: str
+    duration: float
+    error: str | None = None
+
+
+class Condition(_Model):
+    type: Literal["Ready", "Rescaling", "Degraded"]
+    status: Literal["True", "False", "Unknown"]
+    reason: str
+    message: str = ""
+    last_transition_time: str = Field(alias="lastTransitionTime")
+
+
+class StreamingJobStatus(_Model):
+    """What the operator observed and decided; only the operator writes it."""
+
+    phase: Literal["Pending", "Running", "Rescaling", "Degraded", "Failed", "Finished"] = "Pending"
+    observed_generation: int = Field(default=0, alias="observedGeneration")
+    parallelism: int = Field(
+        default=0,
+        description="the keyed stage's current parallelism (the scale subresource's replicas)",
+    )
+    selector: str = Field(default="", description="label selector of the keyed stage's pods")
+    stages: list[StageStatus] = Field(default_factory=list)
+    decisions: list[DecisionStatus] = Field(default_factory=list, description="the latest")
+    rescales: list[RescaleStatus] = Field(default_factory=list, description="the latest")
+    conditions: list[Condition] = Field(default_factory=list)
+    message: str = ""
+
+
+class StreamingJob(_Model):
+    """A keyshift stream-processing job whose stages rescale live (the whole object)."""
+
+    api_version: Literal["keyshift.io/v1alpha1"] = Field(alias="apiVersion")
+    kind: Literal["StreamingJob"]
+    metadata: dict[str, Any] = Field(default_factory=dict)
+    spec: StreamingJobSpec = Field(description="the job, its image, scaling and state migration")
+    status: StreamingJobStatus | None = Field(
+        default=None, description="written by the operator: phase, parallelism, decisions"
+    )
+
+
+__all__ = [
+    "GROUP",
+    "KIND",
+    "PLURAL",
+    "SHORT_NAMES",
+    "SINGULAR",
+    "STRATEGIES",
+    "VERSION",
+    "Condition",
+    "DecisionStatus",
+    "Migration",
+    "RescaleStatus",
+    "Resources",
+    "SparkApp",
+    "StageStatus",
+    "StreamingJob",
+    "StreamingJobSpec",
+    "StreamingJobStatus",
+]

@@ -1,0 +1,359 @@
+"""The operator against a Kubernetes API over real HTTP (kmock's emulator, tests/kube_emulator.py):
+reconcile (create, update, resume, delete, idempotence, invalid specs), and the full loop with
+real keyshift processes run by a test-side kubelet (tests/kube_pods.py): DS2 scales a job out
+from its real metrics, the StatefulSet grows, state moves live, the output stays exactly-once."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import copy
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import kmock
+import kopf
+import pytest
+import pytest_asyncio
+from kubernetes_asyncio import client as k8s
+
+from keyshift.operator.k8s_operator import OperatorConfig, build_registry
+from tests.kube_emulator import (
+    CR,
+    CR_API,
+    Emulator,
+    OperatorThread,
+    eventually,
+    listed,
+    register_resources,
+    stored,
+)
+from tests.kube_pods import PodRunner
+from tests.prometheus_server import free_port
+from tests.test_rescale import check_output
+
+NS = "jobs"
+MERGE = {"Content-Type": "application/merge-patch+json"}
+
+pytestmark = [
+    pytest.mark.asyncio,
+    pytest.mark.filterwarnings("ignore:read_binary is deprecated:DeprecationWarning"),
+]
+
+
+def streaming_job(name: str = "clicks", **spec: Any) -> dict[str, Any]:
+    job = {
+        "name": name,
+        "source": {"config": {"kind": "generator", "keys": 2000, "profile": {"rate": 2000}}},
+        "keyed": {"name": "counts", "parallelism": 2},
+        "sink": {"config": {"kind": "log", "path": "/data/out", "format": "jsonl"}},
+    }
+    return {
+        "apiVersion": "keyshift.io/v1alpha1",
+        "kind": "StreamingJob",
+        "metadata": {"name": name, "namespace": NS},
+        "spec": {"image": "ghcr.io/keyshift/keyshift:0.1.0", "job": job, **spec},
+    }
+
+
+@pytest_asyncio.fixture
+async def emu() -> AsyncIterator[Emulator]:
+    async with Emulator() as handler, kmock.Server(handler):
+        register_resources(handler)
+        yield handler
+
+
+@contextlib.asynccontextmanager
+async def running_operator(
+    emu: Emulator, coordinator_address: Any = None
+) -> AsyncIterator[OperatorThread]:
+    url = str(emu.url)
+
+    async def api() -> k8s.ApiClient:
+        return k8s.ApiClient(k8s.Configuration(host=url))
+
+    config = OperatorConfig(
+        api_client=api, login=lambda **_: kopf.ConnectionInfo(server=url, default_namespace=NS)
+    )
+    if coordinator_address is not None:
+        config.coordinator_address = coordinator_address
+    operator = OperatorThread(build_registry(config))
+    await operator.start()
+    try:
+        await eventually(
+            lambda: any(r.resource == kmock.resource(CR) and r.action == kmock.action.WATCH
+                        for r in list(emu)),
+            10, "the operator to watch StreamingJobs",
+        )  # fmt: skip
+        yield operator
+    finally:
+        await operator.stop()
+
+
+async def create(emu: Emulator, body: dict[str, Any]) -> Any:
+    return await emu.post(f"{CR_API}/namespaces/{NS}/streamingjobs", json=body)
+
+
+def job_object(emu: Emulator, name: str = "clicks") -> dict[str, Any]:
+    return stored(emu, CR, NS, name) or {}
+
+
+def owned_children(emu: Emulator, name: str = "clicks") -> dict[tuple[str, str], dict[str, Any]]:
+    found = {}
+    for resource in ("v1/configmaps", "v1/services", "apps/v1/deployments",
+                     "apps/v1/statefulsets"):  # fmt: skip
+        for obj in listed(emu, resource, NS):
+            owners = obj["metadata"].get("ownerReferences", [])
+            if any(o["kind"] == "StreamingJob" and o["name"] == name for o in owners):
+                found[(obj["kind"], obj["metadata"]["name"])] = obj
+    return found
+
+
+def content(obj: dict[str, Any]) -> dict[str, Any]:
+    """An object without what every write changes."""
+    obj = copy.deepcopy(obj)
+    for key in ("resourceVersion", "generation", "managedFields"):
+        obj["metadata"].pop(key, None)
+    obj.pop("status", None)
+    return obj
+
+
+def events_of(emu: Emulator, name: str = "clicks") -> list[dict[str, Any]]:
+    return [e for e in listed(emu, "v1/events", NS) if e["involvedObject"].get("name") == name]
+
+
+def condition(emu: Emulator, kind: str) -> dict[str, Any]:
+    conditions = job_object(emu).get("status", {}).get("conditions", [])
+    return next((c for c in conditions if c["type"] == kind), {})
+
+
+EXPECTED_CHILDREN = {
+    ("ConfigMap", "clicks-job"),
+    ("Deployment", "clicks-coordinator"),
+    ("Service", "clicks-coordinator"),
+    ("Service", "clicks-source"),
+    ("StatefulSet", "clicks-source"),
+    ("Service", "clicks-counts"),
+    ("StatefulSet", "clicks-counts"),
+    ("Service", "clicks-sink"),
+    ("StatefulSet", "clicks-sink"),
+}
+
+
+async def test_create_update_resume_delete(emu: Emulator) -> None:
+    async with running_operator(emu):
+        reply = await create(emu, streaming_job())
+        assert reply.status in (200, 201), await reply.text()
+        await eventually(lambda: set(owned_children(emu)) == EXPECTED_CHILDREN, 20, "children")
+        counts = owned_children(emu)[("StatefulSet", "clicks-counts")]
+        assert counts["spec"]["replicas"] == 2
+        uid = job_object(emu)["metadata"]["uid"]
+        assert all(
+            c["metadata"]["ownerReferences"][0]["uid"] == uid for c in owned_children(emu).values()
+        )
+        status = await eventually(
+            lambda: (s := job_object(emu).get("status", {})).get("observedGeneration") == 1 and s,
+            20, "the status",
+        )  # fmt: skip
+        assert status["phase"] == "Pending"  # nothing runs the pods here
+        assert status["selector"] == "keyshift.io/job=clicks,keyshift.io/stage=counts"
+        assert condition(emu, "Degraded")["status"] == "False"
+        await eventually(lambda: any(e["reason"] == "Reconciled" for e in events_of(emu)), 10,
+                         "a Reconciled event")  # fmt: skip
+
+        # An update of the image reaches every workload; the rescaled replicas are kept.
+        await emu.patch(f"{CR_API}/namespaces/{NS}/streamingjobs/clicks",
+                        json={"spec": {"image": "ghcr.io/keyshift/keyshift:0.2.0"}},
+                        headers=MERGE)  # fmt: skip
+        await emu.patch(f"/apis/apps/v1/namespaces/{NS}/statefulsets/clicks-counts",
+                        json={"spec": {"replicas": 3}}, headers=MERGE)  # fmt: skip
+
+        def updated() -> bool:
+            sets = [c for (kind, _), c in owned_children(emu).items() if kind == "StatefulSet"]
+            images = {s["spec"]["template"]["spec"]["containers"][0]["image"] for s in sets}
+            return images == {"ghcr.io/keyshift/keyshift:0.2.0"}
+
+        await eventually(updated, 20, "the new image on every StatefulSet")
+        assert owned_children(emu)[("StatefulSet", "clicks-counts")]["spec"]["replicas"] == 3
+        await eventually(lambda: job_object(emu)["status"].get("observedGeneration") == 2, 20,
+                         "observedGeneration 2")  # fmt: skip
+        before = {k: content(v) for k, v in owned_children(emu).items()}
+
+    # Resume after an operator restart: the same children, nothing else changes.
+    async with running_operator(emu):
+        await eventually(
+            lambda: sum(e["reason"] == "Reconciled" for e in events_of(emu)) >= 3, 20,
+            "a reconcile on resume",
+        )  # fmt: skip
+        assert {k: content(v) for k, v in owned_children(emu).items()} == before
+
+        reply = await emu.delete(f"{CR_API}/namespaces/{NS}/streamingjobs/clicks")
+        assert reply.status == 200
+        await eventually(lambda: stored(emu, CR, NS, "clicks") is None, 20, "the job to go")
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"migration": {"strategy": "batched", "options": {"teleport": 1}}}, "teleport"),
+        ({"job": {"name": "clicks", "keyed": {"name": "counts", "parallelism": 9},
+                  "autoscaler": {"bounds": {"max_parallelism": 4}}}}, "outside the autoscaler"),
+        ({"job": {"name": "clicks", "autoscaler": {"stages": {"nope": {}}}}}, "not stages"),
+    ],
+)  # fmt: skip
+async def test_what_the_schema_cannot_express_degrades_without_children(
+    emu: Emulator, change: dict[str, Any], message: str
+) -> None:
+    body = streaming_job()
+    body["spec"].update(change)
+    async with running_operator(emu):
+        reply = await create(emu, body)
+        assert reply.status in (200, 201), await reply.text()
+        degraded = await eventually(
+            lambda: (c := condition(emu, "Degraded")).get("status") == "True" and c,
+            20, "the Degraded condition",
+        )  # fmt: skip
+        assert degraded["reason"] == "InvalidSpec" and message in degraded["message"]
+        assert job_object(emu)["status"]["phase"] == "Degraded"
+        await eventually(lambda: any(e["reason"] == "InvalidSpec" for e in events_of(emu)), 10,
+                         "an InvalidSpec event")  # fmt: skip
+        assert owned_children(emu) == {}
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        {"job": {"name": "clicks", "keyed": {"parallelism": 0}}},
+        {"job": {"name": "clicks"}, "migration": {"strategy": "teleport"}},
+        {"job": {"name": "clicks", "max_key_groups": 0}},
+        {"image": 7, "job": {"name": "clicks"}},
+        {"job": "not a mapping"},
+    ],
+)
+async def test_the_schema_refuses_invalid_jobs(emu: Emulator, spec: dict[str, Any]) -> None:
+    body = streaming_job()
+    body["spec"] = {"image": "x", **spec}
+    reply = await create(emu, body)
+    assert reply.status == 422, await reply.text()
+    assert stored(emu, CR, NS, "clicks") is None
+
+
+async def test_full_loop_ds2_scales_out_a_running_job_and_its_output_stays_exact(
+    emu: Emulator, tmp_path: Path
+) -> None:
+    """Real processes for the pods; DS2 reads them (direct scraping), the StatefulSet grows,
+    state moves live, and every record is counted once."""
+    out = tmp_path / "out"
+    total = 2000 * 5 + 16_000 * 25
+    source = {
+        "kind": "generator",
+        "keys": 3000,
+        "distribution": "zipf",
+        "seed": 5,
+        "total": total,
+        "profile": {"kind": "points", "points": [[0, 2000], [5, 16_000]]},
+    }
+    body = streaming_job(job={
+        "name": "clicks",
+        "source": {"config": source},
+        "keyed": {"name": "track", "parallelism": 1,
+                  "operator": {"kind": "process", "function": "tests.job_fns:slow_track"}},
+        "sink": {"config": {"kind": "log", "path": str(out), "format": "jsonl"}},
+        "batching": {"max_records": 1024, "linger_ms": 5, "credits": 4},
+        "autoscaler": {"interval": 1, "metrics_window": 5, "warmup": 5,
+                       "bounds": {"max_parallelism": 3}},
+    })  # fmt: skip
+    runner = PodRunner(emu, NS, tmp_path)
+    kubelet_task = asyncio.create_task(_kubelet(runner))
+    try:
+        async with running_operator(emu, runner.address):
+            reply = await create(emu, body)
+            assert reply.status in (200, 201), await reply.text()
+            await eventually(lambda: job_object(emu).get("status", {}).get("phase") == "Running",
+                             60, "the job to run")  # fmt: skip
+            await eventually(lambda: job_object(emu)["status"].get("parallelism", 0) >= 2, 90,
+                             "a scale-out")  # fmt: skip
+            sts = stored(emu, "apps/v1/statefulsets", NS, "clicks-track") or {}
+            assert sts["spec"]["replicas"] >= 2
+            status = job_object(emu)["status"]
+            ups = [d for d in status["decisions"] if d["action"] == "scale_up"]
+            assert ups and "true rate" in ups[0]["reason"] and ups[0]["inputs"]["target_rate"] > 0
+            assert any(r["phase"] == "done" for r in status["rescales"]), status["rescales"]
+            await eventually(
+                lambda: any(e["reason"] == "AutoscalerDecision" for e in events_of(emu)), 20,
+                "an AutoscalerDecision event",
+            )  # fmt: skip
+            await eventually(lambda: job_object(emu)["status"].get("phase") == "Finished", 120,
+                             "the job to finish")  # fmt: skip
+            await eventually(
+                lambda: (stored(emu, "apps/v1/statefulsets", NS, "clicks-track") or {})
+                .get("spec", {}).get("replicas") == 0,
+                20, "the finished job's workers to be scaled to zero",
+            )  # fmt: skip
+    finally:
+        await _stop_kubelet(kubelet_task, runner)
+    check_output(out, source, [total])
+
+
+async def test_kubectl_scale_rescales_live_and_a_dead_prometheus_is_only_a_reason(
+    emu: Emulator, tmp_path: Path
+) -> None:
+    """The scale subresource moves the running job's keyed stage; the autoscaler, pointed at a
+    Prometheus that is not there, decides nothing and says why, and the job runs on."""
+    nobody = f"http://127.0.0.1:{free_port()}"
+    body = streaming_job(job={
+        "name": "clicks",
+        "source": {"config": {"kind": "generator", "keys": 2000,
+                              "profile": {"rate": 3000}}},
+        "keyed": {"name": "counts", "parallelism": 1},
+        "sink": {"config": {"kind": "log", "path": str(tmp_path / "out"), "format": "none"}},
+        "autoscaler": {"interval": 1, "prometheus_url": nobody},
+    })  # fmt: skip
+    runner = PodRunner(emu, NS, tmp_path)
+    kubelet_task = asyncio.create_task(_kubelet(runner))
+    try:
+        async with running_operator(emu, runner.address):
+            reply = await create(emu, body)
+            assert reply.status in (200, 201), await reply.text()
+            await eventually(lambda: job_object(emu).get("status", {}).get("phase") == "Running",
+                             60, "the job to run")  # fmt: skip
+            message = await eventually(
+                lambda: "no decision: Prometheus at" in (m := job_object(emu)["status"].get(
+                    "message", "")) and m, 30, "the reason in the status")  # fmt: skip
+            assert nobody in message
+            await eventually(
+                lambda: any(e["reason"] == "AutoscalerNoDecision" for e in events_of(emu)), 20,
+                "an AutoscalerNoDecision event",
+            )  # fmt: skip
+            scale = await emu.get(f"{CR_API}/namespaces/{NS}/streamingjobs/clicks/scale")
+            assert (await scale.json())["spec"]["replicas"] == 1
+            reply = await emu.patch(f"{CR_API}/namespaces/{NS}/streamingjobs/clicks/scale",
+                                    json={"spec": {"replicas": 3}}, headers=MERGE)  # fmt: skip
+            assert reply.status == 200, await reply.text()
+            await eventually(lambda: job_object(emu)["status"].get("parallelism") == 3, 60,
+                             "the keyed stage at 3")  # fmt: skip
+            sts = stored(emu, "apps/v1/statefulsets", NS, "clicks-counts") or {}
+            assert sts["spec"]["replicas"] == 3
+            assert any(e["reason"] == "ManualRescale" for e in events_of(emu))
+            await eventually(
+                lambda: (r := job_object(emu)["status"].get("rescales"))
+                and r[-1]["phase"] == "done",
+                30, "the rescale in the status",
+            )  # fmt: skip
+            assert job_object(emu)["status"]["phase"] in ("Running", "Rescaling")
+    finally:
+        await _stop_kubelet(kubelet_task, runner)
+
+
+async def _kubelet(runner: PodRunner) -> None:
+    while True:
+        await runner.sync()
+        await asyncio.sleep(0.2)
+
+
+async def _stop_kubelet(task: asyncio.Task[None], runner: PodRunner) -> None:
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    runner.stop()
