@@ -114,22 +114,32 @@ async def _apply(api: k8s.ApiClient, manifest: dict[str, Any]) -> None:
         await patch(name, namespace, manifest)
 
 
-async def _replicas(api: k8s.ApiClient, name: str, namespace: str, job: JobSpec) -> dict[str, int]:
-    """The stages' current replicas, so a re-apply does not undo a rescale."""
+async def _stateful_sets(
+    api: k8s.ApiClient, name: str, namespace: str, job: JobSpec
+) -> dict[str, Any]:
+    """The job's StatefulSets that exist, by stage."""
     apps = k8s.AppsV1Api(api)
     found = {}
     for stage in job.stages():
         try:
-            sts = await apps.read_namespaced_stateful_set(
+            found[stage.name] = await apps.read_namespaced_stateful_set(
                 stage_set_name(name, stage.name), namespace
             )
         except ApiException as exc:
-            if exc.status == 404:
-                continue
-            raise
-        if sts.spec is not None and sts.spec.replicas is not None:
-            found[stage.name] = int(sts.spec.replicas)
+            if exc.status != 404:
+                raise
     return found
+
+
+async def _replicas(api: k8s.ApiClient, name: str, namespace: str, job: JobSpec) -> dict[str, int]:
+    """The stages' current replicas, so a re-apply does not undo a rescale."""
+    sets = await _stateful_sets(api, name, namespace, job)
+    return {stage: int(s.spec.replicas) for stage, s in sets.items() if s.spec.replicas is not None}
+
+
+async def _ready(api: k8s.ApiClient, name: str, namespace: str, job: JobSpec) -> dict[str, int]:
+    sets = await _stateful_sets(api, name, namespace, job)
+    return {stage: int((s.status and s.status.ready_replicas) or 0) for stage, s in sets.items()}
 
 
 def build_registry(config: OperatorConfig) -> kopf.OperatorRegistry:
@@ -278,20 +288,6 @@ def _keyed_parallelism(status: Mapping[str, Any], keyed: str) -> int | None:
         if stage["name"] == keyed:
             return int(stage["parallelism"])
     return None
-
-
-async def _ready(api: k8s.ApiClient, name: str, namespace: str, job: JobSpec) -> dict[str, int]:
-    apps = k8s.AppsV1Api(api)
-    ready = {}
-    for stage in job.stages():
-        try:
-            sts = await apps.read_namespaced_stateful_set(
-                stage_set_name(name, stage.name), namespace
-            )
-        except ApiException:
-            continue
-        ready[stage.name] = int((sts.status.ready_replicas if sts.status else 0) or 0)
-    return ready
 
 
 def _write_status(

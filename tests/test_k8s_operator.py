@@ -91,6 +91,34 @@ async def running_operator(
         await operator.stop()
 
 
+@contextlib.asynccontextmanager
+async def job_running_in_cluster(
+    emu: Emulator, tmp_path: Path, body: dict[str, Any]
+) -> AsyncIterator[PodRunner]:
+    """The operator, a test-side kubelet running the pods as real processes, and the job,
+    created and running; everything stopped on exit."""
+    runner = PodRunner(emu, NS, tmp_path)
+
+    async def kubelet() -> None:
+        while True:
+            await runner.sync()
+            await asyncio.sleep(0.2)
+
+    task = asyncio.create_task(kubelet())
+    try:
+        async with running_operator(emu, runner.address):
+            reply = await create(emu, body)
+            assert reply.status in (200, 201), await reply.text()
+            await eventually(lambda: job_object(emu).get("status", {}).get("phase") == "Running",
+                             60, "the job to run")  # fmt: skip
+            yield runner
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        runner.stop()
+
+
 async def create(emu: Emulator, body: dict[str, Any]) -> Any:
     return await emu.post(f"{CR_API}/namespaces/{NS}/streamingjobs", json=body)
 
@@ -264,35 +292,26 @@ async def test_full_loop_ds2_scales_out_a_running_job_and_its_output_stays_exact
         "autoscaler": {"interval": 1, "metrics_window": 5, "warmup": 5,
                        "bounds": {"max_parallelism": 3}},
     })  # fmt: skip
-    runner = PodRunner(emu, NS, tmp_path)
-    kubelet_task = asyncio.create_task(_kubelet(runner))
-    try:
-        async with running_operator(emu, runner.address):
-            reply = await create(emu, body)
-            assert reply.status in (200, 201), await reply.text()
-            await eventually(lambda: job_object(emu).get("status", {}).get("phase") == "Running",
-                             60, "the job to run")  # fmt: skip
-            await eventually(lambda: job_object(emu)["status"].get("parallelism", 0) >= 2, 90,
-                             "a scale-out")  # fmt: skip
-            sts = stored(emu, "apps/v1/statefulsets", NS, "clicks-track") or {}
-            assert sts["spec"]["replicas"] >= 2
-            status = job_object(emu)["status"]
-            ups = [d for d in status["decisions"] if d["action"] == "scale_up"]
-            assert ups and "true rate" in ups[0]["reason"] and ups[0]["inputs"]["target_rate"] > 0
-            assert any(r["phase"] == "done" for r in status["rescales"]), status["rescales"]
-            await eventually(
-                lambda: any(e["reason"] == "AutoscalerDecision" for e in events_of(emu)), 20,
-                "an AutoscalerDecision event",
-            )  # fmt: skip
-            await eventually(lambda: job_object(emu)["status"].get("phase") == "Finished", 120,
-                             "the job to finish")  # fmt: skip
-            await eventually(
-                lambda: (stored(emu, "apps/v1/statefulsets", NS, "clicks-track") or {})
-                .get("spec", {}).get("replicas") == 0,
-                20, "the finished job's workers to be scaled to zero",
-            )  # fmt: skip
-    finally:
-        await _stop_kubelet(kubelet_task, runner)
+    async with job_running_in_cluster(emu, tmp_path, body):
+        await eventually(lambda: job_object(emu)["status"].get("parallelism", 0) >= 2, 90,
+                         "a scale-out")  # fmt: skip
+        sts = stored(emu, "apps/v1/statefulsets", NS, "clicks-track") or {}
+        assert sts["spec"]["replicas"] >= 2
+        status = job_object(emu)["status"]
+        ups = [d for d in status["decisions"] if d["action"] == "scale_up"]
+        assert ups and "true rate" in ups[0]["reason"] and ups[0]["inputs"]["target_rate"] > 0
+        assert any(r["phase"] == "done" for r in status["rescales"]), status["rescales"]
+        await eventually(
+            lambda: any(e["reason"] == "AutoscalerDecision" for e in events_of(emu)), 20,
+            "an AutoscalerDecision event",
+        )  # fmt: skip
+        await eventually(lambda: job_object(emu)["status"].get("phase") == "Finished", 120,
+                         "the job to finish")  # fmt: skip
+        await eventually(
+            lambda: (stored(emu, "apps/v1/statefulsets", NS, "clicks-track") or {})
+            .get("spec", {}).get("replicas") == 0,
+            20, "the finished job's workers to be scaled to zero",
+        )  # fmt: skip
     check_output(out, source, [total])
 
 
@@ -310,50 +329,28 @@ async def test_kubectl_scale_rescales_live_and_a_dead_prometheus_is_only_a_reaso
         "sink": {"config": {"kind": "log", "path": str(tmp_path / "out"), "format": "none"}},
         "autoscaler": {"interval": 1, "prometheus_url": nobody},
     })  # fmt: skip
-    runner = PodRunner(emu, NS, tmp_path)
-    kubelet_task = asyncio.create_task(_kubelet(runner))
-    try:
-        async with running_operator(emu, runner.address):
-            reply = await create(emu, body)
-            assert reply.status in (200, 201), await reply.text()
-            await eventually(lambda: job_object(emu).get("status", {}).get("phase") == "Running",
-                             60, "the job to run")  # fmt: skip
-            message = await eventually(
-                lambda: "no decision: Prometheus at" in (m := job_object(emu)["status"].get(
-                    "message", "")) and m, 30, "the reason in the status")  # fmt: skip
-            assert nobody in message
-            await eventually(
-                lambda: any(e["reason"] == "AutoscalerNoDecision" for e in events_of(emu)), 20,
-                "an AutoscalerNoDecision event",
-            )  # fmt: skip
-            scale = await emu.get(f"{CR_API}/namespaces/{NS}/streamingjobs/clicks/scale")
-            assert (await scale.json())["spec"]["replicas"] == 1
-            reply = await emu.patch(f"{CR_API}/namespaces/{NS}/streamingjobs/clicks/scale",
-                                    json={"spec": {"replicas": 3}}, headers=MERGE)  # fmt: skip
-            assert reply.status == 200, await reply.text()
-            await eventually(lambda: job_object(emu)["status"].get("parallelism") == 3, 60,
-                             "the keyed stage at 3")  # fmt: skip
-            sts = stored(emu, "apps/v1/statefulsets", NS, "clicks-counts") or {}
-            assert sts["spec"]["replicas"] == 3
-            assert any(e["reason"] == "ManualRescale" for e in events_of(emu))
-            await eventually(
-                lambda: (r := job_object(emu)["status"].get("rescales"))
-                and r[-1]["phase"] == "done",
-                30, "the rescale in the status",
-            )  # fmt: skip
-            assert job_object(emu)["status"]["phase"] in ("Running", "Rescaling")
-    finally:
-        await _stop_kubelet(kubelet_task, runner)
-
-
-async def _kubelet(runner: PodRunner) -> None:
-    while True:
-        await runner.sync()
-        await asyncio.sleep(0.2)
-
-
-async def _stop_kubelet(task: asyncio.Task[None], runner: PodRunner) -> None:
-    task.cancel()
-    with contextlib.suppress(asyncio.CancelledError):
-        await task
-    runner.stop()
+    async with job_running_in_cluster(emu, tmp_path, body):
+        message = await eventually(
+            lambda: "no decision: Prometheus at" in (m := job_object(emu)["status"].get(
+                "message", "")) and m, 30, "the reason in the status")  # fmt: skip
+        assert nobody in message
+        await eventually(
+            lambda: any(e["reason"] == "AutoscalerNoDecision" for e in events_of(emu)), 20,
+            "an AutoscalerNoDecision event",
+        )  # fmt: skip
+        scale = await emu.get(f"{CR_API}/namespaces/{NS}/streamingjobs/clicks/scale")
+        assert (await scale.json())["spec"]["replicas"] == 1
+        reply = await emu.patch(f"{CR_API}/namespaces/{NS}/streamingjobs/clicks/scale",
+                                json={"spec": {"replicas": 3}}, headers=MERGE)  # fmt: skip
+        assert reply.status == 200, await reply.text()
+        await eventually(lambda: job_object(emu)["status"].get("parallelism") == 3, 60,
+                         "the keyed stage at 3")  # fmt: skip
+        sts = stored(emu, "apps/v1/statefulsets", NS, "clicks-counts") or {}
+        assert sts["spec"]["replicas"] == 3
+        assert any(e["reason"] == "ManualRescale" for e in events_of(emu))
+        await eventually(
+            lambda: (r := job_object(emu)["status"].get("rescales"))
+            and r[-1]["phase"] == "done",
+            30, "the rescale in the status",
+        )  # fmt: skip
+        assert job_object(emu)["status"]["phase"] in ("Running", "Rescaling")
