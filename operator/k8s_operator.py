@@ -36,7 +36,7 @@ from keyshift.operator.k8s_children import (
 from keyshift.operator.k8s_scaling import KubeJob, kube_job, timestamp
 from keyshift.operator.streamingjob import GROUP, PLURAL, VERSION, StreamingJobSpec
 from keyshift.runtime.job import JobSpec
-from keyshift.runtime.metrics import AutoscalerMetrics
+from keyshift.runtime.metrics import AutoscalerMetrics, OperatorMetrics
 from keyshift.runtime.transport import TransportError
 
 log = logging.getLogger(__name__)
@@ -54,6 +54,7 @@ class OperatorConfig:
     login: Callable[..., Any]
     coordinator_address: Callable[[str, str], str] = coordinator_address
     exported: dict[str, AutoscalerMetrics] = field(default_factory=dict)
+    metrics: OperatorMetrics = field(default_factory=OperatorMetrics)
 
     def metrics_for(self, job: str) -> AutoscalerMetrics:
         if job not in self.exported:
@@ -177,14 +178,21 @@ def build_registry(config: OperatorConfig) -> kopf.OperatorRegistry:
                  _condition("Ready", False, "InvalidSpec")],
             )  # fmt: skip
             kopf.warn(body, reason="InvalidSpec", message=message)
+            config.metrics.reconciled(namespace, name, "invalid")
+            config.metrics.phase(namespace, name, "Degraded")
             return
         job = parsed.job_spec()
         async with await config.api_client() as api:
             replicas = await _replicas(api, name, namespace, job)
             manifests = children(name, namespace, parsed, job, replicas)
             kopf.adopt(manifests, owner=body)
-            for manifest in manifests:
-                await _apply(api, manifest)
+            try:
+                for manifest in manifests:
+                    await _apply(api, manifest)
+            except ApiException:
+                config.metrics.reconciled(namespace, name, "error")
+                raise  # kopf retries with back-off
+        config.metrics.reconciled(namespace, name, "applied")
         old = memo.get("job")
         if isinstance(old, KubeJob):
             old.close()
@@ -272,9 +280,11 @@ def build_registry(config: OperatorConfig) -> kopf.OperatorRegistry:
         kube.events.pending_actions.clear()
         kube.events.pending_problems.clear()
         _write_status(patch, status, current, job, ready, kube)
+        config.metrics.phase(namespace, name, patch.status["phase"])
 
     @kopf.on.delete(*resource, registry=registry, id="release", optional=True)
-    async def release(name: str, memo: kopf.Memo, **_: Any) -> None:
+    async def release(name: str, namespace: str | None, memo: kopf.Memo, **_: Any) -> None:
+        config.metrics.forget(namespace or "", name)
         kube = memo.pop("job", None)
         if isinstance(kube, KubeJob):
             kube.close()
@@ -389,6 +399,7 @@ def run_operator(
 
     class _AllJobs:
         def collect(self) -> Any:
+            yield from config.metrics.registry.collect()
             for exported in list(config.exported.values()):
                 yield from exported.registry.collect()
 

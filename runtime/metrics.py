@@ -9,6 +9,7 @@ Used by the stage instances, the coordinator, and the tests that check what is e
 from __future__ import annotations
 
 import collections
+import contextlib
 import threading
 from collections.abc import Iterator, Sequence
 from enum import StrEnum
@@ -49,6 +50,8 @@ class MetricName(StrEnum):
     AUTOSCALER_RECOMMENDED = "keyshift_autoscaler_recommended_parallelism"
     AUTOSCALER_DECISIONS = "keyshift_autoscaler_decisions_total"
     AUTOSCALER_ERRORS = "keyshift_autoscaler_errors_total"
+    OPERATOR_RECONCILES = "keyshift_operator_reconciles_total"
+    OPERATOR_JOBS = "keyshift_operator_jobs"
 
 
 COUNTERS = (
@@ -87,6 +90,8 @@ HELP: dict[MetricName, str] = {
     "scale_down, hold).",
     MetricName.AUTOSCALER_ERRORS: "Ticks without a decision or failed rescales, by reason "
     "(metrics, rescale).",
+    MetricName.OPERATOR_RECONCILES: "StreamingJob reconciles by result (applied, invalid, error).",
+    MetricName.OPERATOR_JOBS: "StreamingJobs the operator manages, by phase.",
 }
 
 
@@ -283,3 +288,30 @@ class AutoscalerMetrics:
 
     def serve(self, host: str, port: int) -> int:
         return serve_registry(self.registry, host, port)
+
+
+JOB_PHASES = ("Pending", "Running", "Rescaling", "Degraded", "Failed", "Finished")
+
+
+class OperatorMetrics:
+    """The Kubernetes operator's own view: reconciles and the jobs it manages."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self._reconciles = counter(
+            MetricName.OPERATOR_RECONCILES, ("namespace", "job", "result"), self.registry
+        )
+        self._jobs = gauge(MetricName.OPERATOR_JOBS, ("namespace", "job", "phase"), self.registry)
+
+    def reconciled(self, namespace: str, job: str, result: str) -> None:
+        self._reconciles.labels(namespace, job, result).inc()
+
+    def phase(self, namespace: str, job: str, phase: str) -> None:
+        for name in JOB_PHASES:
+            self._jobs.labels(namespace, job, name).set(1 if name == phase else 0)
+
+    def forget(self, namespace: str, job: str) -> None:
+        """A deleted job's series go away."""
+        for name in JOB_PHASES:
+            with contextlib.suppress(KeyError):
+                self._jobs.remove(namespace, job, name)
