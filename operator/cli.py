@@ -1,5 +1,6 @@
 """The `keyshift` command line: `keyshift run JOB.yaml` runs a job on this machine; `keyshift
-crds` writes the StreamingJob CRD generated from the models (`--check` for CI).
+crds` writes the StreamingJob CRD generated from the models and `keyshift dashboards` the Grafana
+dashboards built in keyshift.operator.dashboards (both take `--check` for CI).
 
 Entry point of the console script. Bad arguments and bad job files get a one-paragraph error
 and exit code 2 before anything starts; a run that fails exits 1.
@@ -17,6 +18,7 @@ from typing import Any
 from rich.console import Console
 
 from keyshift.operator.crd import CRD_DIRS, stale_crds, write_crds
+from keyshift.operator.dashboards import DASHBOARD_DIR, stale_dashboards, write_dashboards
 from keyshift.operator.job_registry import RegistryError, lookup, register, resolve
 from keyshift.operator.live_view import LiveView, final_report
 from keyshift.operator.local_host import (
@@ -123,6 +125,19 @@ def build_parser() -> argparse.ArgumentParser:
         action="append",
         metavar="DIR",
         help="directory for the CRD file (repeatable; default: crds/ and helm/keyshift/crds/)",
+    )
+    dashboards = sub.add_parser("dashboards", help="write the Grafana dashboards built in code")
+    dashboards.add_argument(
+        "--check",
+        action="store_true",
+        help="write nothing; exit 1 if a dashboard file is missing or stale (for CI)",
+    )
+    dashboards.add_argument(
+        "--out",
+        type=Path,
+        default=DASHBOARD_DIR,
+        metavar="DIR",
+        help=f"directory for the dashboard files (default: {DASHBOARD_DIR}/)",
     )
     operator = sub.add_parser("operator", help="run the Kubernetes operator (kopf)")
     operator.add_argument(
@@ -233,6 +248,25 @@ def cmd_crds(args: argparse.Namespace, console: Console) -> int:
         )
         return 1
     console.print(f"CRDs are current: {', '.join(map(str, dirs))}", highlight=False)
+    return 0
+
+
+def cmd_dashboards(args: argparse.Namespace, console: Console) -> int:
+    if not args.check:
+        for path in write_dashboards(args.out):
+            console.print(f"wrote {path}", highlight=False)
+        return 0
+    stale = stale_dashboards(args.out)
+    if stale:
+        again = "keyshift dashboards" + (f" --out {args.out}" if args.out != DASHBOARD_DIR else "")
+        _error(
+            console,
+            f"the Grafana dashboards {', '.join(map(str, stale))} are missing, stale or no longer "
+            f"built by operator/dashboards.py; run `{again}` (and remove files it no longer "
+            "writes), then commit the result",
+        )
+        return 1
+    console.print(f"dashboards are current: {args.out}", highlight=False)
     return 0
 
 
@@ -370,6 +404,8 @@ def main(argv: list[str] | None = None) -> int:
         return cmd_status(args, console)
     if args.command == "crds":
         return cmd_crds(args, console)
+    if args.command == "dashboards":
+        return cmd_dashboards(args, console)
     if args.command == "operator":
         # Imported here: kopf and the Kubernetes client take a second to import, which every
         # other command would pay for nothing.
