@@ -12,6 +12,7 @@ import argparse
 import json
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -232,42 +233,47 @@ def cmd_status(args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
-def cmd_crds(args: argparse.Namespace, console: Console) -> int:
-    dirs: list[Path] = args.out or list(CRD_DIRS)
-    if not args.check:
-        for path in write_crds(dirs):
+def _generated(
+    console: Console,
+    check: bool,
+    write: Callable[[], list[Path]],
+    stale: Callable[[], list[Path]],
+    what: str,
+    again: str,
+) -> int:
+    """Write generated files, or (`--check`, for CI) say which are missing or stale."""
+    if not check:
+        for path in write():
             console.print(f"wrote {path}", highlight=False)
         return 0
-    stale = stale_crds(dirs)
-    if stale:
-        again = "keyshift crds" + "".join(f" --out {d}" for d in args.out or [])
+    found = stale()
+    if found:
         _error(
             console,
-            f"the StreamingJob CRD in {', '.join(map(str, stale))} is missing or differs from "
-            f"operator/streamingjob.py; run `{again}` and commit the result",
+            f"{what} in {', '.join(map(str, found))} missing, stale or no longer generated; "
+            f"run `{again}` (and remove files it no longer writes), then commit the result",
         )
         return 1
-    console.print(f"CRDs are current: {', '.join(map(str, dirs))}", highlight=False)
+    console.print(f"{what} current", highlight=False)
     return 0
+
+
+def cmd_crds(args: argparse.Namespace, console: Console) -> int:
+    dirs: list[Path] = args.out or list(CRD_DIRS)
+    again = "keyshift crds" + "".join(f" --out {d}" for d in args.out or [])
+    return _generated(
+        console, args.check, lambda: write_crds(dirs), lambda: stale_crds(dirs),
+        "the StreamingJob CRD (from operator/streamingjob.py) is", again,
+    )  # fmt: skip
 
 
 def cmd_dashboards(args: argparse.Namespace, console: Console) -> int:
-    if not args.check:
-        for path in write_dashboards(args.out):
-            console.print(f"wrote {path}", highlight=False)
-        return 0
-    stale = stale_dashboards(args.out)
-    if stale:
-        again = "keyshift dashboards" + (f" --out {args.out}" if args.out != DASHBOARD_DIR else "")
-        _error(
-            console,
-            f"the Grafana dashboards {', '.join(map(str, stale))} are missing, stale or no longer "
-            f"built by operator/dashboards.py; run `{again}` (and remove files it no longer "
-            "writes), then commit the result",
-        )
-        return 1
-    console.print(f"dashboards are current: {args.out}", highlight=False)
-    return 0
+    again = "keyshift dashboards" + (f" --out {args.out}" if args.out != DASHBOARD_DIR else "")
+    return _generated(
+        console, args.check, lambda: write_dashboards(args.out),
+        lambda: stale_dashboards(args.out),
+        "the Grafana dashboards (from operator/dashboards.py) are", again,
+    )  # fmt: skip
 
 
 def cmd_run(args: argparse.Namespace, console: Console) -> int:
