@@ -40,7 +40,7 @@ class CoordinatorExecutor:
         self.pool = pool
         self.status = status
         self.scalable = scalable
-        self._reported: set[int] = set()
+        self._reported: set[int] | None = None
 
     def apply(self, stage: str, parallelism: int, strategy: str) -> None:
         try:
@@ -58,8 +58,14 @@ class CoordinatorExecutor:
         return str(rescale["stage"]) if rescale else None
 
     def finished(self) -> list[RescaleOutcome]:
+        history = self.status().get("rescales", [])
+        if self._reported is None:
+            # What ended before this executor existed (an operator restart, a re-reconcile) was
+            # handled by its predecessor: replaying a scale-in would shrink a pool grown since.
+            self._reported = {r["id"] for r in history}
+            return []
         outcomes = []
-        for rescale in self.status().get("rescales", []):
+        for rescale in history:
             if rescale["id"] in self._reported:
                 continue
             self._reported.add(rescale["id"])

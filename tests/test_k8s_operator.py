@@ -91,6 +91,34 @@ async def running_operator(
         await operator.stop()
 
 
+async def scale_to(emu: Emulator, replicas: int) -> None:
+    """`kubectl scale sj clicks --replicas N`, and wait until it is done."""
+    reply = await emu.patch(f"{CR_API}/namespaces/{NS}/streamingjobs/clicks/scale",
+                            json={"spec": {"replicas": replicas}}, headers=MERGE)  # fmt: skip
+    assert reply.status == 200, await reply.text()
+
+    def done() -> bool:
+        status = job_object(emu)["status"]
+        rescales = status.get("rescales") or [{}]
+        sts = stored(emu, "apps/v1/statefulsets", NS, "clicks-counts") or {}
+        return (
+            status.get("parallelism") == replicas
+            and rescales[-1].get("to") == replicas
+            and rescales[-1].get("phase") == "done"
+            and sts.get("spec", {}).get("replicas") == replicas
+        )
+
+    await eventually(done, 60, f"the keyed stage at {replicas}")
+
+
+def status_writes(emu: Emulator) -> int:
+    return sum(
+        1 for r in list(emu)
+        if r.resource == kmock.resource(CR) and r.subresource == "status"
+        and r.action == kmock.action.UPDATE
+    )  # fmt: skip
+
+
 @contextlib.asynccontextmanager
 async def job_running_in_cluster(
     emu: Emulator, tmp_path: Path, body: dict[str, Any]
@@ -340,17 +368,19 @@ async def test_kubectl_scale_rescales_live_and_a_dead_prometheus_is_only_a_reaso
         )  # fmt: skip
         scale = await emu.get(f"{CR_API}/namespaces/{NS}/streamingjobs/clicks/scale")
         assert (await scale.json())["spec"]["replicas"] == 1
-        reply = await emu.patch(f"{CR_API}/namespaces/{NS}/streamingjobs/clicks/scale",
-                                json={"spec": {"replicas": 3}}, headers=MERGE)  # fmt: skip
-        assert reply.status == 200, await reply.text()
-        await eventually(lambda: job_object(emu)["status"].get("parallelism") == 3, 60,
-                         "the keyed stage at 3")  # fmt: skip
+        for replicas in (3, 2, 3):
+            await scale_to(emu, replicas)
+        assert any(e["reason"] == "ManualRescale" for e in events_of(emu))
+        assert job_object(emu)["status"]["phase"] in ("Running", "Rescaling")
+
+        # An update re-reconciles: the rescales already done (a scale-in among them) must not
+        # be replayed onto the StatefulSet.
+        await emu.patch(f"{CR_API}/namespaces/{NS}/streamingjobs/clicks",
+                        json={"spec": {"resources": {"limits": {"cpu": "2"}}}},
+                        headers=MERGE)  # fmt: skip
+        await eventually(lambda: job_object(emu)["status"].get("observedGeneration", 0) >= 5, 30,
+                         "the update to be reconciled")  # fmt: skip
+        writes = status_writes(emu)
+        await eventually(lambda: status_writes(emu) >= writes + 3, 30, "three status updates")
         sts = stored(emu, "apps/v1/statefulsets", NS, "clicks-counts") or {}
         assert sts["spec"]["replicas"] == 3
-        assert any(e["reason"] == "ManualRescale" for e in events_of(emu))
-        await eventually(
-            lambda: (r := job_object(emu)["status"].get("rescales"))
-            and r[-1]["phase"] == "done",
-            30, "the rescale in the status",
-        )  # fmt: skip
-        assert job_object(emu)["status"]["phase"] in ("Running", "Rescaling")
