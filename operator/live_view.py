@@ -45,6 +45,8 @@ def _buckets(status: dict[str, Any]) -> list[int]:
     total: list[int] = []
     for instance in sink["instances"]:
         counts = instance["stats"].get("latency_buckets") or []
+        if not counts:
+            continue  # an instance that has not reported its histogram yet
         total = [a + b for a, b in zip(total, counts, strict=True)] if total else list(counts)
     return total
 
