@@ -18,11 +18,11 @@ from typing import Any
 
 from kubernetes_asyncio import client as k8s
 
-from keyshift.operator.autoscaler import AutoscalingLoop, MetricsSource
+from keyshift.operator.autoscaler import AutoscalingLoop
 from keyshift.operator.k8s_children import stage_set_name
 from keyshift.operator.local_scaling import WallClock
 from keyshift.operator.rescale_executor import CoordinatorExecutor, LatestStatus
-from keyshift.operator.scaling_metrics import PrometheusSource, ScrapeSource, job_graph, members_of
+from keyshift.operator.scaling_metrics import ScrapeSource, metrics_source
 from keyshift.policies import make_policy
 from keyshift.policies.model import Decision
 from keyshift.runtime.job import JobSpec
@@ -147,18 +147,7 @@ def kube_job(
     if settings is None:
         return KubeJob(client, latest, pool, executor, events, None, None)
     clock = WallClock()
-    graph = job_graph(job)
-
-    def members() -> dict[str, dict[str, str]]:
-        return members_of(latest())
-
-    scrape: ScrapeSource | None = None
-    source: MetricsSource
-    if settings.prometheus_url:
-        source = PrometheusSource(settings.prometheus_url, job.name, graph, members)
-    else:
-        scrape = ScrapeSource(graph, members, clock).start()
-        source = scrape
+    source, scrape = metrics_source(job, settings.prometheus_url, latest, clock)
     loop = AutoscalingLoop(
         settings, source, make_policy(settings), executor, events, clock, exported
     )

@@ -16,9 +16,9 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from keyshift.operator.autoscaler import AutoscalingLoop, MetricsSource
+from keyshift.operator.autoscaler import AutoscalingLoop
 from keyshift.operator.rescale_executor import CoordinatorExecutor, LatestStatus, WorkerPool
-from keyshift.operator.scaling_metrics import PrometheusSource, ScrapeSource, job_graph, members_of
+from keyshift.operator.scaling_metrics import ScrapeSource, members_of, metrics_source
 from keyshift.policies import make_policy
 from keyshift.policies.model import Decision
 from keyshift.policies.settings import AutoscalerSettings
@@ -129,17 +129,7 @@ def local_autoscaler(
     events = RunEvents(log_dir / "decisions.jsonl", say)
     latest = LatestStatus()
 
-    def members() -> Mapping[str, Mapping[str, str]]:
-        return members_of(latest())
-
-    graph = job_graph(spec)
-    scrape: ScrapeSource | None = None
-    source: MetricsSource
-    if settings.prometheus_url:
-        source = PrometheusSource(settings.prometheus_url, spec.name, graph, members)
-    else:
-        scrape = ScrapeSource(graph, members, clock).start()
-        source = scrape
+    source, scrape = metrics_source(spec, settings.prometheus_url, latest, clock)
     executor = CoordinatorExecutor(client, pool, latest, frozenset({spec.keyed.name}))
     loop = AutoscalingLoop(
         settings, source, make_policy(settings), executor, events, clock, exported

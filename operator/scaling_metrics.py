@@ -239,3 +239,19 @@ def _scrape(address: str, timeout: float) -> dict[str, float] | None:
             if sample.name in wanted:
                 values[sample.name] = values.get(sample.name, 0.0) + float(sample.value)
     return values
+
+
+def metrics_source(
+    job: JobSpec, prometheus_url: str | None, status: Callable[[], Mapping[str, Any]], clock: Clock
+) -> tuple[PrometheusSource | ScrapeSource, ScrapeSource | None]:
+    """The source a job's settings ask for: Prometheus when they name one, else scraping the
+    live instances found in the coordinator's `status` (started here; the caller closes it)."""
+
+    def members() -> Members:
+        return members_of(status())
+
+    graph = job_graph(job)
+    if prometheus_url:
+        return PrometheusSource(prometheus_url, job.name, graph, members), None
+    scrape = ScrapeSource(graph, members, clock).start()
+    return scrape, scrape
