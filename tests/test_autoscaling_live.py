@@ -71,6 +71,19 @@ class Output:
         self._thread.join(timeout=30)
 
 
+def run_until(tmp_path: Path, job: dict[str, Any], needle: str, what: str) -> str:
+    """`keyshift run` the job until a line with `needle` appears, then Ctrl-C; it must drain
+    cleanly. Returns its output."""
+    with cli(["run", str(write_job(tmp_path, job)), "--no-view"]) as run:
+        output = Output(run)
+        wait_for(lambda: output.has(needle), 60, what)
+        os.kill(run.pid, signal.SIGINT)
+        run.wait(timeout=60)
+        output.join()
+    assert run.returncode == 0, output.text()
+    return output.text()
+
+
 def keyshift_status(name: str) -> dict[str, Any]:
     out = subprocess.run([KEYSHIFT, "status", name], cwd=REPO, capture_output=True, text=True,
                          timeout=30, check=False)  # fmt: skip
@@ -117,14 +130,7 @@ def test_dry_run_reports_decisions_and_never_rescales(tmp_path: Path) -> None:
     """The embedded default (direct scraping); 20k/s against one ~12k/s instance."""
     job = slow_job(tmp_path / "out", {"kind": "constant", "rate": 20_000},
                    {"dry_run": True, "interval": 1, "metrics_window": 5})  # fmt: skip
-    with cli(["run", str(write_job(tmp_path, job)), "--no-view"]) as run:
-        output = Output(run)
-        wait_for(lambda: output.has("dry run, not applied: scale up"), 60, "a dry-run decision")
-        os.kill(run.pid, signal.SIGINT)
-        run.wait(timeout=60)
-        output.join()
-    text = output.text()
-    assert run.returncode == 0, text
+    text = run_until(tmp_path, job, "dry run, not applied: scale up", "a dry-run decision")
     assert "direct scraping (dry run)" in text
     assert "rescale 1" not in text and "track      x1" in text, text
 
@@ -136,14 +142,8 @@ def test_prometheus_down_means_no_decision_and_the_job_runs_on(tmp_path: Path) -
         {"kind": "constant", "rate": 2000},
         {"prometheus_url": nobody, "interval": 1},
     )
-    with cli(["run", str(write_job(tmp_path, job)), "--no-view"]) as run:
-        output = Output(run)
-        wait_for(lambda: output.has("no decision: Prometheus at"), 60, "the loop to say why")
-        os.kill(run.pid, signal.SIGINT)
-        run.wait(timeout=60)
-        output.join()
-    assert run.returncode == 0, output.text()
-    assert "job auto finished" in output.text()
+    text = run_until(tmp_path, job, "no decision: Prometheus at", "the loop to say why")
+    assert "job auto finished" in text
 
 
 @pytest.mark.parametrize(
