@@ -5,9 +5,10 @@ keyshift.runtime.ingest_client (the PySpark writer is one of them).
 
 Wire format of `keyshift.Ingest/Push` (unary, raw bytes, no generated code): a 4-byte
 little-endian header length, a JSON header `{"format": "arrow" | "json", "batch_id": optional
-string}`, then the payload: an Arrow IPC stream (one or more record batches) for "arrow", or a
-JSON array of row objects for "json". The reply is JSON: `{"accepted": n, "rejected": m,
-"reasons": [up to 5 distinct reasons], "duplicate": bool, "first_seq": int | null}`.
+string}` or `{"format": ..., "transaction": string, "part": string}`, then the payload: an Arrow
+IPC stream (one or more record batches) for "arrow", or a JSON array of row objects for "json".
+The reply is JSON: `{"accepted": n, "rejected": m, "reasons": [up to 5 distinct reasons],
+"duplicate": bool, "first_seq": int | null}`.
 
 Rows must carry every field of the job's schema (extra columns are ignored). An optional
 `event_time` column (int64 microseconds; an Arrow timestamp column is converted) is the rows'
@@ -21,8 +22,16 @@ The accepted rows of one request become one record batch with consecutive sequen
 put on a bounded queue that the source loop drains with `take`. While the queue is full, Push
 waits (the backpressure a client feels) and after `push_timeout` answers RESOURCE_EXHAUSTED.
 A request whose `batch_id` was already accepted is answered `duplicate: true` and applied no
-second time, so a retried Spark micro-batch is not counted twice. The ids are kept in memory
-(the last 100,000); durability across restarts comes with checkpoints.
+second time.
+
+Two-phase pushes (the PySpark writer's): a Push with `transaction` and `part` only validates
+and stages its rows (a later Push of the same part replaces them: a retried task);
+`keyshift.Ingest/Commit` with JSON `{"transaction": t, "parts": [...]}` queues the named parts
+at once, and answers `duplicate: true` for a transaction committed before, so a Spark
+micro-batch that is retried or committed twice is applied once; `keyshift.Ingest/Abort` with
+`{"transaction": t}` drops the staged parts. Parts nobody commits expire after `staged_ttl`.
+Batch ids and committed transactions are kept in memory (the last 100,000): they survive any
+retry of the client, not a restart of this instance (durability comes with checkpoints).
 """
 
 from __future__ import annotations
@@ -50,9 +59,12 @@ log = logging.getLogger("keyshift.ingest")
 
 INGEST_SERVICE = "keyshift.Ingest"
 PUSH_METHOD = f"/{INGEST_SERVICE}/Push"
+COMMIT_METHOD = f"/{INGEST_SERVICE}/Commit"
+ABORT_METHOD = f"/{INGEST_SERVICE}/Abort"
 FORMATS = ("arrow", "json")
 MAX_REASONS = 5
 REMEMBERED_BATCH_IDS = 100_000
+STAGED_TTL = 900.0  # seconds an uncommitted transaction's parts are kept
 _HEADER_LENGTH = struct.Struct("<I")
 _INT64_MAX = 2**63 - 1
 
@@ -73,8 +85,26 @@ def pack_request(header: Mapping[str, Any], payload: bytes) -> bytes:
     return _HEADER_LENGTH.pack(len(encoded)) + encoded + payload
 
 
-def unpack_request(body: bytes) -> tuple[str, str | None, memoryview]:
-    """Split a Push body into (format, batch_id, payload); IngestRefused if it is malformed."""
+@dataclass(frozen=True)
+class PushHeader:
+    format: str
+    batch_id: str | None  # applied at most once
+    transaction: str | None  # staged under (transaction, part) until Commit
+    part: str | None
+
+
+def _optional_name(header: Mapping[str, Any], name: str) -> str | None:
+    value = header.get(name)
+    if value is not None and (not isinstance(value, str) or not value):
+        raise IngestRefused(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            f"header {name!r} must be a non-empty string, got {value!r}",
+        )
+    return value
+
+
+def unpack_request(body: bytes) -> tuple[PushHeader, memoryview]:
+    """Split a Push body into its header and payload; IngestRefused if it is malformed."""
 
     def bad(message: str) -> IngestRefused:
         return IngestRefused(grpc.StatusCode.INVALID_ARGUMENT, message)
@@ -86,19 +116,33 @@ def unpack_request(body: bytes) -> tuple[str, str | None, memoryview]:
     end = _HEADER_LENGTH.size + length
     if end > len(view):
         raise bad(f"header length {length} exceeds the request ({len(view)} bytes)")
-    try:
-        header = json.loads(bytes(view[_HEADER_LENGTH.size : end]))
-    except (ValueError, RecursionError) as exc:
-        raise bad(f"header is not JSON: {exc}") from None
-    if not isinstance(header, dict):
-        raise bad(f"header must be a JSON object, got {type(header).__name__}")
+    header = _json_object(bytes(view[_HEADER_LENGTH.size : end]), "header")
     fmt = header.get("format")
     if fmt not in FORMATS:
         raise bad(f"header 'format' must be 'arrow' or 'json', got {fmt!r}")
-    batch_id = header.get("batch_id")
-    if batch_id is not None and (not isinstance(batch_id, str) or not batch_id):
-        raise bad(f"header 'batch_id' must be a non-empty string, got {batch_id!r}")
-    return str(fmt), batch_id, view[end:]
+    batch_id = _optional_name(header, "batch_id")
+    transaction = _optional_name(header, "transaction")
+    part = _optional_name(header, "part")
+    if (transaction is None) != (part is None):
+        raise bad("header 'transaction' and 'part' come together")
+    if transaction is not None and batch_id is not None:
+        raise bad("a staged part has no 'batch_id': its transaction is committed once")
+    return PushHeader(str(fmt), batch_id, transaction, part), view[end:]
+
+
+def _json_object(data: bytes, what: str) -> dict[str, Any]:
+    try:
+        value = json.loads(data)
+    except (ValueError, RecursionError) as exc:
+        raise IngestRefused(
+            grpc.StatusCode.INVALID_ARGUMENT, f"{what} is not JSON: {exc}"
+        ) from None
+    if not isinstance(value, dict):
+        raise IngestRefused(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            f"{what} must be a JSON object, got {type(value).__name__}",
+        )
+    return value
 
 
 # --- validation ------------------------------------------------------------------------------
@@ -318,6 +362,14 @@ def _decode(fmt: str, payload: memoryview, fields: Mapping[str, str]) -> Checked
 # --- the service -----------------------------------------------------------------------------
 
 
+@dataclass
+class _Staged:
+    """The parts of one open transaction: validated rows waiting for Commit."""
+
+    parts: dict[str, CheckedRows] = field(default_factory=dict)
+    touched: float = field(default_factory=time.monotonic)
+
+
 class IngestService:
     """Accepts pushed rows into a bounded queue of record batches for one source instance."""
 
@@ -328,6 +380,7 @@ class IngestService:
         max_pending: int,
         on_reject: Callable[[str, Any, int], None],
         push_timeout: float = 30.0,
+        staged_ttl: float = STAGED_TTL,
     ) -> None:
         if max_pending < 1:
             raise ValueError(f"max_pending must be at least 1, got {max_pending}")
@@ -335,18 +388,26 @@ class IngestService:
         self.source_id = source_id
         self.max_pending = max_pending
         self.push_timeout = push_timeout
+        self.staged_ttl = staged_ttl
         self._on_reject = on_reject
         self._schema = record_schema(self.fields)
         self._cv = threading.Condition()
         self._queue: deque[pa.RecordBatch] = deque()
         self._next_seq = 0
         self._closed = False
+        # Ids of applied batches and committed transactions, oldest first.
         self._seen: OrderedDict[str, None] = OrderedDict()
         self._in_flight: set[str] = set()
+        self._staged: dict[str, _Staged] = {}
 
     def handler(self) -> grpc.GenericRpcHandler[Any, Any]:
         return grpc.method_handlers_generic_handler(
-            INGEST_SERVICE, {"Push": grpc.unary_unary_rpc_method_handler(self._push)}
+            INGEST_SERVICE,
+            {
+                "Push": grpc.unary_unary_rpc_method_handler(self._serve(self.push)),
+                "Commit": grpc.unary_unary_rpc_method_handler(self._serve(self.commit)),
+                "Abort": grpc.unary_unary_rpc_method_handler(self._serve(self.abort)),
+            },
         )
 
     def take(self, timeout: float) -> pa.RecordBatch | None:
@@ -368,6 +429,11 @@ class IngestService:
         with self._cv:
             return sum(batch.num_rows for batch in self._queue)
 
+    def staged_rows(self) -> int:
+        """Rows staged by open transactions."""
+        with self._cv:
+            return sum(r.num_rows for t in self._staged.values() for r in t.parts.values())
+
     def close(self) -> None:
         """Stop accepting; later (and waiting) pushes get UNAVAILABLE. `take` still drains."""
         with self._cv:
@@ -386,45 +452,158 @@ class IngestService:
         deadline in seconds: a push whose caller gave up is not accepted.
         """
         self._refuse_if_closed()
-        fmt, batch_id, payload = unpack_request(body)
-        rows = _decode(fmt, payload, self.fields)
-        wait = self.push_timeout if time_left is None else min(self.push_timeout, time_left)
-        deadline = time.monotonic() + wait
+        header, payload = unpack_request(body)
+        rows = _decode(header.format, payload, self.fields)
+        if header.transaction is not None:
+            assert header.part is not None
+            done = self._stage(header.transaction, header.part, rows)
+            self._report(rows)
+            return _reply(0, rows.rejected, _reasons(rows), duplicate=done, first_seq=None)
+        deadline = self._deadline(time_left)
         with self._cv:
-            if batch_id is not None:
-                while batch_id in self._in_flight:  # the same batch, pushed twice at once
-                    self._wait(deadline, active)
-                if batch_id in self._seen:
-                    return _reply(0, 0, [], duplicate=True, first_seq=None)
-                self._in_flight.add(batch_id)
+            if (duplicate := self._begin_once(header.batch_id, deadline, active)) is not None:
+                return duplicate
             try:
-                first_seq = self._enqueue(rows, deadline, active)
-                if batch_id is not None:
-                    self._remember(batch_id)
+                first_seq = self._enqueue([rows], deadline, active)
+                if header.batch_id is not None:
+                    self._remember(header.batch_id)
             finally:
-                if batch_id is not None:
-                    self._in_flight.discard(batch_id)
-                    self._cv.notify_all()
+                self._end_once(header.batch_id)
+        self._report(rows)
+        return _reply(rows.num_rows, rows.rejected, _reasons(rows), False, first_seq)
+
+    def commit(
+        self,
+        body: bytes,
+        active: Callable[[], bool] = lambda: True,
+        time_left: float | None = None,
+    ) -> dict[str, Any]:
+        """Apply the named staged parts of a transaction at once, and the transaction only once.
+
+        Body: `{"transaction": str, "parts": [str, ...]}`. Parts staged under the transaction
+        but not named (a failed task attempt's) are dropped. A part that is not staged here
+        (this endpoint restarted and lost it) refuses the commit with FAILED_PRECONDITION, and
+        nothing is applied.
+        """
+        self._refuse_if_closed()
+        request = _json_object(body, "commit request")
+        transaction = _optional_name(request, "transaction")
+        parts = request.get("parts")
+        if transaction is None or not isinstance(parts, list):
+            raise IngestRefused(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "commit request needs 'transaction' (a string) and 'parts' (a list)",
+            )
+        deadline = self._deadline(time_left)
+        with self._cv:
+            if (duplicate := self._begin_once(transaction, deadline, active)) is not None:
+                return duplicate
+            try:
+                staged = self._staged.get(transaction, _Staged())
+                missing = sorted(str(p) for p in parts if p not in staged.parts)
+                if missing:
+                    raise IngestRefused(
+                        grpc.StatusCode.FAILED_PRECONDITION,
+                        f"parts {missing} of transaction {transaction!r} are not staged here "
+                        "(the endpoint restarted or the parts expired); retry the whole batch",
+                    )
+                chosen = [staged.parts[p] for p in dict.fromkeys(parts)]
+                first_seq = self._enqueue(chosen, deadline, active)
+                self._staged.pop(transaction, None)
+                self._remember(transaction)
+            finally:
+                self._end_once(transaction)
+        accepted = sum(r.num_rows for r in chosen)
+        return _reply(accepted, 0, [], duplicate=False, first_seq=first_seq)
+
+    def abort(
+        self,
+        body: bytes,
+        active: Callable[[], bool] = lambda: True,
+        time_left: float | None = None,
+    ) -> dict[str, Any]:
+        """Drop what a transaction staged. Body: `{"transaction": str}`."""
+        transaction = _optional_name(_json_object(body, "abort request"), "transaction")
+        if transaction is None:
+            raise IngestRefused(
+                grpc.StatusCode.INVALID_ARGUMENT, "abort request needs 'transaction'"
+            )
+        with self._cv:
+            dropped = self._staged.pop(transaction, _Staged())
+        return {"dropped": len(dropped.parts)}
+
+    def _stage(self, transaction: str, part: str, rows: CheckedRows) -> bool:
+        """Stage a part (replacing an earlier attempt's); True if the transaction is done."""
+        with self._cv:
+            self._refuse_if_closed()
+            self._expire_staged()
+            if transaction in self._seen:
+                return True
+            staged = self._staged.setdefault(transaction, _Staged())
+            staged.parts[part] = rows
+            staged.touched = time.monotonic()
+            return False
+
+    # Called with self._cv held.
+    def _expire_staged(self) -> None:
+        """Forget transactions nobody committed or aborted (a Spark driver that died)."""
+        now = time.monotonic()
+        for transaction in [
+            t for t, s in self._staged.items() if now - s.touched > self.staged_ttl
+        ]:
+            log.warning(
+                "dropping transaction %r: not committed within %.0f s", transaction, self.staged_ttl
+            )
+            del self._staged[transaction]
+
+    def _deadline(self, time_left: float | None) -> float:
+        wait = self.push_timeout if time_left is None else min(self.push_timeout, time_left)
+        return time.monotonic() + wait
+
+    # Called with self._cv held.
+    def _begin_once(
+        self, once_id: str | None, deadline: float, active: Callable[[], bool]
+    ) -> dict[str, Any] | None:
+        """Claim an id applied at most once: the duplicate reply if it was applied before."""
+        if once_id is None:
+            return None
+        while once_id in self._in_flight:  # the same id, sent twice at once
+            self._wait(deadline, active)
+        if once_id in self._seen:
+            return _reply(0, 0, [], duplicate=True, first_seq=None)
+        self._in_flight.add(once_id)
+        return None
+
+    # Called with self._cv held.
+    def _end_once(self, once_id: str | None) -> None:
+        if once_id is not None:
+            self._in_flight.discard(once_id)
+            self._cv.notify_all()
+
+    def _report(self, rows: CheckedRows) -> None:
         for rejection in rows.rejections:
             try:
                 self._on_reject(rejection.reason, rejection.sample, rejection.count)
             except Exception:  # the rows are accepted; a broken callback must not undo that
                 log.exception("on_reject failed for %r", rejection.reason)
-        reasons = [r.reason for r in rows.rejections[:MAX_REASONS]]
-        return _reply(rows.num_rows, rows.rejected, reasons, duplicate=False, first_seq=first_seq)
 
     # Called with self._cv held.
     def _enqueue(
-        self, rows: CheckedRows, deadline: float, active: Callable[[], bool]
+        self, parts: Sequence[CheckedRows], deadline: float, active: Callable[[], bool]
     ) -> int | None:
+        """Queue the rows of `parts` together (one batch each): the bound is checked once, so
+        a transaction is applied whole even when it is larger than the queue."""
         self._refuse_if_closed()
-        if rows.num_rows == 0:
+        parts = [rows for rows in parts if rows.num_rows]
+        if not parts:
             return None
         while len(self._queue) >= self.max_pending:
             self._wait(deadline, active)
         first_seq = self._next_seq
-        self._next_seq += rows.num_rows
-        self._queue.append(self._batch(rows, first_seq, now_us()))
+        stamp = now_us()
+        for rows in parts:
+            self._queue.append(self._batch(rows, self._next_seq, stamp))
+            self._next_seq += rows.num_rows
         self._cv.notify_all()
         return first_seq
 
@@ -444,8 +623,8 @@ class IngestService:
         if self._closed:
             raise IngestRefused(grpc.StatusCode.UNAVAILABLE, "job is draining")
 
-    def _remember(self, batch_id: str) -> None:
-        self._seen[batch_id] = None
+    def _remember(self, once_id: str) -> None:
+        self._seen[once_id] = None
         while len(self._seen) > REMEMBERED_BATCH_IDS:
             self._seen.popitem(last=False)
 
@@ -465,13 +644,23 @@ class IngestService:
             schema=self._schema,
         )
 
-    def _push(self, request: bytes, context: grpc.ServicerContext) -> bytes:
-        time_left: float | None = context.time_remaining()
-        try:
-            reply = self.push(request, context.is_active, time_left)
-        except IngestRefused as exc:
-            context.abort(exc.code, str(exc))
-        return json.dumps(reply).encode()
+    @staticmethod
+    def _serve(
+        method: Callable[[bytes, Callable[[], bool], float | None], dict[str, Any]],
+    ) -> Callable[[bytes, grpc.ServicerContext], bytes]:
+        def serve(request: bytes, context: grpc.ServicerContext) -> bytes:
+            time_left: float | None = context.time_remaining()
+            try:
+                reply = method(request, context.is_active, time_left)
+            except IngestRefused as exc:
+                context.abort(exc.code, str(exc))
+            return json.dumps(reply).encode()
+
+        return serve
+
+
+def _reasons(rows: CheckedRows) -> list[str]:
+    return [r.reason for r in rows.rejections[:MAX_REASONS]]
 
 
 def _reply(

@@ -19,7 +19,7 @@ from typing import Any, TypeAlias
 import grpc
 import pyarrow as pa
 
-from keyshift.runtime.ingest import PUSH_METHOD, pack_request
+from keyshift.runtime.ingest import ABORT_METHOD, COMMIT_METHOD, PUSH_METHOD, pack_request
 from keyshift.runtime.transport import GRPC_OPTIONS, TransportError
 
 Rows: TypeAlias = pa.Table | pa.RecordBatch | Sequence[Mapping[str, Any]]
@@ -69,6 +69,8 @@ class IngestClient:
         self.address = address
         self._channel = grpc.insecure_channel(address, options=GRPC_OPTIONS)
         self._push = self._channel.unary_unary(PUSH_METHOD, None, None)
+        self._commit = self._channel.unary_unary(COMMIT_METHOD, None, None)
+        self._abort = self._channel.unary_unary(ABORT_METHOD, None, None)
 
     def push(self, rows: Rows, batch_id: str | None = None, timeout: float = 60.0) -> IngestReply:
         """Push rows; with a batch_id, a batch the endpoint accepted before is not applied again."""
@@ -83,27 +85,40 @@ class IngestClient:
         header: dict[str, Any] = {"format": fmt}
         if batch_id is not None:
             header["batch_id"] = batch_id
+        return _ingest_reply(self._call("push", self._push, pack_request(header, payload), timeout))
+
+    def stage(self, rows: Rows, transaction: str, part: str, timeout: float = 60.0) -> IngestReply:
+        """Validate and stage rows as one part of a transaction; nothing flows until `commit`.
+        Staging the same part again replaces it (a retried task)."""
+        fmt, payload = encode_rows(rows)
+        header = {"format": fmt, "transaction": transaction, "part": part}
+        return _ingest_reply(self._call("push", self._push, pack_request(header, payload), timeout))
+
+    def commit(self, transaction: str, parts: Sequence[str], timeout: float = 60.0) -> IngestReply:
+        """Apply the named staged parts at once; a transaction committed before is a duplicate."""
+        body = json.dumps({"transaction": transaction, "parts": list(parts)}).encode()
+        return _ingest_reply(self._call("commit", self._commit, body, timeout))
+
+    def abort(self, transaction: str, timeout: float = 10.0) -> int:
+        """Drop a transaction's staged parts; the number of parts dropped."""
+        body = json.dumps({"transaction": transaction}).encode()
+        reply = self._call("abort", self._abort, body, timeout)
         try:
-            reply = self._push(pack_request(header, payload), timeout=timeout)
+            return int(json.loads(reply)["dropped"])
+        except (ValueError, TypeError, KeyError) as exc:
+            raise IngestError(
+                f"abort at {self.address}: the reply does not follow the protocol ({exc!r})", None
+            ) from None
+
+    def _call(self, verb: str, method: Any, body: bytes, timeout: float) -> bytes:
+        try:
+            return method(body, timeout=timeout)  # type: ignore[no-any-return]
         except grpc.RpcError as exc:
             code = exc.code() if isinstance(exc, grpc.Call) else None
             details = exc.details() if isinstance(exc, grpc.Call) else str(exc)
             status = code.name if code is not None else "no status"
             raise IngestError(
-                f"push to {self.address} failed ({status}): {details}", code
-            ) from None
-        try:
-            body = json.loads(reply)
-            return IngestReply(
-                accepted=int(body["accepted"]),
-                rejected=int(body["rejected"]),
-                reasons=tuple(str(r) for r in body["reasons"]),
-                duplicate=bool(body["duplicate"]),
-                first_seq=None if body["first_seq"] is None else int(body["first_seq"]),
-            )
-        except (ValueError, TypeError, KeyError) as exc:
-            raise IngestError(
-                f"push to {self.address}: the reply does not follow the protocol ({exc!r})", None
+                f"{verb} to {self.address} failed ({status}): {details}", code
             ) from None
 
     def close(self) -> None:
@@ -119,3 +134,17 @@ class IngestClient:
         tb: TracebackType | None,
     ) -> None:
         self.close()
+
+
+def _ingest_reply(reply: bytes) -> IngestReply:
+    try:
+        body = json.loads(reply)
+        return IngestReply(
+            accepted=int(body["accepted"]),
+            rejected=int(body["rejected"]),
+            reasons=tuple(str(r) for r in body["reasons"]),
+            duplicate=bool(body["duplicate"]),
+            first_seq=None if body["first_seq"] is None else int(body["first_seq"]),
+        )
+    except (ValueError, TypeError, KeyError) as exc:
+        raise IngestError(f"the reply does not follow the protocol ({exc!r})", None) from None

@@ -27,7 +27,7 @@ from pydantic import (
 )
 
 from keyshift.policies.settings import AutoscalerSettings
-from keyshift.runtime.records import RESERVED_FIELDS
+from keyshift.runtime.records import READER_NAME, RESERVED_FIELDS
 
 FieldType = Literal["int", "float", "str", "bool"]
 AggregateFunction = Literal["count", "sum", "min", "max", "mean"]
@@ -197,6 +197,32 @@ class LogSink(_Model):
         default="jsonl", description="'none' keeps offsets and metrics but writes no files"
     )
     segment_records: int = Field(default=100_000, ge=1, description="records per segment file")
+    readers: list[str] = Field(
+        default_factory=list,
+        description="readers that must see every record (a Spark sink query's `reader` option):"
+        " segments are deleted once all of them have committed past them, and the sink stops"
+        " taking records while one lags max_unread_records behind (backpressure, not loss)",
+    )
+    max_unread_records: int = Field(
+        default=1_000_000, ge=1, description="per partition, the most records kept unread"
+    )
+
+    @field_validator("readers")
+    @classmethod
+    def _reader_names(cls, readers: list[str]) -> list[str]:
+        bad = [r for r in readers if not READER_NAME.match(r)]
+        if bad:
+            raise ValueError(
+                f"reader names {bad} must be 1-100 letters, digits, '_', '.' or '-', "
+                "starting with a letter or digit"
+            )
+        return readers
+
+    @model_validator(mode="after")
+    def _readers_need_files(self) -> LogSink:
+        if self.readers and self.format == "none":
+            raise ValueError("readers need a log with files: format must not be 'none'")
+        return self
 
 
 class FunctionSink(_Model):

@@ -1,6 +1,6 @@
 """The sink's ordered, offset-addressed output log: one partition per sink instance, written as
 immutable segment files. Written by the sink stage instances; read by tests, the local host's
-report and (later) the PySpark reader.
+report and the PySpark reader (keyshift.spark.log_reader).
 
 Layout::
 
@@ -11,6 +11,11 @@ index in its partition, counted from 0. Every file carries an ``offset`` int64 c
 followed by the columns of the appended record batches. Files are written to a ``.tmp`` name
 in the same directory, fsynced and renamed into place, so a segment is either absent or
 complete, and is never changed once written. Exactly one writer owns a partition at a time.
+
+Readers that must see every record (named in the sink's `readers`) record how far they have
+read in ``<path>/_readers/<name>.json`` (``{"<partition>": offset}``); the writer may then trim
+a partition: it writes ``<partition>/trimmed`` (the first offset still kept) and deletes the
+segments below it. Offsets never change; reading below the trimmed offset is an error.
 """
 
 from __future__ import annotations
@@ -32,9 +37,13 @@ import pyarrow.compute as pc
 import pyarrow.json as pa_json
 import pyarrow.parquet as pq
 
+from keyshift.runtime.records import READER_NAME
+
 FORMATS: Final = ("jsonl", "parquet", "none")
 OFFSET_COLUMN: Final = "offset"
 TMP_SUFFIX: Final = ".tmp"
+TRIMMED_FILE: Final = "trimmed"
+READERS_DIR: Final = "_readers"
 
 _SEGMENT_NAME = re.compile(r"^(\d{20})-(\d{20})\.(jsonl|parquet)$")
 _PARTITION_NAME = re.compile(r"^part-(\d{5,})$")
@@ -69,11 +78,29 @@ class Segment:
         return self.end - self.start
 
 
+def trimmed_offset(partition_dir: Path) -> int:
+    """The first offset a partition still keeps (0 until it is trimmed)."""
+    try:
+        text = (partition_dir / TRIMMED_FILE).read_text()
+    except FileNotFoundError:
+        return 0
+    try:
+        offset = int(text)
+    except ValueError:
+        raise OutputLogError(
+            f"corrupt output log: {partition_dir / TRIMMED_FILE} holds {text[:40]!r}"
+        ) from None
+    if offset < 0:
+        raise OutputLogError(f"corrupt output log: {partition_dir / TRIMMED_FILE} is negative")
+    return offset
+
+
 def list_segments(partition_dir: Path) -> list[Segment]:
     """The complete segments of a partition directory in offset order.
 
-    Ignores ``.tmp`` and other unrelated files. Raises OutputLogError when the segments do not
-    tile the offsets from 0 without a gap or an overlap.
+    Ignores ``.tmp`` and other unrelated files, and segments below the trimmed offset (a trim
+    interrupted before it deleted them). Raises OutputLogError when the segments do not tile
+    the offsets from the trimmed offset without a gap or an overlap.
     """
     segments: list[Segment] = []
     try:
@@ -82,6 +109,7 @@ def list_segments(partition_dir: Path) -> list[Segment]:
         raise OutputLogError(f"output log partition {partition_dir} does not exist") from None
     except NotADirectoryError:
         raise OutputLogError(f"output log partition {partition_dir} is not a directory") from None
+    trimmed = trimmed_offset(partition_dir)
     for entry in entries:
         m = _SEGMENT_NAME.match(entry.name)
         if m is None:
@@ -91,9 +119,10 @@ def list_segments(partition_dir: Path) -> list[Segment]:
             raise OutputLogError(
                 f"corrupt output log: segment {entry.path} has end offset {end} <= start {start}"
             )
-        segments.append(Segment(start, end, m.group(3), Path(entry.path)))
+        if end > trimmed:
+            segments.append(Segment(start, end, m.group(3), Path(entry.path)))
     segments.sort(key=lambda s: (s.start, s.end))
-    expected = 0
+    expected = trimmed
     previous: Segment | None = None
     for seg in segments:
         if seg.start != expected:
@@ -106,6 +135,41 @@ def list_segments(partition_dir: Path) -> list[Segment]:
         expected = seg.end
         previous = seg
     return segments
+
+
+def reader_offsets(path: str | Path) -> dict[str, dict[int, int]]:
+    """What each named reader has committed: reader -> partition -> first offset not needed."""
+    found: dict[str, dict[int, int]] = {}
+    directory = Path(path) / READERS_DIR
+    try:
+        entries = list(os.scandir(directory))
+    except FileNotFoundError:
+        return found
+    for entry in entries:
+        name, dot, ext = entry.name.rpartition(".")
+        if not dot or ext != "json" or not READER_NAME.match(name):
+            continue
+        try:
+            data = json.loads(Path(entry.path).read_bytes())
+            found[name] = {int(p): int(o) for p, o in data.items()}
+        except FileNotFoundError:
+            continue
+        except (ValueError, TypeError, AttributeError) as exc:
+            raise OutputLogError(f"corrupt reader offsets {entry.path}: {exc}") from None
+    return found
+
+
+def commit_reader(path: str | Path, reader: str, offsets: dict[int, int]) -> None:
+    """Record that `reader` no longer needs the records below `offsets` in each partition."""
+    if not READER_NAME.match(reader):
+        raise OutputLogError(
+            f"reader name {reader!r} must be 1-100 letters, digits, '_', '.' or '-', "
+            "starting with a letter or digit"
+        )
+    directory = Path(path) / READERS_DIR
+    directory.mkdir(exist_ok=True)
+    data = json.dumps({str(p): int(o) for p, o in sorted(offsets.items())}).encode()
+    _write_atomically(directory / f"{reader}.json", lambda f: f.write(data))
 
 
 # --------------------------------------------------------------------------------------------
@@ -124,7 +188,7 @@ def _fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
-def _write_atomically(final: Path, write: Callable[[BinaryIO], None]) -> None:
+def _write_atomically(final: Path, write: Callable[[BinaryIO], object]) -> None:
     """Write a file under a ``.tmp`` name, fsync it and rename it to ``final``."""
     tmp = final.with_name(final.name + TMP_SUFFIX)
     try:
@@ -236,15 +300,17 @@ class OutputLogWriter:
         self._records_written = 0
         self._closed = False
         self._next_segment_start = 0
+        self._trimmed = 0
         if format != "none":
             self._dir.mkdir(parents=True, exist_ok=True)
             for entry in os.scandir(self._dir):
                 if entry.name.endswith(TMP_SUFFIX):
                     with contextlib.suppress(FileNotFoundError):
                         os.unlink(entry.path)
+            self._trimmed = trimmed_offset(self._dir)
+            self._delete_trimmed()
             segments = list_segments(self._dir)
-            if segments:
-                self._next_segment_start = segments[-1].end
+            self._next_segment_start = segments[-1].end if segments else self._trimmed
 
     @property
     def partition(self) -> int:
@@ -272,6 +338,36 @@ class OutputLogWriter:
     @property
     def buffered_records(self) -> int:
         return self._buffered
+
+    @property
+    def trimmed_offset(self) -> int:
+        """The first offset still kept in the partition's files."""
+        return self._trimmed
+
+    def trim(self, below: int) -> int:
+        """Delete the complete segments that end at or below `below`; the records deleted.
+
+        The new trimmed offset is written first, so a crash in between leaves segments that
+        readers already ignore (the next writer deletes them).
+        """
+        if self._format == "none":
+            return 0
+        doomed = [s for s in list_segments(self._dir) if s.end <= below]
+        if not doomed:
+            return 0
+        new_trimmed = doomed[-1].end
+        text = str(new_trimmed).encode()
+        _write_atomically(self._dir / TRIMMED_FILE, lambda f: f.write(text))
+        self._trimmed = new_trimmed
+        self._delete_trimmed()
+        return sum(s.records for s in doomed)
+
+    def _delete_trimmed(self) -> None:
+        for entry in os.scandir(self._dir):
+            m = _SEGMENT_NAME.match(entry.name)
+            if m is not None and int(m.group(2)) <= self._trimmed:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(entry.path)
 
     def append(self, batch: pa.RecordBatch) -> int:
         """Buffer a batch; return the offset of its first record (an empty batch is ignored)."""
@@ -449,7 +545,14 @@ class OutputLogReader:
     def end_offset(self, partition: int) -> int:
         """The offset after the last complete segment (0 for an empty partition)."""
         segments = self.segments(partition)
-        return segments[-1].end if segments else 0
+        if segments:
+            return segments[-1].end
+        return trimmed_offset(self._path / partition_dir_name(partition))
+
+    def start_offset(self, partition: int) -> int:
+        """The first offset still readable (0 unless the partition was trimmed)."""
+        self.segments(partition)  # checks that the partition exists
+        return trimmed_offset(self._path / partition_dir_name(partition))
 
     def read(self, partition: int, start: int, stop: int | None = None) -> pa.Table:
         """The records with offsets in [start, stop) in offset order, ``offset`` column first.
@@ -462,7 +565,13 @@ class OutputLogReader:
         if stop is not None and stop < start:
             raise OutputLogError(f"stop offset {stop} is before start offset {start}")
         segments = self.segments(partition)
-        end = segments[-1].end if segments else 0
+        trimmed = trimmed_offset(self._path / partition_dir_name(partition))
+        if start < trimmed:
+            raise OutputLogError(
+                f"offsets below {trimmed} of partition {partition} of output log {self._path} "
+                f"were deleted after every named reader committed them; cannot read from {start}"
+            )
+        end = segments[-1].end if segments else trimmed
         stop = end if stop is None else min(stop, end)
         wanted = [s for s in segments if s.end > start and s.start < stop]
         if not wanted:
@@ -476,13 +585,13 @@ class OutputLogReader:
         return _concat(parts)
 
     def read_all(self, *, with_partition: bool = False) -> pa.Table:
-        """Every partition's records, partition by partition, each in offset order.
+        """Every partition's kept records, partition by partition, each in offset order.
 
         With ``with_partition`` a ``partition`` int32 column follows ``offset``.
         """
         tables = []
         for p in self.partitions():
-            table = self.read(p, 0)
+            table = self.read(p, self.start_offset(p))
             if with_partition:
                 column = pa.array(np.full(table.num_rows, p, dtype=np.int32))
                 table = table.add_column(1, "partition", column)

@@ -8,6 +8,7 @@ Used by every stage instance and by the transport.
 from __future__ import annotations
 
 import json
+import re
 import struct
 import time
 from collections.abc import Mapping
@@ -23,6 +24,8 @@ SEQ = "seq"
 GROUP = "_group"
 METADATA_FIELDS = (EVENT_TIME, INGEST_TIME, SOURCE, SEQ)
 RESERVED_FIELDS = frozenset((*METADATA_FIELDS, GROUP))
+# Names of output log readers: they name files, so no path separators.
+READER_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,99}$")
 
 ARROW_TYPES: Mapping[str, pa.DataType] = {
     "int": pa.int64(),

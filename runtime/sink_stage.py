@@ -1,5 +1,6 @@
 """The sink stage loop: measure end-to-end latency, and append updates to the ordered output
-log (or hand them to a user's function).
+log (or hand them to a user's function). While a named reader of the log lags too far behind,
+the loop takes no records (keyshift.runtime.log_retention): the job is backpressured.
 
 Called by `keyshift.runtime.instance` for instances of the job's sink stage.
 """
@@ -13,12 +14,14 @@ import numpy as np
 
 from keyshift.runtime.instance import InstanceContext
 from keyshift.runtime.job import FunctionSink, resolve_function
+from keyshift.runtime.log_retention import LogRetention
 from keyshift.runtime.metrics import MetricName
 from keyshift.runtime.output_log import OutputLogWriter
 from keyshift.runtime.records import GROUP, INGEST_TIME, decode, now_us
 from keyshift.runtime.transport import END, LEAVE
 
 FLUSH_INTERVAL = 1.0
+BLOCKED_WAIT = 0.05  # seconds between looks at the readers' progress while they lag
 RECENT_SAMPLES = 256
 
 
@@ -31,6 +34,7 @@ def run(ctx: InstanceContext) -> None:
     else:
         function = None
         writer = OutputLogWriter(config.path, ctx.index, config.format, config.segment_records)
+        retention = LogRetention(writer, config.path, config.readers, config.max_unread_records)
     ctx.wait_topology()
     ended: set[str] = set()
     recent: deque[tuple[float, float]] = deque(maxlen=RECENT_SAMPLES)
@@ -43,6 +47,13 @@ def run(ctx: InstanceContext) -> None:
         ctx.check()
         while ctx.next_command() is not None:
             pass  # topology updates are read through ctx.upstream_names
+        if writer is not None:
+            retention.poll()
+            if retention.blocked():
+                writer.flush()  # the readers can only catch up on what is in segments
+                time.sleep(BLOCKED_WAIT)
+                metrics.count(MetricName.BACKPRESSURED_SECONDS, BLOCKED_WAIT)
+                continue
         t_wait = time.perf_counter()
         delivery = ctx.inbox.get(timeout=0.1)
         metrics.count(MetricName.IDLE_SECONDS, time.perf_counter() - t_wait)

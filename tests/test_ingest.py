@@ -491,3 +491,104 @@ def test_close_refuses_new_and_waiting_pushes_but_take_drains(start: Start) -> N
 def test_constructor_rejects_a_queue_without_room() -> None:
     with pytest.raises(ValueError, match="max_pending"):
         IngestService(FIELDS, 0, 0, lambda *_: None)
+
+
+# --- two-phase pushes (the PySpark writer's) --------------------------------------------------
+
+
+def test_staged_parts_flow_only_when_committed_and_only_once(start: Start) -> None:
+    ep = start()
+    assert ep.client.stage(table([good(0), good(1)]), "q:7", "0-0").accepted == 0
+    ep.client.stage(table([good(2)]), "q:7", "1-0")
+    assert ep.service.pending() == 0 and ep.service.staged_rows() == 3
+    reply = ep.client.commit("q:7", ["0-0", "1-0"])
+    assert (reply.accepted, reply.duplicate, reply.first_seq) == (3, False, 0)
+    users = [u for _ in range(2) for u in ep.take().column("user").to_pylist()]
+    assert users == ["u0", "u1", "u2"]
+    # A retried micro-batch stages again and commits again: nothing more flows.
+    assert ep.client.stage(table([good(0)]), "q:7", "0-0").duplicate
+    assert ep.client.commit("q:7", ["0-0", "1-0"]).duplicate
+    assert ep.service.pending() == 0 and ep.service.staged_rows() == 0
+
+
+def test_a_retried_task_replaces_its_part_and_unnamed_attempts_are_dropped(start: Start) -> None:
+    ep = start()
+    ep.client.stage(table([good(0), good(1)]), "q:1", "0-0")  # attempt 0 failed after staging
+    ep.client.stage(table([good(5)]), "q:1", "0-1")  # attempt 1 succeeded
+    ep.client.stage(table([good(6)]), "q:1", "1-0")
+    ep.client.stage(table([good(7)]), "q:1", "1-0")  # the same part again replaces it
+    assert ep.client.commit("q:1", ["0-1", "1-0"]).accepted == 2
+    users = [u for _ in range(2) for u in ep.take().column("user").to_pylist()]
+    assert users == ["u5", "u7"]
+    assert ep.service.staged_rows() == 0
+
+
+def test_a_commit_naming_a_part_that_is_not_staged_applies_nothing(start: Start) -> None:
+    ep = start()
+    ep.client.stage(table([good(0)]), "q:2", "0-0")
+    with pytest.raises(
+        IngestError, match=r"parts \['1-0'\] of transaction 'q:2' are not staged"
+    ) as exc:
+        ep.client.commit("q:2", ["0-0", "1-0"])
+    assert exc.value.code == grpc.StatusCode.FAILED_PRECONDITION
+    assert ep.service.pending() == 0
+    ep.client.stage(table([good(1)]), "q:2", "1-0")  # the retried batch stages every part
+    assert ep.client.commit("q:2", ["0-0", "1-0"]).accepted == 2
+
+
+def test_abort_and_expiry_drop_staged_parts(start: Start) -> None:
+    ep = start()
+    ep.client.stage(table([good(0)]), "q:3", "0-0")
+    assert ep.client.abort("q:3") == 1
+    assert ep.service.staged_rows() == 0 and ep.client.abort("q:3") == 0
+    ep.service.staged_ttl = 0.0
+    ep.client.stage(table([good(0)]), "old", "0-0")
+    ep.client.stage(table([good(1)]), "new", "0-0")  # staging expires what is too old
+    assert ep.service.staged_rows() == 1
+
+
+def test_staging_rejects_bad_rows_and_keeps_the_valid_ones(start: Start) -> None:
+    ep = start()
+    reply = ep.client.stage([good(0), {**good(1), "clicks": None}, good(2)], "q:4", "0-0")
+    assert (reply.accepted, reply.rejected) == (0, 1)
+    assert reply.reasons == ("missing field 'clicks'",)
+    assert ep.client.commit("q:4", ["0-0"]).accepted == 2
+    assert ep.rejected_counts() == {"missing field 'clicks'": 1}
+
+
+@pytest.mark.parametrize(
+    ("header", "message"),
+    [
+        ({"format": "json", "transaction": "t"}, "'transaction' and 'part' come together"),
+        ({"format": "json", "transaction": "t", "part": "p", "batch_id": "b"}, "no 'batch_id'"),
+        ({"format": "json", "transaction": 5, "part": "p"}, "'transaction' must be a non-empty"),
+    ],
+)
+def test_malformed_two_phase_headers_are_refused(
+    start: Start, header: dict[str, Any], message: str
+) -> None:
+    ep = start()
+    with grpc.insecure_channel(f"127.0.0.1:{ep.port}", options=GRPC_OPTIONS) as channel:
+        push = channel.unary_unary(PUSH_METHOD, None, None)
+        with pytest.raises(grpc.RpcError) as exc:
+            push(pack_request(header, b"[]"), timeout=5)
+    assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT  # type: ignore[attr-defined]
+    assert message in exc.value.details()  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize(
+    ("body", "message"),
+    [
+        (b"nope", "commit request is not JSON"),
+        (b"[]", "commit request must be a JSON object"),
+        (b'{"transaction": "t"}', "needs 'transaction' (a string) and 'parts' (a list)"),
+    ],
+)
+def test_malformed_commits_are_refused(start: Start, body: bytes, message: str) -> None:
+    ep = start()
+    with grpc.insecure_channel(f"127.0.0.1:{ep.port}", options=GRPC_OPTIONS) as channel:
+        commit = channel.unary_unary(ingest.COMMIT_METHOD, None, None)
+        with pytest.raises(grpc.RpcError) as exc:
+            commit(body, timeout=5)
+    assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT  # type: ignore[attr-defined]
+    assert message in exc.value.details()  # type: ignore[attr-defined]

@@ -10,11 +10,15 @@ from typing import Any
 import pyarrow as pa
 import pytest
 
+from keyshift.runtime.log_retention import LogRetention
 from keyshift.runtime.output_log import (
+    TRIMMED_FILE,
     OutputLogError,
     OutputLogReader,
     OutputLogWriter,
+    commit_reader,
     encode_jsonl,
+    reader_offsets,
     segment_file_name,
 )
 
@@ -251,3 +255,70 @@ def test_jsonl_text_matches_json_module() -> None:
                 assert parsed[key] == value
                 assert type(parsed[key]) is type(value)
     assert lines[0] == json.dumps(rows[0], separators=(",", ":"))
+
+
+# --- readers and trimming --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_trim_keeps_offsets_and_refuses_reads_below_it(tmp_path: Path, fmt: str) -> None:
+    w = OutputLogWriter(tmp_path, 0, fmt, segment_records=10)
+    w.append(batch(0, 35))
+    w.flush()
+    assert w.trim(25) == 20  # only whole segments go: [0, 10) and [10, 20)
+    assert w.trimmed_offset == 20
+    reader = OutputLogReader(tmp_path)
+    assert (reader.start_offset(0), reader.end_offset(0)) == (20, 35)
+    assert reader.read(0, 20).column("key").to_pylist() == list(range(20, 35))
+    assert reader.read_all().column("offset").to_pylist() == list(range(20, 35))
+    with pytest.raises(OutputLogError, match="offsets below 20 of partition 0 .* were deleted"):
+        reader.read(0, 5)
+    again = OutputLogWriter(tmp_path, 0, fmt, segment_records=10)  # a restarted sink
+    assert again.append(batch(35, 1)) == 35
+
+
+def test_an_interrupted_trim_is_finished_by_the_next_writer(tmp_path: Path) -> None:
+    w = OutputLogWriter(tmp_path, 0, "jsonl", segment_records=10)
+    w.append(batch(0, 30))
+    part = w.directory
+    (part / TRIMMED_FILE).write_text("10")  # the crash came before the deletes
+    assert [s.start for s in OutputLogReader(tmp_path).segments(0)] == [10, 20]
+    OutputLogWriter(tmp_path, 0, "jsonl", segment_records=10)
+    assert segment_file_name(0, 10, "jsonl") not in segment_names(part)
+
+
+def test_corrupt_trim_marker_and_reader_offsets_are_errors(tmp_path: Path) -> None:
+    w = OutputLogWriter(tmp_path, 0, "jsonl", segment_records=10)
+    w.append(batch(0, 10))
+    (w.directory / TRIMMED_FILE).write_text("ten")
+    with pytest.raises(OutputLogError, match="corrupt output log: .*trimmed holds 'ten'"):
+        OutputLogReader(tmp_path).segments(0)
+    commit_reader(tmp_path, "spark", {0: 5})
+    (tmp_path / "_readers" / "spark.json").write_text("[1, 2]")
+    with pytest.raises(OutputLogError, match="corrupt reader offsets"):
+        reader_offsets(tmp_path)
+    with pytest.raises(OutputLogError, match="reader name '../x' must be"):
+        commit_reader(tmp_path, "../x", {0: 1})
+
+
+def test_retention_trims_what_every_reader_read_and_blocks_a_lagging_one(tmp_path: Path) -> None:
+    w = OutputLogWriter(tmp_path, 1, "parquet", segment_records=10)
+    retention = LogRetention(w, tmp_path, ["a", "b"], max_unread=40, check_interval=0)
+    w.append(batch(0, 40))
+    retention.poll()
+    assert retention.blocked() and retention.unread() == 40
+    commit_reader(tmp_path, "a", {1: 30})
+    commit_reader(tmp_path, "b", {1: 12, 0: 99})  # other partitions are someone else's
+    retention.poll()
+    assert retention.committed == 12 and not retention.blocked()
+    assert w.trimmed_offset == 10  # the segment [10, 20) is still needed by b
+    assert reader_offsets(tmp_path) == {"a": {1: 30}, "b": {0: 99, 1: 12}}
+
+
+def test_retention_without_readers_keeps_everything(tmp_path: Path) -> None:
+    w = OutputLogWriter(tmp_path, 0, "jsonl", segment_records=10)
+    retention = LogRetention(w, tmp_path, [], max_unread=1)
+    w.append(batch(0, 30))
+    commit_reader(tmp_path, "someone", {0: 30})
+    retention.poll()
+    assert not retention.blocked() and w.trimmed_offset == 0
