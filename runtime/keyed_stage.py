@@ -31,7 +31,12 @@ from keyshift.runtime.records import (
     encode,
     split_by_owner,
 )
-from keyshift.runtime.state import KEY_COL, AggregateState, ProcessState
+from keyshift.runtime.state import (
+    KEY_COL,
+    AggregateState,
+    ProcessState,
+    aggregate_output_schema,
+)
 from keyshift.runtime.transport import BATCH, END, FORWARD, FORWARD_DONE, LEAVE, MARKER, STATE
 
 IDLE_WAIT = 0.05
@@ -57,6 +62,17 @@ def process_output_schema(key_type: pa.DataType) -> pa.Schema:
             pa.field(GROUP, pa.int32()),
         ]
     )
+
+
+def sink_schema(spec: JobSpec) -> pa.Schema:
+    """The columns of the records the job's sink receives (and its output log holds)."""
+    key_type = ARROW_TYPES[spec.fields[spec.keyed.key_by]]
+    op = spec.keyed.operator
+    if isinstance(op, AggregateOperator):
+        schema = aggregate_output_schema(op.function, key_type)
+    else:
+        schema = process_output_schema(key_type)
+    return schema.remove(schema.get_field_index(GROUP))
 
 
 class KeyedStage:

@@ -229,6 +229,7 @@ def run_ingest(ctx: InstanceContext, config: IngestSource, emitter: Emitter) -> 
                 time.sleep(linger)
                 continue
             ctx.metrics.source_backlog.set(service.pending_rows())
+            ctx.extra_stats["staged_rows"] = service.staged_rows()
             waited = time.perf_counter()
             batch = service.take(max(linger, 0.01))
             ctx.metrics.count(MetricName.IDLE_SECONDS, time.perf_counter() - waited)

@@ -55,6 +55,25 @@ class Update:
     records: int
 
 
+def aggregate_output_schema(function: str, key_type: pa.DataType) -> pa.Schema:
+    """The updates an aggregate emits: the key's new value after each batch that touched it."""
+    value_type = pa.int64() if function == "count" else pa.float64()
+    return pa.schema(
+        [
+            pa.field(KEY_COL, key_type),
+            pa.field("value", value_type),
+            pa.field("n", pa.int64()),
+            pa.field(EVENT_TIME, pa.int64()),
+            pa.field(INGEST_TIME, pa.int64()),
+            # Records applied to the key so far, wherever it lived: the latest update of a
+            # key is its highest version, even if a migration interleaved two owners'
+            # updates at the sink.
+            pa.field("version", pa.int64()),
+            pa.field(GROUP, pa.int32()),
+        ]
+    )
+
+
 class AggregateState:
     """Running aggregates per key in numpy columns, updated a batch at a time."""
 
@@ -192,21 +211,7 @@ class AggregateState:
         return Update(batch=out, records=n)
 
     def output_schema(self) -> pa.Schema:
-        value_type = pa.int64() if self.function == "count" else pa.float64()
-        return pa.schema(
-            [
-                pa.field(KEY_COL, self.key_type),
-                pa.field("value", value_type),
-                pa.field("n", pa.int64()),
-                pa.field(EVENT_TIME, pa.int64()),
-                pa.field(INGEST_TIME, pa.int64()),
-                # Records applied to the key so far, wherever it lived: the latest update of a
-                # key is its highest version, even if a migration interleaved two owners'
-                # updates at the sink.
-                pa.field("version", pa.int64()),
-                pa.field(GROUP, pa.int32()),
-            ]
-        )
+        return aggregate_output_schema(self.function, self.key_type)
 
     def _live_slots(self) -> np.ndarray:
         return np.flatnonzero(self._group[: self._size] >= 0)

@@ -1,5 +1,6 @@
 """The import contract of DESIGN.md: policies import nothing of ours; the runtime never
-imports the operator; no folder is importable under a bare name that shadows the stdlib."""
+imports the operator; only the Spark connectors import pyspark (keyshift runs without Spark);
+no folder is importable under a bare name that shadows the stdlib."""
 
 from __future__ import annotations
 
@@ -12,8 +13,9 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 
 FORBIDDEN = {
-    "policies": ("keyshift",),
-    "runtime": ("keyshift.operator",),
+    "policies": ("keyshift", "pyspark"),
+    "runtime": ("keyshift.operator", "keyshift.spark", "pyspark"),
+    "operator": ("keyshift.spark", "pyspark"),
 }
 
 

@@ -130,11 +130,11 @@ def sum_out(local: LocalJob) -> int:
 
 
 def rescale_via(
-    local: LocalJob, client: JsonClient, parallelism: int, strategy: str
+    local: LocalJob, client: JsonClient, parallelism: int, strategy: str, stage: str = "track"
 ) -> dict[str, Any]:
     """Rescale while the test plays the host: it starts the instances the coordinator wants."""
     started = client.call(
-        "Rescale", {"stage": "track", "parallelism": parallelism, "strategy": strategy}
+        "Rescale", {"stage": stage, "parallelism": parallelism, "strategy": strategy}
     )
 
     def finished() -> dict[str, Any] | None:

@@ -6,9 +6,9 @@ set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 tree="$root/.typecheck"
 rm -rf "$tree" && mkdir -p "$tree/keyshift"
-for pkg in runtime policies operator; do
+for pkg in runtime policies operator spark; do
   ln -s "$root/$pkg" "$tree/keyshift/$pkg"
 done
 cd "$tree"
 exec "$root/.venv/bin/mypy" --config-file "$root/pyproject.toml" --explicit-package-bases \
-  -p keyshift.runtime -p keyshift.policies -p keyshift.operator "$@"
+  -p keyshift.runtime -p keyshift.policies -p keyshift.operator -p keyshift.spark "$@"

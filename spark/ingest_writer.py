@@ -1,0 +1,226 @@
+"""Spark's writers into a keyshift job: `df.writeStream.format("keyshift")` and `df.write`.
+
+Built by keyshift.spark.datasource.KeyshiftDataSource on the driver; `write` runs in Spark's
+Python workers, `commit` / `abort` on the driver. Two phases, like Flink's two-phase-commit
+sinks: each task stages its partition's rows at the job's ingest endpoint under the micro-
+batch's transaction (`<query id>:<batch id>`) and part (`<partition>-<attempt>`); the driver's
+`commit` applies the parts of the successful attempts at once, and the endpoint applies a
+transaction only once. So a retried task replaces its part, a micro-batch that Spark re-runs
+after a restart from its checkpoint is not counted twice, and a failed micro-batch leaves
+nothing behind (`abort`, or expiry of the staged parts).
+
+Rows that do not fit the job's schema are rejected at staging, with reasons. The valid rows of
+the batch are committed; then, with `badRows` = `fail` (the default), commit raises
+KeyshiftRejectedRows so the error reaches the query; with `drop`, they are dropped and counted
+(the job's rejected-records metric and log).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections import defaultdict
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+import grpc
+import pyarrow as pa
+from pyspark import TaskContext
+from pyspark.sql.datasource import (
+    DataSourceArrowWriter,
+    DataSourceStreamArrowWriter,
+    WriterCommitMessage,
+)
+
+from keyshift.runtime.ingest_client import IngestClient, IngestError, IngestReply
+
+# Statuses worth retrying: the job pushes back (its queue is full) or is briefly unreachable.
+RETRYABLE = frozenset({grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE})
+BAD_ROWS = ("fail", "drop")
+PART_BYTES = 64 << 20  # staged parts stay well under the gRPC message limit
+
+
+class KeyshiftRejectedRows(ValueError):
+    """Rows of a micro-batch did not fit the job's schema (the valid ones were committed)."""
+
+
+class KeyshiftWriteError(RuntimeError):
+    """The job's ingest endpoint refused or could not take a micro-batch."""
+
+
+@dataclass(frozen=True)
+class WriterOptions:
+    endpoints: tuple[str, ...]
+    bad_rows: str
+    timeout: float  # seconds to keep retrying a backpressured or unreachable endpoint
+
+    @classmethod
+    def parse(cls, options: dict[str, str]) -> WriterOptions:
+        """The writer's options (Spark lower-cases option names); ValueError saying what is
+        wrong."""
+        raw = options.get("endpoint", "")
+        endpoints = tuple(e.strip() for e in raw.split(",") if e.strip())
+        if not endpoints:
+            raise ValueError(
+                "option 'endpoint' is required: the job's ingest address host:port "
+                "(several, comma-separated, for a source stage with several instances)"
+            )
+        for endpoint in endpoints:
+            host, sep, port = endpoint.rpartition(":")
+            if not (sep and host and port.isdigit() and 0 < int(port) < 65536):
+                raise ValueError(f"option 'endpoint': {endpoint!r} is not host:port")
+        bad_rows = options.get("badrows", "fail")
+        if bad_rows not in BAD_ROWS:
+            raise ValueError(f"option 'badRows' must be one of {BAD_ROWS}, got {bad_rows!r}")
+        try:
+            timeout = float(options.get("timeout", "300"))
+        except ValueError:
+            raise ValueError(
+                f"option 'timeout' must be seconds, got {options['timeout']!r}"
+            ) from None
+        if timeout <= 0:
+            raise ValueError(f"option 'timeout' must be positive, got {timeout}")
+        return cls(endpoints, bad_rows, timeout)
+
+
+@dataclass
+class StagedParts(WriterCommitMessage):
+    """What one task staged: picklable, it travels from the worker to the driver's commit."""
+
+    transaction: str
+    endpoint: str
+    parts: list[str]
+    rows: int = 0
+    rejected: int = 0
+    reasons: list[str] = field(default_factory=list)
+
+
+def _retrying(call: str, endpoint: str, timeout: float, attempt: object) -> IngestReply:
+    """Run `attempt` (a zero-argument callable), retrying backpressure until `timeout`."""
+    deadline = time.monotonic() + timeout
+    delay = 0.05
+    while True:
+        try:
+            return attempt()  # type: ignore[operator, no-any-return]
+        except IngestError as exc:
+            if exc.code not in RETRYABLE or time.monotonic() + delay > deadline:
+                raise KeyshiftWriteError(f"{call} at keyshift endpoint {endpoint}: {exc}") from exc
+        time.sleep(delay)
+        delay = min(delay * 2, 1.0)
+
+
+class _IngestWriter:
+    """The part both writers share: stage a task's rows, commit or abort a transaction."""
+
+    def __init__(self, options: dict[str, str], transaction: str | None) -> None:
+        self.options = WriterOptions.parse(options)
+        self.transaction = transaction  # the batch writer's; a stream's is per micro-batch
+
+    def _stage(self, batches: Iterator[pa.RecordBatch], transaction: str) -> StagedParts:
+        context = TaskContext.get()
+        partition = context.partitionId() if context else 0
+        attempt = context.attemptNumber() if context else 0
+        endpoint = self.options.endpoints[partition % len(self.options.endpoints)]
+        staged = StagedParts(transaction, endpoint, [])
+        with IngestClient(endpoint) as client:
+            for chunk, rows in enumerate(_chunks(batches)):
+                part = f"{partition}-{attempt}-{chunk}"
+                reply = _retrying(
+                    "staging",
+                    endpoint,
+                    self.options.timeout,
+                    lambda rows=rows, part=part: client.stage(rows, transaction, part),
+                )
+                staged.parts.append(part)
+                staged.rows += rows.num_rows - reply.rejected
+                staged.rejected += reply.rejected
+                staged.reasons += [r for r in reply.reasons if r not in staged.reasons]
+        return staged
+
+    def _commit(self, messages: Sequence[WriterCommitMessage | None], what: str) -> None:
+        staged = [m for m in messages if isinstance(m, StagedParts)]
+        by_endpoint: dict[tuple[str, str], list[str]] = defaultdict(list)
+        for message in staged:
+            by_endpoint[(message.endpoint, message.transaction)] += message.parts
+        for (endpoint, transaction), parts in sorted(by_endpoint.items()):
+            if not parts:
+                continue  # only empty partitions went there
+            with IngestClient(endpoint) as client:
+                _retrying(
+                    "commit",
+                    endpoint,
+                    self.options.timeout,
+                    lambda c=client, t=transaction, p=parts: c.commit(t, p),
+                )
+        rejected = sum(m.rejected for m in staged)
+        if rejected and self.options.bad_rows == "fail":
+            reasons = sorted({r for m in staged for r in m.reasons})
+            written = sum(m.rows for m in staged)
+            raise KeyshiftRejectedRows(
+                f"{rejected} rows of {what} do not fit the keyshift job's schema "
+                f"({'; '.join(reasons)}); its {written} valid rows were written. Fix the rows, "
+                "or set option badRows=drop to drop such rows and go on"
+            )
+
+    def _abort(self, messages: Sequence[WriterCommitMessage | None]) -> None:
+        for message in {
+            (m.endpoint, m.transaction) for m in messages if isinstance(m, StagedParts)
+        }:
+            endpoint, transaction = message
+            try:
+                with IngestClient(endpoint) as client:
+                    client.abort(transaction)
+            except IngestError:
+                pass  # staged parts expire at the endpoint by themselves
+
+
+def _chunks(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.Table]:
+    """The task's rows as tables of about PART_BYTES at most; none for an empty partition."""
+    pending: list[pa.RecordBatch] = []
+    size = 0
+    for batch in batches:
+        if batch.num_rows == 0:
+            continue
+        pending.append(batch)
+        size += batch.nbytes
+        if size >= PART_BYTES:
+            yield pa.Table.from_batches(pending)
+            pending, size = [], 0
+    if pending:
+        yield pa.Table.from_batches(pending)
+
+
+class KeyshiftStreamWriter(_IngestWriter, DataSourceStreamArrowWriter):
+    def __init__(self, options: dict[str, str]) -> None:
+        super().__init__(options, None)
+
+    def write(self, iterator: Iterator[pa.RecordBatch]) -> StagedParts:
+        context = TaskContext.get()
+        query = context.getLocalProperty("sql.streaming.queryId") if context else None
+        batch = context.getLocalProperty("streaming.sql.batchId") if context else None
+        if not query or batch is None:
+            raise KeyshiftWriteError("no streaming query id or batch id in the task's context")
+        # The query id survives restarts from the checkpoint, so a re-run batch has the same
+        # transaction and is committed once.
+        return self._stage(iterator, f"{query}:{batch}")
+
+    def commit(self, messages: list[WriterCommitMessage | None], batchId: int) -> None:
+        self._commit(messages, f"micro-batch {batchId}")
+
+    def abort(self, messages: list[WriterCommitMessage | None], batchId: int) -> None:
+        self._abort(messages)
+
+
+class KeyshiftBatchWriter(_IngestWriter, DataSourceArrowWriter):
+    def __init__(self, options: dict[str, str]) -> None:
+        super().__init__(options, f"write:{uuid.uuid4()}")
+
+    def write(self, iterator: Iterator[pa.RecordBatch]) -> StagedParts:
+        assert self.transaction is not None
+        return self._stage(iterator, self.transaction)
+
+    def commit(self, messages: list[WriterCommitMessage | None]) -> None:
+        self._commit(messages, "the write")
+
+    def abort(self, messages: list[WriterCommitMessage | None]) -> None:
+        self._abort(messages)

@@ -1,0 +1,42 @@
+"""A local Spark session set up for keyshift, with its data sources registered.
+
+Used by the example Spark jobs (examples/spark/), `make demo` and the tests: Python workers run
+this interpreter (PYSPARK_PYTHON), everything binds to loopback, no web UI, quiet logs.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from pyspark.sql import SparkSession
+
+from keyshift.spark.bids import BidsDataSource
+from keyshift.spark.datasource import KeyshiftDataSource
+
+
+def register(spark: SparkSession) -> None:
+    """Make `format("keyshift")` and `format("keyshift-bids")` available in a session."""
+    spark.dataSource.register(KeyshiftDataSource)
+    spark.dataSource.register(BidsDataSource)
+
+
+def local_session(app: str, cores: int = 2, extra: dict[str, str] | None = None) -> SparkSession:
+    """A local[cores] session for `app`; `extra` adds Spark settings."""
+    os.environ["PYSPARK_PYTHON"] = sys.executable
+    os.environ["PYSPARK_DRIVER_PYTHON"] = sys.executable
+    builder = (
+        SparkSession.builder.master(f"local[{cores}]")
+        .appName(app)
+        .config("spark.ui.enabled", "false")
+        .config("spark.driver.host", "127.0.0.1")
+        .config("spark.driver.bindAddress", "127.0.0.1")
+        .config("spark.sql.shuffle.partitions", str(cores))
+        .config("spark.sql.streaming.forceDeleteTempCheckpointLocation", "true")
+    )
+    for key, value in (extra or {}).items():
+        builder = builder.config(key, value)
+    spark = builder.getOrCreate()
+    spark.sparkContext.setLogLevel("ERROR")
+    register(spark)
+    return spark
