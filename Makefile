@@ -6,11 +6,12 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 PYTHON ?= python3
 PROMETHEUS := /usr/bin/prometheus
+JAVA := /usr/bin/java
 # apt-get needs root: use sudo when we are not root and it exists (else apt-get says why it fails).
 SUDO := $(shell [ "$$(id -u)" -eq 0 ] || command -v sudo)
 APT_INSTALL := $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends
 
-.PHONY: demo test lint typecheck prometheus bench bench-rescale bench-autoscaling clean
+.PHONY: demo demo-autoscale test lint typecheck prometheus java bench bench-rescale bench-autoscaling clean
 
 # `python -m` puts the working directory first on sys.path, where our operator/ folder would
 # shadow the standard library's `operator`; so venv and pip run from / and by their scripts.
@@ -31,9 +32,24 @@ $(PROMETHEUS):
 	  $(SUDO) apt-get update && $(APT_INSTALL) prometheus; \
 	fi
 
-# The main job: load rises and falls, DS2 scales the keyed stage out and in (live view, then a
-# report of rate, parallelism, latency and decisions over time).
-demo: $(STAMP)
+# Spark (local mode) needs a Java runtime; install Debian's when there is none.
+java: $(JAVA)
+
+$(JAVA):
+	@out=$$($(APT_INSTALL) openjdk-17-jre-headless 2>&1); status=$$?; echo "$$out"; \
+	if [ $$status -ne 0 ]; then \
+	  echo "$$out" | grep -qE 'Unable to locate package|has no installation candidate' || exit $$status; \
+	  $(SUDO) apt-get update && $(APT_INSTALL) openjdk-17-jre-headless; \
+	fi
+
+# The main job: a PySpark source whose load rises and falls -> a keyed job that DS2 scales out
+# and in with live hot-first migration -> a PySpark sink writing Parquet; the live view, a
+# report (out/spark-demo/report.png) and a closing line checking the sink against Spark.
+demo: $(STAMP) java
+	$(PY) examples/spark/demo.py
+
+# The autoscaling demo without Spark: the built-in generator feeds the job.
+demo-autoscale: $(STAMP)
 	$(VENV)/bin/keyshift run examples/autoscale.yaml --duration 100 --report out/autoscale-report.png
 
 lint: $(STAMP)
@@ -43,7 +59,7 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	tools/typecheck.sh
 
-test: lint typecheck prometheus
+test: lint typecheck prometheus java
 	$(VENV)/bin/pytest
 
 bench: $(STAMP)

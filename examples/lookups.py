@@ -17,13 +17,18 @@ ROUND_TRIP_SECONDS = 0.002
 _pending = 0
 
 
-def enrich(state: Any, record: dict[str, Any]) -> tuple[Any, Any]:
-    """Count a user's clicks and sum their values; emit the running totals."""
+def round_trip(seconds: float = ROUND_TRIP_SECONDS) -> None:
+    """Account for one record's share of a lookup: every 64th record waits for a round trip."""
     global _pending
     _pending += 1
     if _pending == ROUND_TRIP_RECORDS:
         _pending = 0
-        time.sleep(ROUND_TRIP_SECONDS)
+        time.sleep(seconds)
+
+
+def enrich(state: Any, record: dict[str, Any]) -> tuple[Any, Any]:
+    """Count a user's clicks and sum their values; emit the running totals."""
+    round_trip()
     count, total = state or (0, 0.0)
     count, total = count + 1, total + record["value"]
     return (count, total), count

@@ -40,6 +40,21 @@ def _sum(stage: dict[str, Any], key: str) -> float:
     return float(sum(i["stats"].get(key, 0) for i in stage["instances"]))
 
 
+Instance = tuple[int, str, int]
+
+
+def _identity(instance: dict[str, Any]) -> Instance:
+    """An instance process: a stage index reused after a rescale is a new process."""
+    return (instance["index"], str(instance.get("address")), int(instance.get("pid") or 0))
+
+
+def _grown(before: dict[str, Any], after: dict[str, Any], key: str) -> float:
+    """How much a counter grew between two snapshots of a stage, instance by instance: an
+    instance that retired in between takes its counts with it, and must not count as negative."""
+    old = {_identity(i): i["stats"].get(key, 0) for i in before["instances"]}
+    return float(sum(i["stats"].get(key, 0) - old.get(_identity(i), 0) for i in after["instances"]))
+
+
 def _buckets(status: dict[str, Any]) -> list[int]:
     sink = status["stages"][-1]
     total: list[int] = []
@@ -57,8 +72,14 @@ class RateTracker:
     def __init__(self, window: float = WINDOW_SECONDS) -> None:
         self.window = window
         self._history: deque[tuple[float, dict[str, Any]]] = deque()
+        # The last counters of every instance seen, retired ones included: run totals.
+        self._last: dict[str, dict[Instance, dict[str, Any]]] = {}
 
     def add(self, status: dict[str, Any], now: float) -> None:
+        for stage in status["stages"]:
+            seen = self._last.setdefault(stage["name"], {})
+            for instance in stage["instances"]:
+                seen[_identity(instance)] = instance["stats"]
         self._history.append((now, status))
         while len(self._history) > 2 and now - self._history[1][0] >= self.window:
             self._history.popleft()
@@ -75,20 +96,22 @@ class RateTracker:
                 StageView(
                     name=after["name"],
                     parallelism=after["parallelism"],
-                    rate_in=(_sum(after, "records_in") - _sum(before, "records_in")) / span,
-                    rate_out=(_sum(after, "records_out") - _sum(before, "records_out")) / span,
-                    busy=(_sum(after, "busy") - _sum(before, "busy")) / span / n,
-                    backpressured=(_sum(after, "backpressured") - _sum(before, "backpressured"))
-                    / span
-                    / n,
+                    rate_in=_grown(before, after, "records_in") / span,
+                    rate_out=_grown(before, after, "records_out") / span,
+                    busy=_grown(before, after, "busy") / span / n,
+                    backpressured=_grown(before, after, "backpressured") / span / n,
                     queue=int(_sum(after, "queue")),
                     state_keys=int(_sum(after, "state_keys")),
                     invalid=int(_sum(after, "invalid")),
-                    total_in=_sum(after, "records_in"),
-                    total_out=_sum(after, "records_out"),
+                    total_in=self.total(after["name"], "records_in"),
+                    total_out=self.total(after["name"], "records_out"),
                 )
             )
         return views
+
+    def total(self, stage: str, key: str) -> float:
+        """A counter summed over every instance the stage has had in this run."""
+        return float(sum(stats.get(key, 0) for stats in self._last.get(stage, {}).values()))
 
     def latency(self, overall: bool = False) -> tuple[float | None, float | None]:
         """Sink latency (p50, p99) in seconds over the window, or over the whole run."""
@@ -207,8 +230,8 @@ def final_report(status: dict[str, Any], tracker: RateTracker, elapsed: float) -
     p50, p99 = tracker.latency(overall=True)
     lines = [f"job {status['job']} {status['phase']} after {elapsed:.1f} s"]
     for stage in status["stages"]:
-        total_in = _sum(stage, "records_in")
-        total_out = _sum(stage, "records_out")
+        total_in = tracker.total(stage["name"], "records_in")
+        total_out = tracker.total(stage["name"], "records_out")
         invalid = int(_sum(stage, "invalid"))
         lines.append(
             f"  {stage['name']:<10} x{stage['parallelism']}  in {total_in:>12,.0f}  "

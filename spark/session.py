@@ -33,6 +33,7 @@ def local_session(app: str, cores: int = 2, extra: dict[str, str] | None = None)
         .config("spark.driver.bindAddress", "127.0.0.1")
         .config("spark.sql.shuffle.partitions", str(cores))
         .config("spark.sql.streaming.forceDeleteTempCheckpointLocation", "true")
+        .config("spark.ui.showConsoleProgress", "false")
     )
     for key, value in (extra or {}).items():
         builder = builder.config(key, value)

@@ -8,15 +8,22 @@ from keyshift.operator.live_view import RateTracker
 from keyshift.runtime.metrics import LATENCY_BUCKETS
 
 
-def status(sink_buckets: list[list[int]], records: int) -> dict[str, Any]:
-    def instance(buckets: list[int]) -> dict[str, Any]:
-        stats = {"records_in": records, "records_out": records, "busy": 0.0}
-        return {"stats": {**stats, "latency_buckets": buckets}}
+def instance(index: int, records: int, buckets: list[int] | None = None) -> dict[str, Any]:
+    stats = {"records_in": records, "records_out": records, "busy": 0.0}
+    return {
+        "index": index,
+        "address": f"127.0.0.1:{7000 + index}",
+        "pid": 100 + index,
+        "stats": {**stats, "latency_buckets": buckets or []},
+    }
 
+
+def status(sink_buckets: list[list[int]], records: int) -> dict[str, Any]:
+    sinks = [instance(i, records, b) for i, b in enumerate(sink_buckets)]
     return {
         "stages": [
-            {"name": "source", "parallelism": 1, "instances": [instance([])]},
-            {"name": "sink", "parallelism": 2, "instances": [instance(b) for b in sink_buckets]},
+            {"name": "source", "parallelism": 1, "instances": [instance(0, records)]},
+            {"name": "sink", "parallelism": len(sinks), "instances": sinks},
         ]
     }
 
@@ -32,3 +39,18 @@ def test_latency_counts_only_the_instances_that_reported_a_histogram() -> None:
     assert p50 is not None and 0.005 < p50 <= 0.01
     tracker.add(status([full, full], 20), now=1.0)
     assert tracker.latency(overall=True)[1] is not None
+
+
+def test_a_retired_instance_neither_makes_rates_negative_nor_leaves_the_totals() -> None:
+    tracker = RateTracker()
+    keyed = [instance(0, 1000), instance(1, 800), instance(2, 600)]
+    tracker.add({"stages": [{"name": "k", "parallelism": 3, "instances": keyed}]}, now=0.0)
+    # Instance 2 retired; the others went on. Then a new process takes index 2 again.
+    kept = [instance(0, 1500), instance(1, 1200)]
+    tracker.add({"stages": [{"name": "k", "parallelism": 2, "instances": kept}]}, now=1.0)
+    (view,) = tracker.stages()
+    assert view.rate_in == 900.0
+    assert view.total_in == 1500 + 1200 + 600
+    reborn = [instance(0, 1600), instance(1, 1300), {**instance(2, 50), "pid": 999}]
+    tracker.add({"stages": [{"name": "k", "parallelism": 3, "instances": reborn}]}, now=2.0)
+    assert tracker.total("k", "records_in") == 1600 + 1300 + 600 + 50

@@ -1,0 +1,87 @@
+"""A PySpark source job: replay files, or generate bids, into a keyshift job's ingest endpoint.
+
+    python examples/spark/source_job.py --endpoint HOST:PORT --input DIR --format json
+    python examples/spark/source_job.py --endpoint HOST:PORT --bids 200000 \\
+        --profile '{"kind": "points", "points": [[0, 4000], [20, 20000], [60, 4000]]}'
+
+The stream goes through `writeStream.format("keyshift")`, which commits each micro-batch to the
+job once even when Spark retries it; restart with the same --checkpoint to go on where it
+stopped. With --bids N the job ends after N bids; a file replay runs until stopped (Ctrl-C).
+`make demo` (examples/spark/demo.py) uses `bid_stream` and `write_to_keyshift` from here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from pyspark.sql import DataFrame, SparkSession
+from pyspark.sql.streaming import StreamingQuery
+
+from keyshift.spark.session import local_session
+
+
+def bid_stream(
+    spark: SparkSession, total: int, profile: dict[str, object] | None, auctions: int, seed: int
+) -> DataFrame:
+    """Bids 0 .. total-1 (keyshift.spark.bids), arriving at the profile's rate."""
+    reader = spark.readStream.format("keyshift-bids").option("total", total)
+    reader = reader.option("auctions", auctions).option("seed", seed)
+    if profile is not None:
+        reader = reader.option("profile", json.dumps(profile))
+    return reader.load()
+
+
+def file_stream(spark: SparkSession, directory: Path, fmt: str) -> DataFrame:
+    """The rows of the files in `directory`, and of files added later."""
+    schema = spark.read.format(fmt).load(str(directory)).schema  # a stream needs its schema
+    return spark.readStream.format(fmt).schema(schema).load(str(directory))
+
+
+def write_to_keyshift(
+    df: DataFrame, endpoint: str, checkpoint: Path, trigger_seconds: float = 1.0
+) -> StreamingQuery:
+    return (
+        df.writeStream.format("keyshift")
+        .option("endpoint", endpoint)
+        .option("checkpointLocation", str(checkpoint))
+        .trigger(processingTime=f"{trigger_seconds} seconds")
+        .start()
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--endpoint", required=True, help="the job's ingest address HOST:PORT")
+    what = parser.add_mutually_exclusive_group(required=True)
+    what.add_argument("--input", type=Path, help="a directory of JSON or Parquet files")
+    what.add_argument("--bids", type=int, help="generate this many bids")
+    parser.add_argument("--format", choices=["json", "parquet"], default="json")
+    parser.add_argument("--profile", type=json.loads, help="load profile of the bids, as JSON")
+    parser.add_argument("--auctions", type=int, default=10_000)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--checkpoint", type=Path, default=Path("out/spark-source-checkpoint"))
+    args = parser.parse_args(argv)
+    spark = local_session("keyshift-source")
+    if args.bids is not None:
+        df = bid_stream(spark, args.bids, args.profile, args.auctions, args.seed)
+    else:
+        df = file_stream(spark, args.input, args.format)
+    query = write_to_keyshift(df, args.endpoint, args.checkpoint)
+    try:
+        if args.bids is not None:
+            query.processAllAvailable()  # every bid, committed to the job
+        else:
+            query.awaitTermination()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        query.stop()
+        spark.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
