@@ -42,8 +42,12 @@ from keyshift.spark.session import local_session
 JOB_FILE = Path("examples/spark/bids.yaml")
 OUT = Path("out/spark-demo")
 READER = "demo-sink"
-# Bids per second over time: up to 20k/s, which needs about three keyed instances.
-PROFILE = PointsProfile(kind="points", points=[(0, 4000), (15, 20000), (50, 4000), (70, 0)])
+# Bids per second over time: up to 20k/s, which needs about three keyed instances; in steps
+# that let each decision see the load it answers.
+PROFILE = PointsProfile(
+    kind="points",
+    points=[(0, 4000), (10, 8000), (20, 14000), (30, 20000), (55, 12000), (65, 4000), (80, 0)],
+)
 AUCTIONS = 20_000
 SEED = 42
 KEYSHIFT = Path(sys.executable).with_name("keyshift")
