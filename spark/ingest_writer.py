@@ -20,8 +20,9 @@ from __future__ import annotations
 import time
 import uuid
 from collections import defaultdict
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 
 import grpc
 import pyarrow as pa
@@ -95,13 +96,15 @@ class StagedParts(WriterCommitMessage):
     reasons: list[str] = field(default_factory=list)
 
 
-def _retrying(call: str, endpoint: str, timeout: float, attempt: object) -> IngestReply:
-    """Run `attempt` (a zero-argument callable), retrying backpressure until `timeout`."""
+def _retrying(
+    call: str, endpoint: str, timeout: float, attempt: Callable[[], IngestReply]
+) -> IngestReply:
+    """Run `attempt`, retrying while the job pushes back or is unreachable, until `timeout`."""
     deadline = time.monotonic() + timeout
     delay = 0.05
     while True:
         try:
-            return attempt()  # type: ignore[operator, no-any-return]
+            return attempt()
         except IngestError as exc:
             if exc.code not in RETRYABLE or time.monotonic() + delay > deadline:
                 raise KeyshiftWriteError(f"{call} at keyshift endpoint {endpoint}: {exc}") from exc
@@ -129,7 +132,7 @@ class _IngestWriter:
                     "staging",
                     endpoint,
                     self.options.timeout,
-                    lambda rows=rows, part=part: client.stage(rows, transaction, part),
+                    partial(client.stage, rows, transaction, part),
                 )
                 staged.parts.append(part)
                 staged.rows += rows.num_rows - reply.rejected
@@ -150,7 +153,7 @@ class _IngestWriter:
                     "commit",
                     endpoint,
                     self.options.timeout,
-                    lambda c=client, t=transaction, p=parts: c.commit(t, p),
+                    partial(client.commit, transaction, parts),
                 )
         rejected = sum(m.rejected for m in staged)
         if rejected and self.options.bad_rows == "fail":
