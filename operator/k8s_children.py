@@ -19,8 +19,10 @@ What a job becomes, in creation order:
   finds the job through its environment: KEYSHIFT_JOB (the job's name), KEYSHIFT_COORDINATOR
   (host:port of the coordinator), KEYSHIFT_ROLE (`source` or `sink`) and, for sources when the
   job's source is `kind: ingest` with a fixed port, KEYSHIFT_INGEST (host:port of the source
-  stage's headless Service, which resolves to the source pods; a gRPC client picks one). The
-  PySpark connector that reads these comes with the Spark issue.
+  stage's headless Service, which resolves to the source pods; a gRPC client picks one):
+  examples/spark/source_job.py takes $KEYSHIFT_INGEST as its endpoint. A Spark sink reads the
+  output log's files, which on Kubernetes live in the sink pods' emptyDir: a volume both can
+  mount is not wired yet.
 
 Every pod runs as user 10001 with a read-only root filesystem, no privilege escalation, no
 capabilities and the RuntimeDefault seccomp profile; /tmp is an emptyDir and HOME points there.

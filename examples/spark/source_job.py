@@ -7,6 +7,7 @@
 The stream goes through `writeStream.format("keyshift")`, which commits each micro-batch to the
 job once even when Spark retries it; restart with the same --checkpoint to go on where it
 stopped. With --bids N the job ends after N bids; a file replay runs until stopped (Ctrl-C).
+On Kubernetes, as a StreamingJob's `spec.sources` app, it finds the endpoint in $KEYSHIFT_INGEST.
 `make demo` (examples/spark/demo.py) uses `bid_stream` and `write_to_keyshift` from here.
 """
 
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -54,7 +56,13 @@ def write_to_keyshift(
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--endpoint", required=True, help="the job's ingest address HOST:PORT")
+    ingest = os.environ.get("KEYSHIFT_INGEST")  # set by the operator for a StreamingJob's sources
+    parser.add_argument(
+        "--endpoint",
+        default=ingest,
+        required=ingest is None,
+        help="the job's ingest address HOST:PORT (default: $KEYSHIFT_INGEST)",
+    )
     what = parser.add_mutually_exclusive_group(required=True)
     what.add_argument("--input", type=Path, help="a directory of JSON or Parquet files")
     what.add_argument("--bids", type=int, help="generate this many bids")
