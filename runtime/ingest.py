@@ -460,15 +460,16 @@ class IngestService:
             self._report(rows)
             return _reply(0, rows.rejected, _reasons(rows), duplicate=done, first_seq=None)
         deadline = self._deadline(time_left)
+        once = None if header.batch_id is None else f"batch {header.batch_id}"
         with self._cv:
-            if (duplicate := self._begin_once(header.batch_id, deadline, active)) is not None:
+            if (duplicate := self._begin_once(once, deadline, active)) is not None:
                 return duplicate
             try:
                 first_seq = self._enqueue([rows], deadline, active)
-                if header.batch_id is not None:
-                    self._remember(header.batch_id)
+                if once is not None:
+                    self._remember(once)
             finally:
-                self._end_once(header.batch_id)
+                self._end_once(once)
         self._report(rows)
         return _reply(rows.num_rows, rows.rejected, _reasons(rows), False, first_seq)
 
@@ -496,7 +497,8 @@ class IngestService:
             )
         deadline = self._deadline(time_left)
         with self._cv:
-            if (duplicate := self._begin_once(transaction, deadline, active)) is not None:
+            once = f"transaction {transaction}"
+            if (duplicate := self._begin_once(once, deadline, active)) is not None:
                 return duplicate
             try:
                 staged = self._staged.get(transaction, _Staged())
@@ -510,9 +512,9 @@ class IngestService:
                 chosen = [staged.parts[p] for p in dict.fromkeys(parts)]
                 first_seq = self._enqueue(chosen, deadline, active)
                 self._staged.pop(transaction, None)
-                self._remember(transaction)
+                self._remember(once)
             finally:
-                self._end_once(transaction)
+                self._end_once(once)
         accepted = sum(r.num_rows for r in chosen)
         return _reply(accepted, 0, [], duplicate=False, first_seq=first_seq)
 
@@ -537,7 +539,7 @@ class IngestService:
         with self._cv:
             self._refuse_if_closed()
             self._expire_staged()
-            if transaction in self._seen:
+            if f"transaction {transaction}" in self._seen:
                 return True
             staged = self._staged.setdefault(transaction, _Staged())
             staged.parts[part] = rows

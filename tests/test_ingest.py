@@ -592,3 +592,11 @@ def test_malformed_commits_are_refused(start: Start, body: bytes, message: str) 
             commit(body, timeout=5)
     assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT  # type: ignore[attr-defined]
     assert message in exc.value.details()  # type: ignore[attr-defined]
+
+
+def test_batch_ids_and_transactions_do_not_collide(start: Start) -> None:
+    ep = start()
+    assert not ep.client.push(table([good(0)]), batch_id="same").duplicate
+    ep.client.stage(table([good(1)]), "same", "0-0")
+    reply = ep.client.commit("same", ["0-0"])
+    assert (reply.accepted, reply.duplicate) == (1, False)
