@@ -12,7 +12,8 @@ The stream follows a load profile (the job file's `profile` models, given as JSO
 start of the first run, kept in the offsets so a restarted query goes on with the same curve.
 Option `total` ends the stream after that many bids; the batch read (`spark.read`) needs it.
 Other options: `auctions` (default 10000), `zipf` (exponent, default 1.0), `seed` (default 0),
-`partitions` (tasks per micro-batch, default 2).
+`partitions` (tasks per micro-batch, default 2), `maxRecordsPerBatch` (the stream's default
+read limit; none by default).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from pyspark.sql.datasource import (
     DataSourceStreamReader,
     InputPartition,
 )
-from pyspark.sql.streaming.datasource import ReadLimit, ReadMaxRows
+from pyspark.sql.streaming.datasource import ReadAllAvailable, ReadLimit, ReadMaxRows
 
 from keyshift.runtime.generator import KeyGenerator, records_due
 from keyshift.runtime.job import GeneratorSource, LoadProfile
@@ -58,6 +59,10 @@ class BidOptions:
         self.zipf: float = number("zipf", "1.0", float, low=0.01)
         self.seed: int = number("seed", "0")
         self.partitions: int = number("partitions", "2", low=1)
+        raw_max = options.get("maxrecordsperbatch")
+        self.max_records: int | None = (
+            None if raw_max is None else number("maxRecordsPerBatch", raw_max, low=1)
+        )
         raw_total = options.get("total")
         self.total: int | None = None if raw_total is None else number("total", raw_total)
         raw_profile = options.get("profile")
@@ -111,6 +116,10 @@ class BidStreamReader(DataSourceStreamReader):
 
     def initialOffset(self) -> dict[str, Any]:
         return {"seq": 0, "started": time.time()}
+
+    def getDefaultReadLimit(self) -> ReadLimit:
+        limit = self.options.max_records
+        return ReadAllAvailable() if limit is None else ReadMaxRows(limit)
 
     def latestOffset(self, start: dict[str, Any], limit: ReadLimit) -> dict[str, Any]:
         due = records_due(self.options.profile, time.time() - float(start["started"]))

@@ -71,6 +71,7 @@ def test_bid_options_take_a_load_profile_as_json() -> None:
         ({}, "give option 'profile'"),
         ({"total": "many"}, "option 'total' must be a number"),
         ({"total": "5", "auctions": "0"}, "option 'auctions' must be >= 1"),
+        ({"total": "5", "maxrecordsperbatch": "0"}, "option 'maxRecordsPerBatch' must be >= 1"),
         ({"profile": '{"kind": "warp"}'}, "option 'profile' is not a load profile"),
     ],
 )
