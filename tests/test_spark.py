@@ -347,3 +347,47 @@ def test_reading_a_log_with_no_records_and_no_job_file_says_what_to_pass(
 ) -> None:
     with pytest.raises(Exception, match="has no records yet to take the schema from"):
         spark.read.format("keyshift").load(str(tmp_path / "nothing")).collect()
+
+
+# --- the example jobs ------------------------------------------------------------------------
+
+
+def test_the_example_jobs_replay_json_files_into_a_job_and_write_its_output_as_parquet(
+    spark: SparkSession, tmp_path: Path
+) -> None:
+    from examples.spark.sink_job import read_output, write_parquet
+    from examples.spark.source_job import file_stream, write_to_keyshift
+
+    inputs = tmp_path / "in"
+    inputs.mkdir()
+    rows = [{"auction": i % 7, "price": i, "note": "extra columns are ignored"} for i in range(700)]
+    for part in range(2):
+        lines = (json.dumps(r) for r in rows[part * 350 : (part + 1) * 350])
+        (inputs / f"part-{part}.json").write_text("\n".join(lines) + "\n")
+    out = tmp_path / "log"
+    job = bids_job(out)
+    job_file = tmp_path / "bids.yaml"
+    job_file.write_text(yaml.safe_dump(job))
+    with running_job(tmp_path, job) as local:
+        source = write_to_keyshift(
+            file_stream(spark, inputs, "json"), endpoint_of(local), tmp_path / "src-cp", 0.5
+        )
+        try:
+            source.processAllAvailable()
+        finally:
+            source.stop()
+        wait_for(lambda: ingested(local) == 700, 30, "the replayed rows")
+        stop_job(local)
+    sink = write_parquet(
+        read_output(spark, out, job_file, None), tmp_path / "parquet", tmp_path / "sink-cp", 0.5
+    )
+    try:
+        sink.processAllAvailable()
+    finally:
+        sink.stop()
+    table = spark.read.parquet(str(tmp_path / "parquet")).toArrow()
+    assert table.num_rows == _log_records(out)
+    latest: dict[int, int] = {}
+    for key, version in zip(table["key"].to_pylist(), table["version"].to_pylist(), strict=True):
+        latest[key] = max(latest.get(key, 0), version)
+    assert latest == {k: 100 for k in range(7)}
