@@ -46,6 +46,20 @@ class KeyedState(Protocol):
 
     def group_sizes(self) -> np.ndarray: ...
 
+    def changes(self, groups: Iterable[int]) -> StateChanges: ...
+
+    def clear_changes(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class StateChanges:
+    """What changed in some key groups since `clear_changes`: for incremental checkpoints."""
+
+    upserts: pa.RecordBatch  # the changed keys' rows, as snapshot_groups gives them
+    deleted: dict[int, list[Any]]  # per group, keys whose state was deleted
+    restored: set[int]  # groups that received state by `restore` (a migration): no delta
+    # is known for them, so their next checkpoint must be a full one
+
 
 @dataclass(frozen=True)
 class Update:
@@ -90,6 +104,8 @@ class AggregateState:
         self._count = np.zeros(0, dtype=np.int64)
         self._sum = np.zeros(0, dtype=np.float64)
         self._min = np.zeros(0)
+        self._changed = np.zeros(0, dtype=np.bool_)  # slots updated since clear_changes
+        self._restored: set[int] = set()
         self._max = np.zeros(0)
         self._hits = np.zeros(0, dtype=np.int64)
         self._group = np.zeros(0, dtype=np.int32)
@@ -120,6 +136,7 @@ class AggregateState:
         self._max = np.concatenate([self._max, np.full(extra, -np.inf)])
         self._hits = np.concatenate([self._hits, np.zeros(extra, dtype=np.int64)])
         self._group = np.concatenate([self._group, np.full(extra, -1, dtype=np.int32)])
+        self._changed = np.concatenate([self._changed, np.zeros(extra, dtype=np.bool_)])
         self._keys.grow(new)
 
     def _allocate(self, keys: Any, groups: np.ndarray) -> np.ndarray:
@@ -187,6 +204,7 @@ class AggregateState:
         slots = self._slots(keys, groups[order[starts]])
         self._count[slots] += counts
         self._hits[slots] += counts
+        self._changed[slots] = True
         if value_field is not None and self.function != "count":
             vals = batch.column(value_field).to_numpy(zero_copy_only=False).astype(np.float64)
             vals = vals[order]
@@ -265,6 +283,7 @@ class AggregateState:
         self._min[slots] = snapshot.column("min").to_numpy()
         self._max[slots] = snapshot.column("max").to_numpy()
         np.add.at(self._group_hits, groups, hits)
+        self._restored.update(np.unique(groups).tolist())
 
     def _drop_slots(self, slots: np.ndarray) -> None:
         self._index.remove(self._keys.take(slots))
@@ -275,6 +294,7 @@ class AggregateState:
         self._min[slots] = np.inf
         self._max[slots] = -np.inf
         self._hits[slots] = 0
+        self._changed[slots] = False
         self._free.extend(slots.tolist())
 
     def drop_groups(self, groups: Iterable[int]) -> int:
@@ -286,6 +306,17 @@ class AggregateState:
         slots = self._key_slots(keys)
         self._drop_slots(slots)
         return len(slots)
+
+    def changes(self, groups: Iterable[int]) -> StateChanges:
+        """Keys only ever leave an aggregate with their whole group, so nothing is deleted."""
+        slots = self._group_slots(groups)
+        return StateChanges(
+            self._snapshot_slots(slots[self._changed[slots]]), {}, set(self._restored)
+        )
+
+    def clear_changes(self) -> None:
+        self._changed[:] = False
+        self._restored.clear()
 
     def group_sizes(self) -> np.ndarray:
         """Keys per key group."""
@@ -318,6 +349,11 @@ class ProcessState:
         self._groups: dict[int, dict[Any, Any]] = {}
         self._hits: dict[Any, int] = {}
         self._group_hits = np.zeros(max_key_groups, dtype=np.int64)
+        # Since clear_changes: keys whose state was set, keys whose state was deleted (per
+        # group), and groups restored into.
+        self._changed: dict[int, set[Any]] = {}
+        self._deleted: dict[int, set[Any]] = {}
+        self._restored: set[int] = set()
 
     @property
     def key_count(self) -> int:
@@ -342,12 +378,16 @@ class ProcessState:
             if state is None:
                 # Returning None deletes the key's state, as in Flink's ValueState.clear(); the
                 # group's hotness keeps counting live keys only, as it does after a drop.
-                per_group.pop(key, None)
+                if per_group.pop(key, None) is not None:
+                    self._deleted.setdefault(group, set()).add(key)
+                    self._changed.get(group, set()).discard(key)
                 self._group_hits[group] -= self._hits.pop(key, 0)
             else:
                 per_group[key] = state
                 self._hits[key] = self._hits.get(key, 0) + 1
                 self._group_hits[group] += 1
+                self._changed.setdefault(group, set()).add(key)
+                self._deleted.get(group, set()).discard(key)
             if out is not None:
                 outputs.append(
                     {
@@ -399,10 +439,13 @@ class ProcessState:
             self._groups.setdefault(g, {})[k] = pickle.loads(blob)
             self._hits[k] = h
             self._group_hits[g] += h
+            self._restored.add(g)
 
     def drop_groups(self, groups: Iterable[int]) -> int:
         dropped = 0
         for g in groups:
+            self._changed.pop(g, None)
+            self._deleted.pop(g, None)
             per = self._groups.pop(g, {})
             for k in per:
                 self._group_hits[g] -= self._hits.pop(k, 0)
@@ -416,8 +459,20 @@ class ProcessState:
             for k in wanted & per.keys():
                 del per[k]
                 self._group_hits[g] -= self._hits.pop(k, 0)
+                self._changed.get(g, set()).discard(k)
                 dropped += 1
         return dropped
+
+    def changes(self, groups: Iterable[int]) -> StateChanges:
+        wanted = list(groups)
+        entries = [(g, k, self._groups[g][k]) for g in wanted for k in self._changed.get(g, ())]
+        deleted = {g: list(self._deleted[g]) for g in wanted if self._deleted.get(g)}
+        return StateChanges(self._snapshot(entries), deleted, set(self._restored))
+
+    def clear_changes(self) -> None:
+        self._changed.clear()
+        self._deleted.clear()
+        self._restored.clear()
 
     def group_sizes(self) -> np.ndarray:
         sizes = np.zeros(self.max_key_groups, dtype=np.int64)

@@ -1,0 +1,268 @@
+"""Where checkpoints live: state shard files and each checkpoint's metadata, through fsspec.
+
+Used by keyshift.runtime.state_checkpoint (which writes and reads keyed state through it) and,
+as checkpoints are wired into the job, by the coordinator. A local directory by default; any
+fsspec URL works, and `s3://bucket/prefix` goes through s3fs (tested against moto's S3 server).
+
+Layout under the root URL::
+
+    shards/<checkpoint:010d>-<writer>-<uuid>.arrow   Arrow IPC files of state rows
+    checkpoints/<checkpoint:010d>.json              the metadata of a completed checkpoint
+
+A shard is written before the metadata that names it, and the metadata last, in one write
+(a rename on a local disk, a single PUT on S3): a checkpoint is complete exactly when its
+metadata exists. Every shard's SHA-256 and size are in the metadata, and the metadata carries
+the SHA-256 of its own body, so a corrupt or partial file is detected on read
+(CheckpointCorrupt) and `latest_valid` falls back to the previous complete checkpoint. Files
+no retained checkpoint names are deleted by `retain` (after a crash, or a failed checkpoint).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import logging
+import re
+import uuid
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import fsspec
+import pyarrow as pa
+from fsspec.implementations.local import LocalFileSystem
+
+log = logging.getLogger("keyshift.checkpoints")
+
+SHARDS = "shards"
+CHECKPOINTS = "checkpoints"
+_METADATA_NAME = re.compile(r"^(\d{10})\.json$")
+_WRITER_NAME = re.compile(r"^[a-z0-9][a-z0-9-]{0,60}$")
+FORMAT_VERSION = 1
+
+
+class CheckpointError(RuntimeError):
+    """Checkpoint storage that cannot be used as asked (unreachable, full, misused)."""
+
+
+class CheckpointCorrupt(CheckpointError):
+    """A checkpoint file whose bytes do not match its checksum, or cannot be parsed."""
+
+
+@dataclass(frozen=True)
+class ShardFile:
+    """One written shard: its path below the root, SHA-256 and size in bytes."""
+
+    path: str
+    sha256: str
+    size: int
+
+
+@dataclass(frozen=True)
+class GroupChain:
+    """A key group's state at a checkpoint: a base shard, then delta shards in order."""
+
+    files: tuple[ShardFile, ...]
+
+    @property
+    def size(self) -> int:
+        return sum(f.size for f in self.files)
+
+
+@dataclass(frozen=True)
+class CheckpointMeta:
+    id: int
+    created: float  # wall-clock seconds
+    epochs: dict[str, int] = field(default_factory=dict)  # assignment epoch per stage
+    sources: dict[str, Any] = field(default_factory=dict)  # source positions to rewind to
+    outputs: dict[str, int] = field(default_factory=dict)  # output log end offsets
+    groups: dict[int, GroupChain] = field(default_factory=dict)
+    written: int = 0  # bytes written for this checkpoint (its new shards)
+
+    def files(self) -> set[str]:
+        return {f.path for chain in self.groups.values() for f in chain.files}
+
+    def to_json(self) -> dict[str, Any]:
+        body = asdict(self)
+        body["groups"] = {str(g): [asdict(f) for f in c.files] for g, c in self.groups.items()}
+        return {"format": FORMAT_VERSION, **body}
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> CheckpointMeta:
+        if data.get("format") != FORMAT_VERSION:
+            raise ValueError(f"unknown checkpoint format {data.get('format')!r}")
+        groups = {
+            int(g): GroupChain(tuple(ShardFile(**f) for f in files))
+            for g, files in data["groups"].items()
+        }
+        return cls(
+            id=int(data["id"]),
+            created=float(data["created"]),
+            epochs={str(k): int(v) for k, v in data["epochs"].items()},
+            sources=dict(data["sources"]),
+            outputs={str(k): int(v) for k, v in data["outputs"].items()},
+            groups=groups,
+            written=int(data["written"]),
+        )
+
+
+def _digest(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+class CheckpointStore:
+    def __init__(self, url: str, storage_options: Mapping[str, Any] | None = None) -> None:
+        try:
+            self.fs, root = fsspec.core.url_to_fs(url, **dict(storage_options or {}))
+        except (ImportError, ValueError) as exc:
+            raise CheckpointError(f"cannot use checkpoint storage {url!r}: {exc}") from None
+        self.url = url
+        self.root = root.rstrip("/")
+        self.skipped = 0  # corrupt checkpoints skipped by latest_valid, for the metric
+
+    def _path(self, *parts: str) -> str:
+        return "/".join([self.root, *parts])
+
+    def _write(self, relative: str, data: bytes) -> None:
+        """Write a whole file at once: a local file under a temporary name and renamed, an
+        object store's object in one PUT; never a half-written file under the final name."""
+        path = self._path(relative)
+        try:
+            if isinstance(self.fs, LocalFileSystem):
+                self.fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
+                tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
+                with self.fs.open(tmp, "wb") as f:
+                    f.write(data)
+                self.fs.mv(tmp, path)
+            else:
+                self.fs.pipe_file(path, data)
+        except OSError as exc:
+            raise CheckpointError(f"cannot write {self.url}/{relative}: {exc}") from exc
+
+    def _read(self, relative: str) -> bytes:
+        try:
+            data: bytes = self.fs.cat_file(self._path(relative))
+        except FileNotFoundError:
+            raise CheckpointCorrupt(f"checkpoint file {self.url}/{relative} is missing") from None
+        except OSError as exc:
+            raise CheckpointError(f"cannot read {self.url}/{relative}: {exc}") from exc
+        return data
+
+    # -- shards ---------------------------------------------------------------------------------
+
+    def write_shard(self, checkpoint: int, writer: str, table: pa.Table) -> ShardFile:
+        """Write state rows as a new shard file of `checkpoint`, named for its writer."""
+        if not _WRITER_NAME.match(writer):
+            raise CheckpointError(f"writer name {writer!r} must be lower-case letters, digits, '-'")
+        sink = io.BytesIO()
+        with pa.ipc.new_file(sink, table.schema) as out:
+            out.write_table(table)
+        data = sink.getvalue()
+        relative = f"{SHARDS}/{checkpoint:010d}-{writer}-{uuid.uuid4().hex[:12]}.arrow"
+        self._write(relative, data)
+        return ShardFile(relative, _digest(data), len(data))
+
+    def read_shard(self, shard: ShardFile) -> pa.Table:
+        data = self._read(shard.path)
+        if len(data) != shard.size or _digest(data) != shard.sha256:
+            raise CheckpointCorrupt(
+                f"checkpoint shard {self.url}/{shard.path} does not match its checksum "
+                f"({len(data)} bytes, expected {shard.size})"
+            )
+        try:
+            return pa.ipc.open_file(pa.py_buffer(data)).read_all()
+        except (pa.ArrowException, ValueError) as exc:
+            raise CheckpointCorrupt(f"checkpoint shard {self.url}/{shard.path}: {exc}") from exc
+
+    # -- metadata -------------------------------------------------------------------------------
+
+    def commit(self, meta: CheckpointMeta) -> None:
+        """Complete a checkpoint: write its metadata, with the checksum of its body."""
+        body = json.dumps(meta.to_json(), sort_keys=True)
+        document = json.dumps({"sha256": _digest(body.encode()), "body": body})
+        self._write(f"{CHECKPOINTS}/{meta.id:010d}.json", document.encode())
+
+    def completed(self) -> list[int]:
+        """The ids of the checkpoints whose metadata exists, ascending."""
+        try:
+            names = self.fs.ls(self._path(CHECKPOINTS), detail=False)
+        except FileNotFoundError:
+            return []
+        except OSError as exc:
+            raise CheckpointError(f"cannot list {self.url}/{CHECKPOINTS}: {exc}") from exc
+        ids = []
+        for name in names:
+            m = _METADATA_NAME.match(str(name).rsplit("/", 1)[-1])
+            if m is not None:
+                ids.append(int(m.group(1)))
+        return sorted(ids)
+
+    def load(self, checkpoint: int) -> CheckpointMeta:
+        relative = f"{CHECKPOINTS}/{checkpoint:010d}.json"
+        data = self._read(relative)
+        try:
+            document = json.loads(data)
+            body = document["body"]
+            if _digest(body.encode()) != document["sha256"]:
+                raise CheckpointCorrupt(f"{self.url}/{relative} does not match its checksum")
+            return CheckpointMeta.from_json(json.loads(body))
+        except CheckpointCorrupt:
+            raise
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise CheckpointCorrupt(f"{self.url}/{relative} cannot be parsed: {exc}") from exc
+
+    def verify(self, meta: CheckpointMeta) -> None:
+        """Check that every shard of a checkpoint is present and matches its checksum."""
+        for chain in meta.groups.values():
+            for shard in chain.files:
+                self.read_shard(shard)
+
+    def latest_valid(self) -> CheckpointMeta | None:
+        """The newest complete checkpoint whose files all verify; corrupt ones are skipped
+        with a log line (and counted in `skipped`)."""
+        for checkpoint in reversed(self.completed()):
+            try:
+                meta = self.load(checkpoint)
+                self.verify(meta)
+                return meta
+            except CheckpointCorrupt as exc:
+                self.skipped += 1
+                log.error("skipping checkpoint %d for an older one: %s", checkpoint, exc)
+        return None
+
+    # -- retention ------------------------------------------------------------------------------
+
+    def retain(self, keep: int) -> list[str]:
+        """Keep the newest `keep` complete checkpoints; delete older metadata and every shard
+        that none of the kept ones names (shards newer than the newest kept checkpoint may
+        belong to one being written, and stay). Returns the deleted paths."""
+        if keep < 1:
+            raise CheckpointError(f"keep must be at least 1, got {keep}")
+        ids = self.completed()
+        kept = ids[-keep:]
+        if not kept:
+            return []
+        doomed = [f"{CHECKPOINTS}/{c:010d}.json" for c in ids[:-keep]]
+        referenced: set[str] = set()
+        for checkpoint in kept:
+            referenced |= self.load(checkpoint).files()
+        newest = kept[-1]
+        try:
+            shards = self.fs.ls(self._path(SHARDS), detail=False)
+        except FileNotFoundError:
+            shards = []
+        for name in shards:
+            relative = f"{SHARDS}/{str(name).rsplit('/', 1)[-1]}"
+            prefix = relative.removeprefix(f"{SHARDS}/").split("-", 1)[0]
+            in_progress = prefix.isdigit() and int(prefix) > newest
+            if relative not in referenced and not in_progress:
+                doomed.append(relative)
+        for relative in doomed:
+            try:
+                self.fs.rm_file(self._path(relative))
+            except FileNotFoundError:
+                pass
+            except OSError as exc:
+                raise CheckpointError(f"cannot delete {self.url}/{relative}: {exc}") from exc
+        return doomed
