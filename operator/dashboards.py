@@ -739,13 +739,57 @@ def migration_dashboard() -> Json:
             "recps",
         ),
     ]
+    checkpoints = [
+        stat(
+            "Last checkpoint age",
+            "Seconds since the last checkpoint completed; it grows while checkpoints fail.",
+            [(f"time() - max({series(M.CHECKPOINT_COMPLETED_TIME, JOB)})", "age")],
+            "s",
+        ),
+        stat(
+            "Checkpoints completed",
+            "Checkpoints completed since the coordinator started.",
+            [(by("sum", "", series(M.CHECKPOINTS, JOB, 'result="completed"')), "completed")],
+            "none",
+            decimals=0,
+        ),
+        stat(
+            "Checkpoints failed",
+            "Checkpoints that failed (storage errors, timeouts); none is shown as 0.",
+            [(by("sum", "", series(M.CHECKPOINTS, JOB, 'result="failed"')), "failed")],
+            "none",
+            decimals=0,
+            no_value="0",
+        ),
+        timeseries(
+            "Checkpoint duration",
+            "Seconds from a checkpoint's start to its metadata, for the last completed one.",
+            [(by("max", "", series(M.CHECKPOINT_SECONDS, JOB)), "duration")],
+            "s",
+            width=6,
+        ),
+        timeseries(
+            "Checkpoint size",
+            "Bytes the last completed checkpoint wrote (incremental) and bytes of all the "
+            "state files it names (full: what a recovery reads).",
+            [(by("max", "kind", series(M.CHECKPOINT_BYTES, JOB)), "{{kind}}")],
+            "bytes",
+        ),
+    ]
     return dashboard(
         "keyshift-migration",
         "keyshift / Migration",
         "What live rescales move (key groups, keys, bytes, on-demand fetches, parked records) "
-        "and what they cost in latency.",
+        "and what they cost in latency; checkpoints of the keyed state.",
         job_variables(source=False),
-        layout([("Rescales", panels), ("State moved", moves), ("Cost of the move", cost)]),
+        layout(
+            [
+                ("Rescales", panels),
+                ("State moved", moves),
+                ("Cost of the move", cost),
+                ("Checkpoints", checkpoints),
+            ]
+        ),
         job_annotations(),
     )
 

@@ -85,26 +85,38 @@ class CheckpointMeta:
 
     def to_json(self) -> dict[str, Any]:
         body = asdict(self)
-        body["groups"] = {str(g): [asdict(f) for f in c.files] for g, c in self.groups.items()}
+        body.update(chains_to_json(self.groups))
         return {"format": FORMAT_VERSION, **body}
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> CheckpointMeta:
         if data.get("format") != FORMAT_VERSION:
             raise ValueError(f"unknown checkpoint format {data.get('format')!r}")
-        groups = {
-            int(g): GroupChain(tuple(ShardFile(**f) for f in files))
-            for g, files in data["groups"].items()
-        }
         return cls(
             id=int(data["id"]),
             created=float(data["created"]),
             epochs={str(k): int(v) for k, v in data["epochs"].items()},
             sources=dict(data["sources"]),
             outputs={str(k): int(v) for k, v in data["outputs"].items()},
-            groups=groups,
+            groups=chains_from_json(data),
             written=int(data["written"]),
         )
+
+
+def chains_to_json(chains: Mapping[int, GroupChain]) -> dict[str, Any]:
+    """Group chains as JSON: the distinct shards once, each group as indices into them (a
+    group's chain shares its shards with thousands of other groups)."""
+    shards: dict[ShardFile, int] = {}
+    groups = {
+        str(g): [shards.setdefault(f, len(shards)) for f in chain.files]
+        for g, chain in sorted(chains.items())
+    }
+    return {"shards": [asdict(f) for f in shards], "groups": groups}
+
+
+def chains_from_json(data: Mapping[str, Any]) -> dict[int, GroupChain]:
+    shards = [ShardFile(**f) for f in data["shards"]]
+    return {int(g): GroupChain(tuple(shards[i] for i in ids)) for g, ids in data["groups"].items()}
 
 
 def _digest(data: bytes) -> str:

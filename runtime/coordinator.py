@@ -25,6 +25,13 @@ from typing import Any
 import grpc
 import numpy as np
 
+from keyshift.runtime.checkpointing import (
+    CheckpointDriver,
+    CheckpointOutcome,
+    CheckpointStats,
+    acked,
+    open_store,
+)
 from keyshift.runtime.job import JobError, JobSpec, load_job
 from keyshift.runtime.keyspace import Assignment
 from keyshift.runtime.lifecycle import allow_user_code, die_with_parent
@@ -76,6 +83,9 @@ class Coordinator:
         self.rescale_status: RescaleStatus | None = None
         self.rescale_history: list[RescaleStatus] = []
         self._group_rates = GroupRates(spec.max_key_groups)
+        self.checkpoints = CheckpointStats()
+        self._checkpoint_events: list[dict[str, Any]] = []
+        self._checkpoint_members: dict[str, set[int]] | None = None
         self.stopped = threading.Event()
         self.metrics = CoordinatorMetrics(spec.name)
         self.metrics.set_phase(self._phase)
@@ -279,7 +289,11 @@ class Coordinator:
             if "group_hits" in body:
                 self._group_rates.update(record.name, body["group_hits"], time.monotonic())
             for event in body.get("events", []):
-                self._events.append({**event, "stage": record.stage, "index": record.index})
+                event = {**event, "stage": record.stage, "index": record.index}
+                if str(event.get("type", "")).startswith("checkpoint"):
+                    self._checkpoint_events.append({**event, "instance": record.name})
+                else:
+                    self._events.append(event)
             if body.get("error"):
                 self._fail(f"instance {record.name} failed: {body['error']}")
             if body.get("finished"):
@@ -343,6 +357,7 @@ class Coordinator:
                     f"rescale {current.id} of stage {current.stage} is still running "
                     f"({current.phase}); one rescale at a time, try again when it finishes"
                 )
+            self._wait_for_checkpoint()
             status = RescaleStatus(
                 id=len(self.rescale_history) + 1,
                 stage=stage,
@@ -362,6 +377,76 @@ class Coordinator:
         self.metrics.rescale_started(stage)
         threading.Thread(target=self._run_rescale, args=(driver,), daemon=True).start()
         return status.to_json()
+
+    def _wait_for_checkpoint(self) -> None:
+        """A rescale waits for the checkpoint in flight: the two never overlap (called with
+        the lock held; the checkpoint ends by its own timeout at the latest)."""
+        settings = self.spec.checkpoints
+        deadline = time.monotonic() + (settings.timeout + 5.0 if settings else 0.0)
+        while self._checkpoint_members is not None:
+            if time.monotonic() > deadline:
+                raise ControlError("a checkpoint is still being taken; try again")
+            self._changed.wait(0.2)
+
+    # -- CheckpointHost --------------------------------------------------------------------
+
+    def checkpoint_members(self) -> dict[str, set[int]] | None:
+        with self._lock:
+            if self.phase != "running" or self._drain_requested or self.rescale_status:
+                return None
+            members = {
+                "source": {
+                    i for i, r in self.members[self.spec.source.name].items() if not r.finished
+                },
+                "keyed": set(self.members[self.spec.keyed.name]),
+                "sink": set(self.members[self.spec.sink.name]),
+            }
+            if not members["source"]:
+                return None  # the sources are done: nothing will move past a barrier
+            self._checkpoint_members = members
+            self._checkpoint_events.clear()
+            return members
+
+    def checkpoint_send(self, index: int, command: dict[str, Any]) -> None:
+        with self._lock:
+            self.checkpoints.in_flight = int(command["id"])
+            self.members[self.spec.source.name][index].commands.put(command)
+
+    def checkpoint_epoch(self) -> int:
+        with self._lock:
+            return self.assignment.epoch
+
+    def checkpoint_events(self, checkpoint: int, timeout: float) -> list[dict[str, Any]] | None:
+        deadline = time.monotonic() + timeout
+        with self._changed:
+            members = self._checkpoint_members
+            assert members is not None
+            while not acked(self._checkpoint_events, checkpoint, members):
+                remaining = deadline - time.monotonic()
+                if remaining <= 0 or self.phase not in ("running", "draining"):
+                    return None
+                self._changed.wait(min(remaining, 0.5))
+            return [e for e in self._checkpoint_events if e.get("id") == checkpoint]
+
+    def checkpoint_ended(self, outcome: CheckpointOutcome) -> None:
+        with self._changed:
+            stats = self.checkpoints
+            stats.last = outcome
+            stats.in_flight = None
+            if outcome.ok:
+                stats.completed += 1
+                stats.failures_in_a_row = 0
+                stats.last_completed = outcome
+            else:
+                stats.failed += 1
+                stats.failures_in_a_row += 1
+            settings = self.spec.checkpoints
+            stats.degraded = bool(settings) and stats.failures_in_a_row >= (
+                settings.degraded_after if settings else 0
+            )
+            self.metrics.checkpoint_ended(outcome)
+            self._checkpoint_members = None
+            self._changed.notify_all()
 
     def _run_rescale(self, driver: RescaleDriver) -> None:
         driver.run()
@@ -422,6 +507,7 @@ class Coordinator:
                 "rescale": rescale,
                 "lost": list(self.lost),
                 "rescales": [r.to_json() for r in self.rescale_history[-20:]],
+                "checkpoints": self.checkpoints.to_json() if self.spec.checkpoints else None,
             }
 
     def shutdown(self, body: dict[str, Any]) -> dict[str, Any]:
@@ -527,6 +613,15 @@ def main(argv: list[str] | None = None) -> int:
         _write_ready(
             args.ready_file, {"port": port, "metrics_port": metrics_port, "pid": os.getpid()}
         )
+    if spec.checkpoints is not None:
+        driver = CheckpointDriver(
+            coordinator,
+            spec.checkpoints,
+            open_store(spec.checkpoints),
+            spec.keyed.name,
+            coordinator.stopped,
+        )
+        threading.Thread(target=driver.run, name="checkpoints", daemon=True).start()
     while not coordinator.stopped.wait(0.2):
         coordinator.check_registration()
     server.stop(grace=1.0)

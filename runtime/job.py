@@ -300,6 +300,29 @@ class Batching(_Model):
     )
 
 
+class CheckpointSettings(_Model):
+    """Periodic, aligned, incremental checkpoints of the job's state (see
+    keyshift.runtime.checkpointing)."""
+
+    interval: float = Field(default=10.0, gt=0, le=86_400, description="seconds between starts")
+    storage: str = Field(
+        default="checkpoints",
+        min_length=1,
+        description="where checkpoints go: a local directory or an fsspec URL (s3://bucket/path)",
+    )
+    storage_options: dict[str, Any] = Field(
+        default_factory=dict, description="fsspec options, e.g. an S3 endpoint and credentials"
+    )
+    retain: int = Field(default=3, ge=1, le=1000, description="completed checkpoints kept")
+    max_chain: int = Field(
+        default=8, ge=1, le=1000, description="delta shards of a key group before a new base"
+    )
+    timeout: float = Field(default=60.0, gt=0, description="seconds before a checkpoint fails")
+    degraded_after: int = Field(
+        default=3, ge=1, description="consecutive failed checkpoints that make the job Degraded"
+    )
+
+
 class JobSpec(_Model):
     name: str = Field(pattern=STAGE_NAME_PATTERN)
     max_key_groups: int = Field(default=4096, ge=1, le=1 << 16)
@@ -313,6 +336,9 @@ class JobSpec(_Model):
     batching: Batching = Field(default_factory=Batching)
     autoscaler: AutoscalerSettings | None = Field(
         default=None, description="pick the parallelism by itself; none keeps it as given"
+    )
+    checkpoints: CheckpointSettings | None = Field(
+        default=None, description="periodic checkpoints of the keyed state; none takes none"
     )
 
     @model_validator(mode="after")

@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
+from keyshift.runtime.checkpointing import BarrierAligner, KeyedCheckpointer
 from keyshift.runtime.instance import FetchRequest, InstanceContext
 from keyshift.runtime.job import AggregateOperator, JobSpec, resolve_function
 from keyshift.runtime.keyspace import Assignment
@@ -37,7 +38,16 @@ from keyshift.runtime.state import (
     ProcessState,
     aggregate_output_schema,
 )
-from keyshift.runtime.transport import BATCH, END, FORWARD, FORWARD_DONE, LEAVE, MARKER, STATE
+from keyshift.runtime.transport import (
+    BARRIER,
+    BATCH,
+    END,
+    FORWARD,
+    FORWARD_DONE,
+    LEAVE,
+    MARKER,
+    STATE,
+)
 
 IDLE_WAIT = 0.05
 
@@ -99,6 +109,11 @@ class KeyedStage:
         self.move_in: MoveIn | None = None
         self.retire = False
         self.rescaling = False
+        self.aligner = BarrierAligner()
+        settings = spec.checkpoints
+        self.checkpointer = (
+            KeyedCheckpointer(settings, f"{ctx.stage}-{ctx.index}") if settings else None
+        )
         ctx.fetch_served.set()
 
     # -- records ---------------------------------------------------------------------------
@@ -258,10 +273,31 @@ class KeyedStage:
             if self.move_in is None:
                 raise ProtocolError(f"forward-done from {sender} with no move in")
             self.move_in.forwarding_done(sender)
+        elif kind == BARRIER:
+            self.aligner.arrive(sender, json.loads(payload))
+            self.checkpoint_if_aligned()
         elif kind == END and sender in self.sources:
             self.ended.add(sender)
             if self.move_out is not None:
                 self.move_out.marker(sender, None)
+            self.checkpoint_if_aligned()
+
+    def checkpoint_if_aligned(self) -> None:
+        """Once every live source's barrier is in: write the owned groups, ack, pass the
+        barrier on to the sinks, and go on with what the aligned sources sent meanwhile."""
+        if not self.aligner.aligned(self.sources - self.ended):
+            return
+        barrier = self.aligner.barrier
+        assert barrier is not None
+        if self.checkpointer is None:
+            raise ProtocolError("a checkpoint barrier arrived, but the job takes no checkpoints")
+        self.ctx.emit(self.checkpointer.take(barrier, self.state, self.owned))
+        encoded = json.dumps(barrier).encode()
+        for outlet in self.sinks.values():
+            self.ctx.send(outlet, encoded, kind=BARRIER)
+        for delivery in self.aligner.finish():
+            self.backlog.append((delivery.sender, delivery.kind, delivery.payload))
+            delivery.release()
 
     def run(self) -> None:
         ctx = self.ctx
@@ -293,6 +329,9 @@ class KeyedStage:
             delivery = ctx.inbox.get(timeout=0 if busy_moving else IDLE_WAIT)
             metrics.count(MetricName.IDLE_SECONDS, time.perf_counter() - t_wait)
             if delivery is None:
+                continue
+            if self.aligner.holds(delivery.sender):
+                self.aligner.hold(delivery)  # its credit stays taken: the sender waits
                 continue
             payload = delivery.payload
             delivery.release()

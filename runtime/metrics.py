@@ -13,7 +13,7 @@ import contextlib
 import threading
 from collections.abc import Iterator, Sequence
 from enum import StrEnum
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
@@ -52,6 +52,10 @@ class MetricName(StrEnum):
     AUTOSCALER_ERRORS = "keyshift_autoscaler_errors_total"
     OPERATOR_RECONCILES = "keyshift_operator_reconciles_total"
     OPERATOR_JOBS = "keyshift_operator_jobs"
+    CHECKPOINTS = "keyshift_checkpoints_total"
+    CHECKPOINT_SECONDS = "keyshift_checkpoint_duration_seconds"
+    CHECKPOINT_BYTES = "keyshift_checkpoint_size_bytes"
+    CHECKPOINT_COMPLETED_TIME = "keyshift_checkpoint_last_completed_timestamp_seconds"
 
 
 COUNTERS = (
@@ -92,6 +96,12 @@ HELP: dict[MetricName, str] = {
     "(metrics, rescale).",
     MetricName.OPERATOR_RECONCILES: "StreamingJob reconciles by result (applied, invalid, error).",
     MetricName.OPERATOR_JOBS: "StreamingJobs the operator manages, by phase.",
+    MetricName.CHECKPOINTS: "Checkpoints by result (completed, failed).",
+    MetricName.CHECKPOINT_SECONDS: "Seconds the last completed checkpoint took, start to metadata.",
+    MetricName.CHECKPOINT_BYTES: "Bytes of the last completed checkpoint: written by it "
+    "(incremental) and named by it (full).",
+    MetricName.CHECKPOINT_COMPLETED_TIME: "When the last checkpoint completed (Unix seconds; "
+    "its age is time() minus this).",
 }
 
 
@@ -232,6 +242,14 @@ def quantile_from_buckets(counts: Sequence[int], q: float) -> float | None:
 PHASES = ("starting", "running", "draining", "finished", "stopping", "failed")
 
 
+class CheckpointOutcomeLike(Protocol):
+    ok: bool
+    seconds: float
+    written: int
+    full: int
+    started: float
+
+
 class CoordinatorMetrics:
     """The coordinator's view: parallelism per stage and the job's phase."""
 
@@ -244,6 +262,12 @@ class CoordinatorMetrics:
         self._rescales = counter(
             MetricName.RESCALES, ("job", "stage", "strategy", "result"), self.registry
         )
+        self._checkpoints = counter(MetricName.CHECKPOINTS, ("job", "result"), self.registry)
+        self._checkpoint_seconds = gauge(MetricName.CHECKPOINT_SECONDS, ("job",), self.registry)
+        self._checkpoint_bytes = gauge(MetricName.CHECKPOINT_BYTES, ("job", "kind"), self.registry)
+        self._checkpoint_completed = gauge(
+            MetricName.CHECKPOINT_COMPLETED_TIME, ("job",), self.registry
+        )
 
     def set_parallelism(self, stage: str, parallelism: int) -> None:
         self._parallelism.labels(self.job, stage).set(parallelism)
@@ -254,6 +278,14 @@ class CoordinatorMetrics:
     def rescale_finished(self, stage: str, strategy: str, result: str) -> None:
         self._rescale_running.labels(self.job, stage).set(0)
         self._rescales.labels(self.job, stage, strategy, result).inc()
+
+    def checkpoint_ended(self, outcome: CheckpointOutcomeLike) -> None:
+        self._checkpoints.labels(self.job, "completed" if outcome.ok else "failed").inc()
+        if outcome.ok:
+            self._checkpoint_seconds.labels(self.job).set(outcome.seconds)
+            self._checkpoint_bytes.labels(self.job, "incremental").set(outcome.written)
+            self._checkpoint_bytes.labels(self.job, "full").set(outcome.full)
+            self._checkpoint_completed.labels(self.job).set(outcome.started + outcome.seconds)
 
     def set_phase(self, phase: str) -> None:
         for name in PHASES:

@@ -7,18 +7,20 @@ Called by `keyshift.runtime.instance` for instances of the job's sink stage.
 
 from __future__ import annotations
 
+import json
 import time
 from collections import deque
 
 import numpy as np
 
+from keyshift.runtime.checkpointing import SINK_ACK, BarrierAligner
 from keyshift.runtime.instance import InstanceContext
 from keyshift.runtime.job import FunctionSink, resolve_function
 from keyshift.runtime.log_retention import LogRetention
 from keyshift.runtime.metrics import MetricName
 from keyshift.runtime.output_log import OutputLogWriter
 from keyshift.runtime.records import GROUP, INGEST_TIME, decode, now_us
-from keyshift.runtime.transport import END, LEAVE
+from keyshift.runtime.transport import BARRIER, END, LEAVE, Delivery
 
 FLUSH_INTERVAL = 1.0
 BLOCKED_WAIT = 0.05  # seconds between looks at the readers' progress while they lag
@@ -37,6 +39,8 @@ def run(ctx: InstanceContext) -> None:
         retention = LogRetention(writer, config.path, config.readers, config.max_unread_records)
     ctx.wait_topology()
     ended: set[str] = set()
+    aligner = BarrierAligner()
+    held: deque[Delivery] = deque()  # what aligned senders sent during the last alignment
     recent: deque[tuple[float, float]] = deque(maxlen=RECENT_SAMPLES)
     ctx.extra_stats["latency_recent"] = recent
     metrics = ctx.metrics
@@ -55,15 +59,32 @@ def run(ctx: InstanceContext) -> None:
                 metrics.count(MetricName.BACKPRESSURED_SECONDS, BLOCKED_WAIT)
                 continue
         t_wait = time.perf_counter()
-        delivery = ctx.inbox.get(timeout=0.1)
+        delivery = held.popleft() if held else ctx.inbox.get(timeout=0.1)
         metrics.count(MetricName.IDLE_SECONDS, time.perf_counter() - t_wait)
         if writer is not None and time.monotonic() - last_flush >= FLUSH_INTERVAL:
             writer.flush()
             last_flush = time.monotonic()
         if delivery is None:
             continue
-        if delivery.kind == END:
+        if aligner.holds(delivery.sender):
+            aligner.hold(delivery)
+            continue
+        if delivery.kind == BARRIER:
+            aligner.arrive(delivery.sender, json.loads(delivery.payload))
+            delivery.release()
+        elif delivery.kind == END:
             ended.add(delivery.sender)
+        if delivery.kind in (BARRIER, END):
+            live = ctx.upstream_names(spec.keyed.name) - ended
+            if aligner.aligned(live):
+                barrier = aligner.barrier
+                assert barrier is not None
+                # The output so far is the checkpoint's: it must be in segments, at an offset.
+                if writer is not None:
+                    writer.flush()
+                offset = writer.end_offset if writer is not None else None
+                ctx.emit({"type": SINK_ACK, "id": barrier["id"], "offset": offset})
+                held.extend(aligner.finish())
             continue
         if delivery.kind == LEAVE:
             continue  # a retired keyed instance closed its stream; its data is all here

@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
+from keyshift.runtime.checkpointing import SOURCE_ACK
 from keyshift.runtime.generator import KeyGenerator, Pacer, instance_total, rate_at
 from keyshift.runtime.ingest import IngestService
 from keyshift.runtime.instance import InstanceContext
@@ -36,7 +37,7 @@ from keyshift.runtime.records import (
     split_by_owner,
 )
 from keyshift.runtime.schema_check import check_records
-from keyshift.runtime.transport import MARKER, TransportError, start_server
+from keyshift.runtime.transport import BARRIER, MARKER, TransportError, start_server
 
 log = logging.getLogger("keyshift.source")
 Transform = tuple[str, Callable[..., Any]]
@@ -189,7 +190,18 @@ class Emitter:
 
     def follow_commands(self) -> None:
         while (command := self.ctx.next_command()) is not None:
-            self.router.handle(command)
+            if command.get("type") == "checkpoint":
+                self.barrier(command)
+            else:
+                self.router.handle(command)
+
+    def barrier(self, command: dict[str, Any]) -> None:
+        """Checkpoint here, between two batches: what was emitted so far is in it."""
+        barrier = json.dumps({"id": command["id"], "previous": command["previous"]}).encode()
+        for index, outlet in self.router.outlets.items():
+            if index not in self.router.dead:
+                self.ctx.send(outlet, barrier, kind=BARRIER)
+        self.ctx.emit({"type": SOURCE_ACK, "id": command["id"], "position": self.emitted})
 
 
 def run(ctx: InstanceContext) -> None:

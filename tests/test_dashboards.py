@@ -219,6 +219,10 @@ MAY_BE_EMPTY = {
         'keyshift_rescales_total{result="failed"} exists only after a failed rescale (an '
         "instance dying mid-move); the panel shows 0 then"
     ),
+    ("keyshift-migration", "panel 'Checkpoints failed' A"): (
+        'keyshift_checkpoints_total{result="failed"} exists only after a failed checkpoint; '
+        "the panel shows 0 then"
+    ),
     ("keyshift-operator", "panel 'Autoscaler errors by reason' A"): (
         "keyshift_autoscaler_errors_total{reason} counts ticks without metrics and failed "
         "rescales; a run may have neither"
@@ -293,6 +297,7 @@ def test_every_query_runs_against_a_real_prometheus_scraping_a_running_job(
     listed = {(q.dashboard, q.where) for q in all_queries()}
     assert set(MAY_BE_EMPTY) <= listed, f"stale MAY_BE_EMPTY: {set(MAY_BE_EMPTY) - listed}"
     job = slow_job(tmp_path / "out", PROFILE, AUTOSCALER)
+    job["checkpoints"] = {"interval": 1, "storage": str(tmp_path / "checkpoints")}
     args = ["run", str(write_job(tmp_path, job)), "--no-view", "--log-dir", str(tmp_path / "logs"),
             "--prometheus-targets", str(prometheus.targets_file)]  # fmt: skip
     with operator_metrics() as operator_address, cli(args) as run:
@@ -309,6 +314,7 @@ def test_every_query_runs_against_a_real_prometheus_scraping_a_running_job(
         wait(f'{MetricName.RECORDS_IN}{{job="{JOB}"}}', 30)
         wait(f'{MetricName.AUTOSCALER_DECISIONS}{{job="{JOB}"}}', 20)
         wait(f'{MetricName.RESCALES}{{job="{JOB}", result="done"}}', 45)
+        wait(f'{MetricName.CHECKPOINTS}{{job="{JOB}", result="completed"}}', 30)
         rescaled = time.time()
         add_target(prometheus, operator_address)
         wait(f'{MetricName.OPERATOR_JOBS}{{job="{JOB}"}}', 15)

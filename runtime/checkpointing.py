@@ -1,0 +1,319 @@
+"""Aligned checkpoints (Chandy-Lamport barriers, as Flink's aligned checkpoints).
+
+Three parts, one per role:
+
+- `CheckpointDriver` runs in the coordinator: every `interval` seconds, when no rescale runs,
+  it tells every source instance to take checkpoint N. A source puts a BARRIER on each of its
+  keyed streams between two batches and acks its position (records emitted so far). A keyed
+  instance aligns: once a source's barrier arrived, that source's later batches wait (unread,
+  so their credits backpressure it) until every live source's barrier is in; then it writes
+  its key groups (keyshift.runtime.state_checkpoint: a base or a delta per group), acks their
+  chains, sends the barrier on to the sinks and goes on. A sink aligns on the keyed instances'
+  barriers the same way, flushes its output log and acks the log's end offset. When every
+  instance has acked, the driver writes the checkpoint's metadata (id, assignment epoch,
+  source positions, output offsets, every group's chain) in one atomic write: the checkpoint
+  is complete. Then it deletes what the retained checkpoints no longer need.
+- `BarrierAligner` is the alignment both keyed and sink instances do.
+- `KeyedCheckpointer` is a keyed instance's side: it remembers its last chains, so a delta is
+  only written on top of a checkpoint that completed.
+
+Rescales and checkpoints never overlap: a checkpoint starts only when no rescale runs, and a
+rescale request waits for the checkpoint in flight to end (Coordinator.rescale). So a barrier
+never meets a migration, and every key group is wholly owned by one instance at a checkpoint.
+Only aligned checkpoints exist; unaligned ones are not supported.
+
+A checkpoint that does not complete within `timeout`, or whose storage fails, is abandoned
+(its files are deleted by the next retention pass); processing goes on, and after
+`degraded_after` failures in a row the job's status says `degraded`.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+
+from keyshift.runtime.checkpoint_store import (
+    CheckpointError,
+    CheckpointMeta,
+    CheckpointStore,
+    GroupChain,
+    chains_from_json,
+    chains_to_json,
+)
+from keyshift.runtime.job import CheckpointSettings
+from keyshift.runtime.state import KeyedState
+from keyshift.runtime.state_checkpoint import write_groups
+from keyshift.runtime.transport import Delivery
+
+log = logging.getLogger("keyshift.checkpoints")
+
+SOURCE_ACK = "checkpoint_source"
+KEYED_ACK = "checkpoint_keyed"
+SINK_ACK = "checkpoint_sink"
+
+
+def open_store(settings: CheckpointSettings) -> CheckpointStore:
+    return CheckpointStore(settings.storage, settings.storage_options)
+
+
+# --- the coordinator's side -------------------------------------------------------------------
+
+
+class CheckpointHost(Protocol):
+    """What the driver needs from the coordinator (implemented by Coordinator)."""
+
+    def checkpoint_members(self) -> dict[str, set[int]] | None:
+        """The instances a checkpoint would involve, per role ("source" only the live ones),
+        and mark a checkpoint in flight; None when none may start now (starting, draining,
+        a rescale running)."""
+        ...
+
+    def checkpoint_send(self, index: int, command: dict[str, Any]) -> None: ...
+
+    def checkpoint_epoch(self) -> int: ...
+
+    def checkpoint_events(self, checkpoint: int, timeout: float) -> list[dict[str, Any]] | None:
+        """Wait until every instance in flight acked `checkpoint` (or one failed it); None on
+        timeout."""
+        ...
+
+    def checkpoint_ended(self, outcome: CheckpointOutcome) -> None: ...
+
+
+@dataclass
+class CheckpointOutcome:
+    id: int
+    ok: bool
+    started: float  # wall clock
+    seconds: float
+    error: str | None = None
+    written: int = 0  # bytes of new shards
+    full: int = 0  # bytes of all shards the checkpoint names
+    groups: int = 0
+
+    def to_json(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+@dataclass
+class CheckpointStats:
+    """The status the coordinator shows: the latest outcomes and the failure streak."""
+
+    last_completed: CheckpointOutcome | None = None
+    last: CheckpointOutcome | None = None
+    failures_in_a_row: int = 0
+    completed: int = 0
+    failed: int = 0
+    in_flight: int | None = None
+    degraded: bool = False
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "completed": self.completed,
+            "failed": self.failed,
+            "failures_in_a_row": self.failures_in_a_row,
+            "degraded": self.degraded,
+            "in_flight": self.in_flight,
+            "last": self.last.to_json() if self.last else None,
+            "last_completed": self.last_completed.to_json() if self.last_completed else None,
+        }
+
+
+class CheckpointDriver:
+    """Starts checkpoints periodically and completes them; one at a time."""
+
+    def __init__(
+        self,
+        host: CheckpointHost,
+        settings: CheckpointSettings,
+        store: CheckpointStore,
+        keyed_stage: str,
+        stop: threading.Event,
+        first_id: int = 1,
+    ) -> None:
+        self.host = host
+        self.settings = settings
+        self.store = store
+        self.keyed_stage = keyed_stage
+        self.stop = stop
+        self.next_id = first_id
+        self.last_completed: int | None = None
+
+    def run(self) -> None:
+        while not self.stop.wait(self.settings.interval):
+            members = self.host.checkpoint_members()
+            if members is None:
+                continue
+            self.take(members)
+
+    def take(self, members: dict[str, set[int]]) -> CheckpointOutcome:
+        checkpoint = self.next_id
+        self.next_id += 1
+        started, t0 = time.time(), time.monotonic()
+        command = {"type": "checkpoint", "id": checkpoint, "previous": self.last_completed}
+        for index in sorted(members["source"]):
+            self.host.checkpoint_send(index, command)
+        events = self.host.checkpoint_events(checkpoint, self.settings.timeout)
+        outcome = CheckpointOutcome(checkpoint, False, started, 0.0)
+        try:
+            if events is None:
+                raise CheckpointError(f"not complete after {self.settings.timeout:g} s")
+            failed = [e for e in events if e.get("error")]
+            if failed:
+                raise CheckpointError(f"{failed[0]['instance']}: {failed[0]['error']}")
+            meta = self._metadata(checkpoint, started, events)
+            self.store.commit(meta)
+            outcome.ok = True
+            outcome.written = meta.written
+            outcome.full = sum(chain.size for chain in meta.groups.values())
+            outcome.groups = len(meta.groups)
+            self.last_completed = checkpoint
+            try:
+                self.store.retain(self.settings.retain)
+            except CheckpointError as exc:  # the checkpoint is complete; cleanup can wait
+                log.warning("retention after checkpoint %d failed: %s", checkpoint, exc)
+        except CheckpointError as exc:
+            outcome.error = str(exc)
+            log.error("checkpoint %d failed: %s", checkpoint, exc)
+        outcome.seconds = time.monotonic() - t0
+        self.host.checkpoint_ended(outcome)
+        return outcome
+
+    def _metadata(
+        self, checkpoint: int, started: float, events: list[dict[str, Any]]
+    ) -> CheckpointMeta:
+        groups: dict[int, GroupChain] = {}
+        sources: dict[str, Any] = {}
+        outputs: dict[str, int] = {}
+        written = 0
+        for event in events:
+            kind = event["type"]
+            if kind == SOURCE_ACK:
+                sources[str(event["index"])] = event["position"]
+            elif kind == KEYED_ACK:
+                groups.update(chains_from_json(event["chains"]))
+                written += int(event["written"])
+            elif kind == SINK_ACK and event.get("offset") is not None:
+                outputs[str(event["index"])] = int(event["offset"])
+        return CheckpointMeta(
+            id=checkpoint,
+            created=started,
+            epochs={self.keyed_stage: self.host.checkpoint_epoch()},
+            sources=sources,
+            outputs=outputs,
+            groups=groups,
+            written=written,
+        )
+
+
+def acked(events: Iterable[dict[str, Any]], checkpoint: int, members: dict[str, set[int]]) -> bool:
+    """Whether every member has acked `checkpoint`, or one of them failed it."""
+    kinds = {"source": SOURCE_ACK, "keyed": KEYED_ACK, "sink": SINK_ACK}
+    seen: dict[str, set[int]] = {role: set() for role in kinds}
+    for event in events:
+        if event.get("id") != checkpoint:
+            continue
+        if event.get("error"):
+            return True
+        for role, kind in kinds.items():
+            if event.get("type") == kind:
+                seen[role].add(int(event["index"]))
+    return all(seen[role] >= members[role] for role in kinds)
+
+
+# --- the instances' side ----------------------------------------------------------------------
+
+
+@dataclass
+class BarrierAligner:
+    """Aligns one checkpoint's barriers from a set of upstream senders.
+
+    While aligning, deliveries from senders whose barrier is in are held, unread and with their
+    credits kept, so those senders are backpressured instead of buffered without bound.
+    """
+
+    barrier: dict[str, Any] | None = None
+    arrived: set[str] = field(default_factory=set)
+    held: deque[Delivery] = field(default_factory=deque)
+
+    def holds(self, sender: str) -> bool:
+        return self.barrier is not None and sender in self.arrived
+
+    def hold(self, delivery: Delivery) -> None:
+        self.held.append(delivery)
+
+    def arrive(self, sender: str, barrier: dict[str, Any]) -> None:
+        if self.barrier is not None and barrier["id"] != self.barrier["id"]:
+            raise CheckpointProtocolError(
+                f"barrier {barrier['id']} from {sender} while aligning {self.barrier['id']}"
+            )
+        self.barrier = barrier
+        self.arrived.add(sender)
+
+    def aligned(self, live: set[str]) -> bool:
+        """True once every live sender's barrier is in (ended senders send no more)."""
+        return self.barrier is not None and live <= self.arrived
+
+    def finish(self) -> list[Delivery]:
+        """End the alignment; the held deliveries, to be processed next, in order."""
+        held = list(self.held)
+        self.barrier, self.arrived, self.held = None, set(), deque()
+        return held
+
+
+class CheckpointProtocolError(RuntimeError):
+    """Barriers that do not follow the protocol (a bug, not bad input)."""
+
+
+class KeyedCheckpointer:
+    """A keyed instance's checkpoints: write its groups, and remember the chains for the next
+    delta."""
+
+    def __init__(self, settings: CheckpointSettings, writer: str) -> None:
+        self.settings = settings
+        self.writer = writer
+        self.store: CheckpointStore | None = None
+        self.last_id: int | None = None
+        self.last_chains: dict[int, GroupChain] = {}
+
+    def take(self, barrier: dict[str, Any], state: KeyedState, owned: np.ndarray) -> dict[str, Any]:
+        """Write the owned groups for the barrier's checkpoint; the ack event (with `error`
+        when the storage failed: the job goes on, and the next checkpoint writes bases)."""
+        checkpoint = int(barrier["id"])
+        t0 = time.monotonic()
+        groups = np.flatnonzero(owned).tolist()
+        complete = barrier.get("previous") is not None and barrier["previous"] == self.last_id
+        try:
+            if self.store is None:
+                self.store = open_store(self.settings)
+            written = write_groups(
+                self.store,
+                checkpoint,
+                self.writer,
+                state,
+                groups,
+                self.last_chains if complete else {},
+                complete,
+                self.settings.max_chain,
+            )
+        except CheckpointError as exc:
+            self.last_id = None
+            return {"type": KEYED_ACK, "id": checkpoint, "error": str(exc)}
+        self.last_id = checkpoint
+        self.last_chains = written.chains
+        return {
+            "type": KEYED_ACK,
+            "id": checkpoint,
+            "chains": chains_to_json(written.chains),
+            "written": written.shard.size if written.shard else 0,
+            "base_groups": written.base_groups,
+            "delta_groups": written.delta_groups,
+            "seconds": time.monotonic() - t0,
+        }
