@@ -11,7 +11,7 @@ JAVA := /usr/bin/java
 SUDO := $(shell [ "$$(id -u)" -eq 0 ] || command -v sudo)
 APT_INSTALL := $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends
 
-.PHONY: demo demo-autoscale test lint typecheck prometheus java bench bench-rescale bench-autoscaling bench-spark clean
+.PHONY: demo demo-autoscale test lint typecheck prometheus java bench bench-rescale bench-autoscaling bench-spark bench-checkpoints clean
 
 # `python -m` puts the working directory first on sys.path, where our operator/ folder would
 # shadow the standard library's `operator`; so venv and pip run from / and by their scripts.
@@ -73,6 +73,9 @@ bench-autoscaling: $(STAMP)
 
 bench-spark: $(STAMP) java
 	$(PY) bench/spark_io.py
+
+bench-checkpoints: $(STAMP)
+	$(PY) bench/checkpoints.py
 
 clean:
 	rm -rf $(VENV) .typecheck .mypy_cache .ruff_cache .pytest_cache out

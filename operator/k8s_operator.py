@@ -300,6 +300,27 @@ def _keyed_parallelism(status: Mapping[str, Any], keyed: str) -> int | None:
     return None
 
 
+def observed_phase(current: Mapping[str, Any]) -> tuple[str, str | None, str]:
+    """The CR's phase from the coordinator's status, the Degraded condition's reason (None when
+    not degraded) and the message."""
+    phase = PHASES.get(str(current.get("phase")), "Pending")
+    if current.get("rescale") and phase == "Running":
+        phase = "Rescaling"
+    errors = "; ".join(current.get("errors") or [])
+    if phase == "Failed":
+        return phase, "JobFailed", errors
+    checkpoints = current.get("checkpoints") or {}
+    if checkpoints.get("degraded"):
+        # Processing goes on, but a crash now would lose more than the interval: say so.
+        last = checkpoints.get("last") or {}
+        message = (
+            f"{checkpoints.get('failures_in_a_row')} checkpoints failed in a row; the last: "
+            f"{last.get('error')}"
+        )
+        return "Degraded", "CheckpointsFailing", message
+    return phase, None, errors
+
+
 def _write_status(
     patch: kopf.Patch,
     status: kopf.Status,
@@ -318,11 +339,8 @@ def _write_status(
         for s in current.get("stages", [])
     ]
     rescaling = current.get("rescale")
-    phase = PHASES.get(str(current.get("phase")), "Pending")
-    if rescaling and phase == "Running":
-        phase = "Rescaling"
+    phase, problem, errors = observed_phase(current)
     settled = all(s["current"] == s["target"] == s["ready"] for s in stages)
-    errors = "; ".join(current.get("errors") or [])
     conditions = [
         _condition("Ready", phase == "Running" and settled, "Running" if settled else "NotSettled"),
         _condition(
@@ -331,7 +349,7 @@ def _write_status(
             "Rescaling" if rescaling else "Idle",
             f"{rescaling['stage']} {rescaling['from']}->{rescaling['to']}" if rescaling else "",
         ),
-        _condition("Degraded", phase == "Failed", "JobFailed" if errors else "SpecValid", errors),
+        _condition("Degraded", problem is not None, problem or "SpecValid", errors),
     ]
     patch.status["phase"] = phase
     patch.status["parallelism"] = _keyed_parallelism(current, job.keyed.name) or 0

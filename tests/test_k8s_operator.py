@@ -18,7 +18,7 @@ import pytest
 import pytest_asyncio
 from kubernetes_asyncio import client as k8s
 
-from keyshift.operator.k8s_operator import OperatorConfig, build_registry
+from keyshift.operator.k8s_operator import OperatorConfig, build_registry, observed_phase
 from tests.kube_emulator import (
     CR,
     CR_API,
@@ -384,3 +384,19 @@ async def test_kubectl_scale_rescales_live_and_a_dead_prometheus_is_only_a_reaso
         await eventually(lambda: status_writes(emu) >= writes + 3, 30, "three status updates")
         sts = stored(emu, "apps/v1/statefulsets", NS, "clicks-counts") or {}
         assert sts["spec"]["replicas"] == 3
+
+
+def test_failing_checkpoints_make_the_job_degraded_and_a_failure_wins() -> None:
+    """What the coordinator's status becomes in the CR: phase, Degraded reason, message."""
+    checkpoints = {"degraded": True, "failures_in_a_row": 3, "last": {"error": "disk full"}}
+    running = {"phase": "running", "errors": [], "checkpoints": checkpoints}
+    assert observed_phase(running) == (
+        "Degraded",
+        "CheckpointsFailing",
+        "3 checkpoints failed in a row; the last: disk full",
+    )
+    healthy = {**running, "checkpoints": {**checkpoints, "degraded": False}}
+    assert observed_phase(healthy) == ("Running", None, "")
+    assert observed_phase({**healthy, "rescale": {"stage": "k"}})[0] == "Rescaling"
+    failed = {**running, "phase": "failed", "errors": ["instance keyed/0 was lost"]}
+    assert observed_phase(failed) == ("Failed", "JobFailed", "instance keyed/0 was lost")
