@@ -342,6 +342,15 @@ def cmd_run(args: argparse.Namespace, console: Console) -> int:
     )
     for rescale in result.status.get("rescales", []):
         console.print("  " + describe_rescale(rescale), highlight=False, soft_wrap=True)
+    for recovery in job.recoveries:
+        took = recovery["seconds"]
+        console.print(
+            f"  recovered from checkpoint {recovery['checkpoint']}"
+            + (f" in {took:.2f} s" if took is not None else "")
+            + f" after: {recovery['reason'].splitlines()[0]}",
+            highlight=False,
+            soft_wrap=True,
+        )
     if autoscaler is not None:
         actions = [d for _, d in timeline.decisions]
         console.print(

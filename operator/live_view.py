@@ -119,7 +119,10 @@ class RateTracker:
             return None, None
         new = _buckets(self._history[-1][1])
         old = [] if overall else _buckets(self._history[0][1])
-        counts = [a - b for a, b in zip(new, old, strict=True)] if old else new
+        counts = new
+        if old and len(old) == len(new) and all(a >= b for a, b in zip(new, old, strict=True)):
+            counts = [a - b for a, b in zip(new, old, strict=True)]
+        # else: the sinks restarted (a recovery) and their histograms began again
         return quantile_from_buckets(counts, 0.5), quantile_from_buckets(counts, 0.99)
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import signal
 import tempfile
 import threading
@@ -21,8 +22,11 @@ from pathlib import Path
 from typing import Any
 
 from keyshift.operator.processes import Child
-from keyshift.runtime.job import JobSpec
+from keyshift.runtime.checkpoint_store import CheckpointError, CheckpointMeta, CheckpointStore
+from keyshift.runtime.job import GeneratorSource, JobSpec
 from keyshift.runtime.transport import JsonClient, TransportError
+
+log = logging.getLogger("keyshift.host")
 
 COORDINATOR_SERVICE = "keyshift.Coordinator"
 STATUS_INTERVAL = 0.5
@@ -67,6 +71,7 @@ class LocalJob:
         self.address = ""
         self.coordinator_metrics_port = 0
         self._dead_since: dict[str, float] = {}
+        self.recoveries: list[dict[str, Any]] = []  # {"reason", "checkpoint", "seconds"}
 
     def __enter__(self) -> LocalJob:
         return self
@@ -77,7 +82,9 @@ class LocalJob:
     def children(self) -> list[Child]:
         return [*([self.coordinator] if self.coordinator else []), *self.instances.values()]
 
-    def start(self) -> None:
+    def start(self, restore: bool = False) -> None:
+        """Start the coordinator and every instance; with `restore`, from the latest valid
+        checkpoint (the coordinator says how many keyed instances it had)."""
         ready = self.log_dir / "coordinator.ready"
         ready.unlink(missing_ok=True)
         self.coordinator = Child(
@@ -89,8 +96,10 @@ class LocalJob:
                 "--port", str(self.coordinator_port),
                 "--ready-file", str(ready),
                 "--register-timeout", str(self.register_timeout),
+                *(["--restore"] if restore else []),
             ],
-            self.log_dir / "coordinator.log",
+            self.log_dir / ("coordinator.log" if not restore else
+                            f"coordinator-recovery-{len(self.recoveries)}.log"),
         )  # fmt: skip
         deadline = time.monotonic() + self.start_timeout
         while not ready.exists():
@@ -101,12 +110,42 @@ class LocalJob:
                 raise RunError(f"coordinator did not start within {self.start_timeout:.0f} s")
             time.sleep(0.05)
         info = json.loads(ready.read_text())
+        # A restarted coordinator binds the same port: clients (the autoscaler's) keep working.
+        self.coordinator_port = int(info["port"])
         self.address = f"{self.host}:{info['port']}"
         self.coordinator_metrics_port = int(info["metrics_port"])
-        self.client = JsonClient(self.address, COORDINATOR_SERVICE)
+        if self.client is None:
+            self.client = JsonClient(self.address, COORDINATOR_SERVICE)
+        if restore:
+            self.ensure_instances(self.status())
+            return
         for stage in self.spec.stages():
             for index in range(stage.parallelism):
                 self.start_instance(stage.name, index)
+
+    def recoverable(self) -> CheckpointMeta | None:
+        """The checkpoint a recovery would go on from: only with checkpoints, a replayable
+        source and a valid checkpoint (without one, a fresh start would repeat output)."""
+        settings = self.spec.checkpoints
+        if settings is None or not isinstance(self.spec.source.config, GeneratorSource):
+            return None
+        try:
+            return CheckpointStore(settings.storage, settings.storage_options).latest_valid()
+        except CheckpointError:
+            return None
+
+    def recover(self, reason: str, checkpoint: CheckpointMeta) -> None:
+        """Stop every process and start the job again from `checkpoint`: each keyed instance
+        reloads its groups, each sink rewinds its output log, each source replays from its
+        position. Whatever was in flight is made again from the sources."""
+        started = time.monotonic()
+        for child in self.children():
+            child.stop(grace=0)
+        self.instances.clear()
+        self._dead_since.clear()
+        self.recoveries.append({"reason": reason, "checkpoint": checkpoint.id, "seconds": None})
+        self.start(restore=True)
+        self.recoveries[-1]["started"] = started
 
     def ensure_instances(self, status: dict[str, Any]) -> None:
         """Start the instances the coordinator wants and nobody runs (a scale-out)."""
@@ -196,32 +235,52 @@ def interrupt_flag() -> Iterator[threading.Event]:
         signal.signal(signal.SIGINT, previous)
 
 
+def _observe(job: LocalJob, let_go: frozenset[str]) -> dict[str, Any]:
+    """The job's status; RunError when a process died or the job failed."""
+    job.check_children(expect_exit=False, let_go=let_go)
+    try:
+        status = job.status()
+    except TransportError as exc:
+        job.check_children(expect_exit=False)
+        raise RunError(f"coordinator stopped answering: {exc}") from None
+    if status["phase"] == "failed":
+        raise RunError("job failed: " + "; ".join(status["errors"]))
+    return status
+
+
 def run_job(
     job: LocalJob,
     duration: float | None,
     interrupted: threading.Event,
     on_status: Callable[[dict[str, Any]], None] = lambda status: None,
     drain_timeout: float = 60.0,
+    max_recoveries: int = 5,
 ) -> RunResult:
-    """Run a started job until it finishes, its duration ends or `interrupted`; then drain it."""
+    """Run a started job until it finishes, its duration ends or `interrupted`; then drain it.
+    A job with checkpoints that loses a process is restarted from its latest checkpoint (at
+    most `max_recoveries` times)."""
     history: list[dict[str, Any]] = []
     started = time.monotonic()
     drain_deadline: float | None = None
     let_go: frozenset[str] = frozenset()
     while True:
-        job.check_children(expect_exit=False, let_go=let_go)
         try:
-            status = job.status()
-        except TransportError as exc:
-            job.check_children(expect_exit=False)
-            raise RunError(f"coordinator stopped answering: {exc}") from None
+            status = _observe(job, let_go)
+        except RunError as exc:
+            checkpoint = job.recoverable() if len(job.recoveries) < max_recoveries else None
+            if checkpoint is None:
+                raise
+            log.warning("recovering from checkpoint %d: %s", checkpoint.id, exc)
+            job.recover(str(exc), checkpoint)
+            continue
+        pending = job.recoveries[-1] if job.recoveries else None
+        if pending is not None and pending["seconds"] is None and status["phase"] == "running":
+            pending["seconds"] = time.monotonic() - pending.pop("started")
         let_go = frozenset(status.get("lost", ()))
         history.append(status)
         on_status(status)
         job.ensure_instances(status)
         phase = status["phase"]
-        if phase == "failed":
-            raise RunError("job failed: " + "; ".join(status["errors"]))
         if phase == "finished":
             break
         out_of_time = duration is not None and time.monotonic() - started >= duration

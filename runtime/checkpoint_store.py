@@ -79,6 +79,7 @@ class CheckpointMeta:
     outputs: dict[str, int] = field(default_factory=dict)  # output log end offsets
     groups: dict[int, GroupChain] = field(default_factory=dict)
     written: int = 0  # bytes written for this checkpoint (its new shards)
+    assignment: dict[str, Any] = field(default_factory=dict)  # the keyed stage's owners
 
     def files(self) -> set[str]:
         return {f.path for chain in self.groups.values() for f in chain.files}
@@ -100,6 +101,7 @@ class CheckpointMeta:
             outputs={str(k): int(v) for k, v in data["outputs"].items()},
             groups=chains_from_json(data),
             written=int(data["written"]),
+            assignment=dict(data["assignment"]),
         )
 
 

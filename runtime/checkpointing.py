@@ -49,7 +49,7 @@ from keyshift.runtime.checkpoint_store import (
 )
 from keyshift.runtime.job import CheckpointSettings
 from keyshift.runtime.state import KeyedState
-from keyshift.runtime.state_checkpoint import write_groups
+from keyshift.runtime.state_checkpoint import read_groups, write_groups
 from keyshift.runtime.transport import Delivery
 
 log = logging.getLogger("keyshift.checkpoints")
@@ -77,7 +77,9 @@ class CheckpointHost(Protocol):
 
     def checkpoint_send(self, index: int, command: dict[str, Any]) -> None: ...
 
-    def checkpoint_epoch(self) -> int: ...
+    def checkpoint_assignment(self) -> dict[str, Any]:
+        """The keyed stage's assignment (unchanged while a checkpoint is in flight)."""
+        ...
 
     def checkpoint_events(self, checkpoint: int, timeout: float) -> list[dict[str, Any]] | None:
         """Wait until every instance in flight acked `checkpoint` (or one failed it); None on
@@ -136,15 +138,16 @@ class CheckpointDriver:
         store: CheckpointStore,
         keyed_stage: str,
         stop: threading.Event,
-        first_id: int = 1,
+        last_completed: int | None = None,
     ) -> None:
         self.host = host
         self.settings = settings
         self.store = store
         self.keyed_stage = keyed_stage
         self.stop = stop
-        self.next_id = first_id
-        self.last_completed: int | None = None
+        # A restored job numbers on from its checkpoint, and builds deltas on top of it.
+        self.last_completed = last_completed
+        self.next_id = (last_completed or 0) + 1
 
     def run(self) -> None:
         while not self.stop.wait(self.settings.interval):
@@ -202,10 +205,12 @@ class CheckpointDriver:
                 written += int(event["written"])
             elif kind == SINK_ACK and event.get("offset") is not None:
                 outputs[str(event["index"])] = int(event["offset"])
+        assignment = self.host.checkpoint_assignment()
         return CheckpointMeta(
             id=checkpoint,
             created=started,
-            epochs={self.keyed_stage: self.host.checkpoint_epoch()},
+            epochs={self.keyed_stage: int(assignment["epoch"])},
+            assignment=assignment,
             sources=sources,
             outputs=outputs,
             groups=groups,
@@ -282,6 +287,19 @@ class KeyedCheckpointer:
         self.store: CheckpointStore | None = None
         self.last_id: int | None = None
         self.last_chains: dict[int, GroupChain] = {}
+
+    def restore(self, meta: CheckpointMeta, state: KeyedState, owned: np.ndarray) -> int:
+        """Load the owned groups' state from a checkpoint (after a crash); the keys restored.
+        The next checkpoint writes deltas on top of this one."""
+        if self.store is None:
+            self.store = open_store(self.settings)
+        chains = {g: meta.groups[g] for g in np.flatnonzero(owned).tolist() if g in meta.groups}
+        rows = read_groups(self.store, chains, state.snapshot_groups([]).schema)
+        state.restore(rows)
+        state.clear_changes()
+        self.last_id = meta.id
+        self.last_chains = chains
+        return int(rows.num_rows)
 
     def take(self, barrier: dict[str, Any], state: KeyedState, owned: np.ndarray) -> dict[str, Any]:
         """Write the owned groups for the barrier's checkpoint; the ack event (with `error`

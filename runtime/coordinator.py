@@ -25,6 +25,7 @@ from typing import Any
 import grpc
 import numpy as np
 
+from keyshift.runtime.checkpoint_store import CheckpointError, CheckpointMeta
 from keyshift.runtime.checkpointing import (
     CheckpointDriver,
     CheckpointOutcome,
@@ -64,14 +65,22 @@ class InstanceRecord:
 class Coordinator:
     """The job's control state; every method is called from gRPC threads under one lock."""
 
-    def __init__(self, spec: JobSpec, register_timeout: float) -> None:
+    def __init__(
+        self, spec: JobSpec, register_timeout: float, restore: CheckpointMeta | None = None
+    ) -> None:
         self.spec = spec
+        self.restored_from = restore.id if restore is not None else None
         self.register_timeout = register_timeout
         self.started = time.time()
         self._phase = "starting"
         self.errors: list[str] = []
         self.assignment = Assignment.contiguous(spec.max_key_groups, spec.keyed.parallelism)
         self.desired = {s.name: s.parallelism for s in spec.stages()}
+        if restore is not None:
+            # The job goes on from the checkpoint: its key groups' owners, and so as many keyed
+            # instances as it had then (a rescale may have changed them since the job began).
+            self.assignment = Assignment.from_json(restore.assignment)
+            self.desired[spec.keyed.name] = self.assignment.parallelism
         self.members: dict[str, dict[int, InstanceRecord]] = {s.name: {} for s in spec.stages()}
         self._drain_requested = False
         self._lock = threading.RLock()
@@ -220,7 +229,7 @@ class Coordinator:
                 if self.rescale_status is not None:
                     record.commands.put({"type": "rescaling", "active": True})
             self._changed.notify_all()
-            return {"job": self.spec.model_dump(mode="json")}
+            return {"job": self.spec.model_dump(mode="json"), "restore": self.restored_from}
 
     def watch(self, body: dict[str, Any], context: grpc.ServicerContext) -> Any:
         with self._lock:
@@ -256,6 +265,9 @@ class Coordinator:
                 and self.rescale_status is not None
                 and not record.finished
                 and self.phase == "running"
+                # With checkpoints, the host restarts the job from the last one instead: going
+                # on without the lost instance's state would lose it.
+                and self.spec.checkpoints is None
             ):
                 # Mid-rescale, the driver recovers: the job goes on with the survivors.
                 message = (
@@ -412,9 +424,9 @@ class Coordinator:
             self.checkpoints.in_flight = int(command["id"])
             self.members[self.spec.source.name][index].commands.put(command)
 
-    def checkpoint_epoch(self) -> int:
+    def checkpoint_assignment(self) -> dict[str, Any]:
         with self._lock:
-            return self.assignment.epoch
+            return self.assignment.to_json()
 
     def checkpoint_events(self, checkpoint: int, timeout: float) -> list[dict[str, Any]] | None:
         deadline = time.monotonic() + timeout
@@ -508,6 +520,7 @@ class Coordinator:
                 "lost": list(self.lost),
                 "rescales": [r.to_json() for r in self.rescale_history[-20:]],
                 "checkpoints": self.checkpoints.to_json() if self.spec.checkpoints else None,
+                "restored_from": self.restored_from,
             }
 
     def shutdown(self, body: dict[str, Any]) -> dict[str, Any]:
@@ -591,6 +604,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--metrics-port", type=int, default=0)
     parser.add_argument("--ready-file", type=Path, help="where to write the bound ports as JSON")
     parser.add_argument("--register-timeout", type=float, default=30.0)
+    parser.add_argument(
+        "--restore",
+        action="store_true",
+        help="go on from the job's latest valid checkpoint (after a crash), if there is one",
+    )
     args = parser.parse_args(argv)
     die_with_parent()
     allow_user_code()
@@ -600,7 +618,15 @@ def main(argv: list[str] | None = None) -> int:
     except JobError as exc:
         print(exc, file=sys.stderr)
         return 2
-    coordinator = Coordinator(spec, args.register_timeout)
+    restore = None
+    if args.restore and spec.checkpoints is not None:
+        try:
+            restore = open_store(spec.checkpoints).latest_valid()
+        except CheckpointError as exc:
+            print(f"coordinator: cannot read checkpoints: {exc}", file=sys.stderr)
+            return 1
+        log.info("restoring from checkpoint %s", restore.id if restore else "(none: fresh start)")
+    coordinator = Coordinator(spec, args.register_timeout, restore)
     try:
         server, port = start_server(f"{args.host}:{args.port}", [coordinator.handler()])
         metrics_port = coordinator.metrics.serve(args.host, args.metrics_port)
@@ -620,6 +646,7 @@ def main(argv: list[str] | None = None) -> int:
             open_store(spec.checkpoints),
             spec.keyed.name,
             coordinator.stopped,
+            last_completed=restore.id if restore is not None else None,
         )
         threading.Thread(target=driver.run, name="checkpoints", daemon=True).start()
     while not coordinator.stopped.wait(0.2):

@@ -418,6 +418,25 @@ class Pacer:
                 lo = mid
         return hi
 
+    def elapsed_at(self, count: int) -> float:
+        """The elapsed time by which `count` records fell due (0 without a rate): where a
+        source that resumes at record `count` picks up its profile."""
+        if count <= 0 or records_due(self.profile, 1.0) is None:
+            return 0.0
+        hi = 1.0
+        while (self.target(hi) or 0) < count:
+            if hi > 1e9:
+                return hi  # the profile never gets there (a rate of 0 from some point on)
+            hi *= 2.0
+        lo = 0.0
+        for _ in range(60):
+            mid = (lo + hi) / 2.0
+            if (self.target(mid) or 0) >= count:
+                hi = mid
+            else:
+                lo = mid
+        return hi
+
     def done(self, emitted: int) -> bool:
         """Whether the total is reached (never, without a total)."""
         return self.total is not None and emitted >= self.total

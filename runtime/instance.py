@@ -26,6 +26,8 @@ from typing import Any
 import grpc
 import numpy as np
 
+from keyshift.runtime.checkpoint_store import CheckpointError, CheckpointMeta
+from keyshift.runtime.checkpointing import open_store
 from keyshift.runtime.job import JobSpec, parse_job
 from keyshift.runtime.keyspace import Assignment
 from keyshift.runtime.lifecycle import allow_user_code, die_with_parent
@@ -109,6 +111,7 @@ class InstanceContext:
         self._reports = 0
         self.metrics_address = ""
         self.host = "127.0.0.1"  # the address this instance listens on
+        self.restore: CheckpointMeta | None = None  # the checkpoint a recovery goes on from
 
     # -- commands ------------------------------------------------------------------------
 
@@ -341,6 +344,14 @@ def main(argv: list[str] | None = None) -> int:
     inbox.open(spec.batching.credits)
     ctx = InstanceContext(spec, args.stage, args.index, control, inbox)
     ctx.host = args.host
+    if reply.get("restore") is not None and spec.checkpoints is not None:
+        try:
+            ctx.restore = open_store(spec.checkpoints).load(int(reply["restore"]))
+        except CheckpointError as exc:
+            print(f"instance {name}: cannot read checkpoint {reply['restore']}: {exc}",
+                  file=sys.stderr)  # fmt: skip
+            server.stop(grace=0)
+            return 1
     holder.append(ctx)
     try:
         metrics_port = ctx.metrics.serve(args.host, args.metrics_port)

@@ -8,6 +8,7 @@ Called by `keyshift.runtime.instance` for instances of the job's keyed stage.
 from __future__ import annotations
 
 import json
+import logging
 import time
 from collections import Counter, deque
 from typing import Any
@@ -50,6 +51,7 @@ from keyshift.runtime.transport import (
 )
 
 IDLE_WAIT = 0.05
+log = logging.getLogger("keyshift.keyed")
 
 
 def make_state(spec: JobSpec) -> AggregateState | ProcessState:
@@ -114,6 +116,9 @@ class KeyedStage:
         self.checkpointer = (
             KeyedCheckpointer(settings, f"{ctx.stage}-{ctx.index}") if settings else None
         )
+        if ctx.restore is not None and self.checkpointer is not None:
+            keys = self.checkpointer.restore(ctx.restore, self.state, self.owned)
+            log.info("restored %d keys from checkpoint %d", keys, ctx.restore.id)
         ctx.fetch_served.set()
 
     # -- records ---------------------------------------------------------------------------

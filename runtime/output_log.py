@@ -362,6 +362,39 @@ class OutputLogWriter:
         self._delete_trimmed()
         return sum(s.records for s in doomed)
 
+    def truncate(self, offset: int) -> int:
+        """Drop the records from `offset` on (a recovery rewinds the log to a checkpoint's
+        offset, always a segment boundary); the records dropped. Nothing may be buffered."""
+        if self._buffered:
+            raise OutputLogError("truncate with buffered records")
+        if self._format == "none":
+            dropped = max(self._next_segment_start - offset, 0)
+            self._next_segment_start = min(self._next_segment_start, offset)
+            return dropped
+        if offset < self._trimmed:
+            raise OutputLogError(
+                f"cannot truncate partition {self._partition} to offset {offset}: its readers "
+                f"already let the log delete everything below {self._trimmed}"
+            )
+        segments = list_segments(self._dir)
+        if offset > (segments[-1].end if segments else self._trimmed):
+            raise OutputLogError(
+                f"cannot truncate partition {self._partition} to offset {offset}: the log "
+                f"ends at {self.end_offset}"
+            )
+        dropped = 0
+        for seg in reversed(segments):
+            if seg.start < offset < seg.end:
+                raise OutputLogError(
+                    f"offset {offset} is inside segment {seg.path.name}, not at a boundary"
+                )
+            if seg.start >= offset:
+                seg.path.unlink()
+                dropped += seg.records
+        _fsync_dir(self._dir)
+        self._next_segment_start = offset
+        return dropped
+
     def _delete_trimmed(self) -> None:
         for entry in os.scandir(self._dir):
             m = _SEGMENT_NAME.match(entry.name)

@@ -37,6 +37,10 @@ def run(ctx: InstanceContext) -> None:
         function = None
         writer = OutputLogWriter(config.path, ctx.index, config.format, config.segment_records)
         retention = LogRetention(writer, config.path, config.readers, config.max_unread_records)
+        offset = ctx.restore.outputs.get(str(ctx.index)) if ctx.restore else None
+        if offset is not None:
+            # What came after the checkpoint is made again by the replay from its positions.
+            writer.truncate(offset)
     ctx.wait_topology()
     ended: set[str] = set()
     aligner = BarrierAligner()

@@ -218,6 +218,11 @@ def run(ctx: InstanceContext) -> None:
 def run_ingest(ctx: InstanceContext, config: IngestSource, emitter: Emitter) -> None:
     """Rows pushed by clients (keyshift.runtime.ingest_client; the PySpark writer) flow on."""
     spec = ctx.spec
+    if ctx.restore is not None:
+        raise RuntimeError(
+            "an ingest source cannot be replayed from a checkpoint yet (it keeps no log of "
+            "accepted rows): this job cannot recover"
+        )
     service = IngestService(
         spec.fields,
         ctx.index,
@@ -262,9 +267,13 @@ def run_generator(ctx: InstanceContext, config: GeneratorSource, emitter: Emitte
     max_records = spec.batching.max_records
     linger = spec.batching.linger_ms / 1000.0
     metrics = ctx.metrics
-    seq = 0
-    start = time.monotonic()
-    started_us = now_us()
+    # After a crash the source replays from the checkpoint's position, on the profile's clock
+    # as of that position.
+    seq = int(ctx.restore.sources.get(str(ctx.index), 0)) if ctx.restore else 0
+    emitter.emitted = seq
+    resumed = pacer.elapsed_at(seq)
+    start = time.monotonic() - resumed
+    started_us = now_us() - int(resumed * 1e6)
     last_emit = start
     while not pacer.done(seq):
         ctx.check()

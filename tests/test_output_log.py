@@ -322,3 +322,24 @@ def test_retention_without_readers_keeps_everything(tmp_path: Path) -> None:
     commit_reader(tmp_path, "someone", {0: 30})
     retention.poll()
     assert not retention.blocked() and w.trimmed_offset == 0
+
+
+@pytest.mark.parametrize("fmt", [*FORMATS, "none"])
+def test_truncate_rewinds_to_a_segment_boundary(tmp_path: Path, fmt: str) -> None:
+    w = OutputLogWriter(tmp_path, 0, fmt, segment_records=10)
+    w.append(batch(0, 25))
+    w.flush()  # segments [0, 10), [10, 20), [20, 25)
+    assert w.truncate(10) == 15
+    assert w.append(batch(100, 3)) == 10
+    w.flush()
+    if fmt != "none":
+        assert OutputLogReader(tmp_path).read(0, 0).column("key").to_pylist() == [
+            *range(10),
+            100,
+            101,
+            102,
+        ]
+        with pytest.raises(OutputLogError, match="inside segment"):
+            w.truncate(5)
+        with pytest.raises(OutputLogError, match="the log ends at 13"):
+            w.truncate(20)
