@@ -402,6 +402,9 @@ def coordinator_deployment(name: str, namespace: str, spec: StreamingJobSpec) ->
             str(METRICS_PORT),
             "--register-timeout",
             str(REGISTER_TIMEOUT),
+            # A job with checkpoints goes on from its latest one whenever the coordinator
+            # (re)starts: after its own crash, or after it exited to recover a lost instance.
+            *(["--restore"] if spec.job.get("checkpoints") else []),
         ],
         "workingDir": APP_DIR,
         "env": _env({**_base_env(), "KEYSHIFT_JOB": name}),

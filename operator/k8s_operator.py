@@ -43,7 +43,8 @@ log = logging.getLogger(__name__)
 
 STATUS_INTERVAL = 2.0
 PHASES = {"starting": "Pending", "running": "Running", "draining": "Running",
-          "finished": "Finished", "stopping": "Running", "failed": "Failed"}  # fmt: skip
+          "finished": "Finished", "stopping": "Running", "failed": "Failed",
+          "recovering": "Recovering"}  # fmt: skip
 
 
 @dataclass
@@ -306,6 +307,8 @@ def observed_phase(current: Mapping[str, Any]) -> tuple[str, str | None, str]:
     phase = PHASES.get(str(current.get("phase")), "Pending")
     if current.get("rescale") and phase == "Running":
         phase = "Rescaling"
+    if phase == "Pending" and current.get("restored_from") is not None:
+        phase = "Recovering"  # a restarted coordinator waits for the restarted pods
     errors = "; ".join(current.get("errors") or [])
     if phase == "Failed":
         return phase, "JobFailed", errors

@@ -23,6 +23,7 @@ from typing import Any
 
 from keyshift.operator.processes import Child
 from keyshift.runtime.checkpoint_store import CheckpointError, CheckpointMeta, CheckpointStore
+from keyshift.runtime.coordinator import RESTART_EXIT_CODE
 from keyshift.runtime.job import GeneratorSource, JobSpec
 from keyshift.runtime.transport import JsonClient, TransportError
 
@@ -204,6 +205,8 @@ class LocalJob:
 
     def _crash_message(self, child: Child, code: int) -> str:
         how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
+        if child is self.coordinator and code == RESTART_EXIT_CODE:
+            how = "stopped the job to restart it from its latest checkpoint"
         tail = child.tail()
         lines = (
             f"\n  last log lines ({child.log_path}):\n    " + tail.replace("\n", "\n    ")

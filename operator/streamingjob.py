@@ -168,7 +168,9 @@ class Condition(_Model):
 class StreamingJobStatus(_Model):
     """What the operator observed and decided; only the operator writes it."""
 
-    phase: Literal["Pending", "Running", "Rescaling", "Degraded", "Failed", "Finished"] = "Pending"
+    phase: Literal[
+        "Pending", "Running", "Rescaling", "Recovering", "Degraded", "Failed", "Finished"
+    ] = "Pending"
     observed_generation: int = Field(default=0, alias="observedGeneration")
     parallelism: int = Field(
         default=0,

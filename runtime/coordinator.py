@@ -42,6 +42,7 @@ from keyshift.runtime.transport import ControlError, PortInUseError, json_handle
 
 log = logging.getLogger("keyshift.coordinator")
 SERVICE = "keyshift.Coordinator"
+RESTART_EXIT_CODE = 75  # "start me again with --restore": an instance was lost
 
 
 @dataclass
@@ -70,6 +71,7 @@ class Coordinator:
     ) -> None:
         self.spec = spec
         self.restored_from = restore.id if restore is not None else None
+        self.restart = False  # set when the job must start again from its checkpoint
         self.register_timeout = register_timeout
         self.started = time.time()
         self._phase = "starting"
@@ -125,6 +127,17 @@ class Coordinator:
         self.phase = "failed"
         for record in self._records():
             record.commands.put({"type": "stop", "reason": message})
+
+    def _restart_to_recover(self, message: str) -> None:
+        """Stop every instance and exit with RESTART_EXIT_CODE: the host (the local host, or
+        Kubernetes restarting the pods) starts the job again from its latest checkpoint."""
+        log.error("%s; restarting the job from its latest checkpoint", message)
+        self.errors.append(message)
+        self.phase = "recovering"
+        self.restart = True
+        for record in self._records():
+            record.commands.put({"type": "stop", "reason": f"recovering: {message}"})
+        self.stopped.set()
 
     def _topology(self) -> dict[str, Any]:
         stages = {
@@ -280,12 +293,15 @@ class Coordinator:
                 self._lost_keyed.add(record.index)
                 del self.members[record.stage][record.index]
                 self._abort = message
-            elif not record.finished and self.phase not in ("failed", "stopping"):
+            elif not record.finished and self.phase not in ("failed", "stopping", "recovering"):
                 message = (
                     f"instance {record.name} (pid {record.pid}) was lost: "
                     "its process died or stopped answering"
                 )
-                self._fail(message)
+                if self.spec.checkpoints is not None:
+                    self._restart_to_recover(message)
+                else:
+                    self._fail(message)
                 self._abort = message
             self._changed.notify_all()
 
@@ -651,8 +667,10 @@ def main(argv: list[str] | None = None) -> int:
         threading.Thread(target=driver.run, name="checkpoints", daemon=True).start()
     while not coordinator.stopped.wait(0.2):
         coordinator.check_registration()
+    if coordinator.restart:
+        time.sleep(0.5)  # let the instances' command streams carry the stop
     server.stop(grace=1.0)
-    return 0
+    return RESTART_EXIT_CODE if coordinator.restart else 0
 
 
 if __name__ == "__main__":

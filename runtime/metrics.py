@@ -239,7 +239,7 @@ def quantile_from_buckets(counts: Sequence[int], q: float) -> float | None:
     return LATENCY_BUCKETS[-1]
 
 
-PHASES = ("starting", "running", "draining", "finished", "stopping", "failed")
+PHASES = ("starting", "running", "draining", "finished", "stopping", "failed", "recovering")
 
 
 class CheckpointOutcomeLike(Protocol):

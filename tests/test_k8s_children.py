@@ -333,6 +333,20 @@ def test_instances_take_their_index_from_the_hostname() -> None:
     assert ports == {"data": DATA_PORT, "metrics": METRICS_PORT}
 
 
+def test_a_job_with_checkpoints_restores_whenever_its_coordinator_starts() -> None:
+    """The coordinator exits to recover a lost instance (or crashes): its restarted pod goes on
+    from the latest checkpoint; without checkpoints there is nothing to restore."""
+
+    def coordinator_args(manifests: list[dict[str, Any]]) -> list[str]:
+        deployment = by_kind(manifests, "Deployment")["clicks-coordinator"]
+        (container,) = deployment["spec"]["template"]["spec"]["containers"]
+        return list(container["args"])
+
+    job = {**spec_data()["job"], "checkpoints": {"storage": "s3://bucket/clicks"}}
+    assert "--restore" in coordinator_args(build(job=job)[1])
+    assert "--restore" not in coordinator_args(build()[1])
+
+
 def test_spark_apps_run_spark_submit_with_the_job_in_their_environment() -> None:
     _, manifests = build()
     spark = by_kind(manifests, "Deployment")["clicks-source-events"]

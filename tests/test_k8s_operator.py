@@ -398,5 +398,7 @@ def test_failing_checkpoints_make_the_job_degraded_and_a_failure_wins() -> None:
     healthy = {**running, "checkpoints": {**checkpoints, "degraded": False}}
     assert observed_phase(healthy) == ("Running", None, "")
     assert observed_phase({**healthy, "rescale": {"stage": "k"}})[0] == "Rescaling"
+    restarted = {"phase": "starting", "errors": [], "restored_from": 7}
+    assert observed_phase(restarted) == ("Recovering", None, "")
     failed = {**running, "phase": "failed", "errors": ["instance keyed/0 was lost"]}
     assert observed_phase(failed) == ("Failed", "JobFailed", "instance keyed/0 was lost")
