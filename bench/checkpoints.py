@@ -1,5 +1,6 @@
 """Checkpoint benchmark: throughput with checkpoints every 10 s and every 1 s, as a ratio to no
-checkpoints, and the size of incremental checkpoints against full ones.
+checkpoints; the size of incremental checkpoints against full ones; recovery time from
+`kill -9` of the keyed instance to the first output after the restore, at 1M keys.
 
 The pipeline of bench/throughput.py (one generator, 1,000,000 keys, Zipf 1.0 -> one keyed count
 -> a discarding sink, as fast as it goes) runs three times in this process's run: without
@@ -8,6 +9,13 @@ run measures records/s through the keyed instance over the same steady window. T
 from the checkpoints' metadata: bytes each checkpoint wrote (its new shards) against bytes of
 all the shards it names (what a full checkpoint, or a recovery, reads).
 
+Recovery: the same pipeline (uniform keys) with a checkpoint every 2 s, a 400k records/s source
+and a Parquet output log, run by
+the local host (keyshift.operator.local_host.run_job, as `keyshift run` does); once the state
+holds ~1M keys (950k) and a checkpoint has completed, the keyed instance gets SIGKILL. Measured: the
+seconds from the kill until the job runs again (restarted from the checkpoint) and until the
+sink writes its first record after the restore.
+
 Run: `make bench-checkpoints` or `.venv/bin/python bench/checkpoints.py`.
 """
 
@@ -15,8 +23,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import signal
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -24,7 +35,7 @@ from typing import Any
 import yaml
 from throughput import job, ratio, snapshot
 
-from keyshift.operator.local_host import LocalJob
+from keyshift.operator.local_host import LocalJob, run_job
 from keyshift.runtime.checkpoint_store import CheckpointStore
 from keyshift.runtime.job import parse_job
 
@@ -43,7 +54,9 @@ def measure(interval: float | None, warmup: float, window: float) -> dict[str, A
         with LocalJob(parse_job(spec_data), path, log_dir=Path(tmp) / "logs") as local:
             local.start()
             deadline = time.monotonic() + 60
-            while not snapshot(local)["counts"].get("records_in"):
+            while local.status()["phase"] != "running" or not snapshot(local)["counts"].get(
+                "records_in"
+            ):
                 if time.monotonic() > deadline:
                     raise RuntimeError("no records reached the keyed instance within 60 s")
                 time.sleep(0.2)
@@ -59,7 +72,7 @@ def measure(interval: float | None, warmup: float, window: float) -> dict[str, A
         if interval is not None:
             store = CheckpointStore(str(storage))
             metas = [store.load(c) for c in store.completed()]
-            full = [sum(chain.size for chain in m.groups.values()) for m in metas]
+            full = [m.size() for m in metas]
             result.update(
                 completed=len(metas),
                 failed=(checkpoints or {}).get("failed"),
@@ -73,14 +86,97 @@ def measure(interval: float | None, warmup: float, window: float) -> dict[str, A
     return result
 
 
+def measure_recovery(rate: float) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory(prefix="bench-recovery-") as tmp:
+        spec_data = job(16384)
+        # Uniform keys: the state reaches ~1M keys within seconds (a Zipf tail takes minutes).
+        spec_data["source"]["config"].update(distribution="uniform", profile={"rate": rate})
+        spec_data["sink"] = {
+            "config": {
+                "kind": "log",
+                "path": str(Path(tmp) / "out"),
+                "format": "parquet",
+                "segment_records": 200_000,
+            }
+        }
+        spec_data["checkpoints"] = {"interval": 2, "storage": str(Path(tmp) / "checkpoints")}
+        path = Path(tmp) / "job.yaml"
+        path.write_text(yaml.safe_dump(spec_data))
+        stop = threading.Event()
+        with LocalJob(parse_job(spec_data), path, log_dir=Path(tmp) / "logs") as local:
+            local.start()
+            runner = threading.Thread(target=lambda: _run(local, stop), daemon=True)
+            runner.start()
+            status = _wait(
+                local,
+                lambda s: (
+                    _keyed(s).get("state_keys", 0) >= 950_000
+                    and (s.get("checkpoints") or {}).get("completed", 0) >= 1
+                ),
+                300,
+            )
+            keys = _keyed(status)["state_keys"]
+            before = (status["checkpoints"] or {})["last_completed"]
+            pid = status["stages"][1]["instances"][0]["pid"]
+            killed = time.monotonic()
+            os.kill(pid, signal.SIGKILL)
+            restarted = _wait(
+                local, lambda s: s.get("restored_from") is not None and s["phase"] == "running", 120
+            )
+            running_after = time.monotonic() - killed
+            offset = _sink(restarted).get("output_offset", 0)
+            _wait(local, lambda s: _sink(s).get("output_offset", 0) > offset, 120)
+            first_output = time.monotonic() - killed
+            recovery = dict(local.recoveries[-1])
+            stop.set()
+            runner.join(timeout=60)
+    return {
+        "state_keys_at_kill": keys,
+        "checkpoint_full_mb": round(before["full"] / 1e6, 1),
+        "restored_from": restarted["restored_from"],
+        "kill_to_running_s": round(running_after, 2),
+        "kill_to_first_output_s": round(first_output, 2),
+        "host_recovery_s": round(recovery["seconds"] or 0.0, 2),
+    }
+
+
+def _run(local: LocalJob, stop: threading.Event) -> None:
+    run_job(local, None, stop)
+
+
+def _keyed(status: dict[str, Any]) -> dict[str, Any]:
+    instances = status["stages"][1]["instances"]
+    return dict(instances[0]["stats"]) if instances else {}
+
+
+def _sink(status: dict[str, Any]) -> dict[str, Any]:
+    instances = status["stages"][2]["instances"]
+    return dict(instances[0]["stats"]) if instances else {}
+
+
+def _wait(local: LocalJob, condition: Any, seconds: float) -> dict[str, Any]:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        try:
+            status = local.status()
+        except Exception:  # the coordinator restarting
+            status = None
+        if status is not None and condition(status):
+            return status
+        time.sleep(0.05)
+    raise RuntimeError(f"timed out after {seconds:.0f} s")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--warmup", type=float, default=10.0)
     parser.add_argument("--window", type=float, default=20.0)
+    parser.add_argument("--recovery-rate", type=float, default=400_000.0)
     args = parser.parse_args()
     none = measure(None, args.warmup, args.window)
     every_10 = measure(10.0, args.warmup, args.window)
     every_1 = measure(1.0, args.warmup, args.window)
+    recovery = measure_recovery(args.recovery_rate)
     base = none["records_per_s"]
     result = {
         "no_checkpoints_records_per_s": round(base),
@@ -90,6 +186,7 @@ def main() -> int:
                      "ratio": round(every_1["records_per_s"] / base, 3)},
         "target_ratio_at_10s": TARGET_RATIO_AT_10S,
         "target_met": every_10["records_per_s"] / base >= TARGET_RATIO_AT_10S,
+        "recovery": recovery,
     }  # fmt: skip
     print(json.dumps(result, indent=2))
     return 0

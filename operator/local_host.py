@@ -118,6 +118,8 @@ class LocalJob:
         if self.client is None:
             self.client = JsonClient(self.address, COORDINATOR_SERVICE)
         if restore:
+            # The client's channel saw the old coordinator die: wait until it has reconnected.
+            self.client.wait_ready(self.start_timeout)
             self.ensure_instances(self.status())
             return
         for stage in self.spec.stages():
@@ -135,13 +137,17 @@ class LocalJob:
         except CheckpointError:
             return None
 
+    def halt(self) -> None:
+        """Kill every process of the job at once (a recovery restarts them)."""
+        for child in self.children():
+            child.stop(grace=0)
+
     def recover(self, reason: str, checkpoint: CheckpointMeta) -> None:
         """Stop every process and start the job again from `checkpoint`: each keyed instance
         reloads its groups, each sink rewinds its output log, each source replays from its
         position. Whatever was in flight is made again from the sources."""
         started = time.monotonic()
-        for child in self.children():
-            child.stop(grace=0)
+        self.halt()
         self.instances.clear()
         self._dead_since.clear()
         self.recoveries.append({"reason": reason, "checkpoint": checkpoint.id, "seconds": None})
@@ -270,7 +276,11 @@ def run_job(
         try:
             status = _observe(job, let_go)
         except RunError as exc:
-            checkpoint = job.recoverable() if len(job.recoveries) < max_recoveries else None
+            if job.spec.checkpoints is None or len(job.recoveries) >= max_recoveries:
+                raise
+            # Nothing may write checkpoints (or delete old ones) while we pick one.
+            job.halt()
+            checkpoint = job.recoverable()
             if checkpoint is None:
                 raise
             log.warning("recovering from checkpoint %d: %s", checkpoint.id, exc)

@@ -84,6 +84,10 @@ class CheckpointMeta:
     def files(self) -> set[str]:
         return {f.path for chain in self.groups.values() for f in chain.files}
 
+    def size(self) -> int:
+        """Bytes of all the shards the checkpoint names (each once): what a restore reads."""
+        return sum(f.size for f in {f for chain in self.groups.values() for f in chain.files})
+
     def to_json(self) -> dict[str, Any]:
         body = asdict(self)
         body.update(chains_to_json(self.groups))
@@ -177,13 +181,17 @@ class CheckpointStore:
         self._write(relative, data)
         return ShardFile(relative, _digest(data), len(data))
 
-    def read_shard(self, shard: ShardFile) -> pa.Table:
+    def _checked(self, shard: ShardFile) -> bytes:
         data = self._read(shard.path)
         if len(data) != shard.size or _digest(data) != shard.sha256:
             raise CheckpointCorrupt(
                 f"checkpoint shard {self.url}/{shard.path} does not match its checksum "
                 f"({len(data)} bytes, expected {shard.size})"
             )
+        return data
+
+    def read_shard(self, shard: ShardFile) -> pa.Table:
+        data = self._checked(shard)
         try:
             return pa.ipc.open_file(pa.py_buffer(data)).read_all()
         except (pa.ArrowException, ValueError) as exc:
@@ -227,10 +235,10 @@ class CheckpointStore:
             raise CheckpointCorrupt(f"{self.url}/{relative} cannot be parsed: {exc}") from exc
 
     def verify(self, meta: CheckpointMeta) -> None:
-        """Check that every shard of a checkpoint is present and matches its checksum."""
-        for chain in meta.groups.values():
-            for shard in chain.files:
-                self.read_shard(shard)
+        """Check that every shard of a checkpoint is present and matches its checksum (each
+        once: thousands of groups share a shard)."""
+        for shard in {f for chain in meta.groups.values() for f in chain.files}:
+            self._checked(shard)
 
     def latest_valid(self) -> CheckpointMeta | None:
         """The newest complete checkpoint whose files all verify; corrupt ones are skipped
@@ -244,6 +252,19 @@ class CheckpointStore:
                 self.skipped += 1
                 log.error("skipping checkpoint %d for an older one: %s", checkpoint, exc)
         return None
+
+    def discard_after(self, checkpoint: int) -> list[int]:
+        """Delete the metadata of checkpoints newer than `checkpoint` (ones a restore skipped as
+        corrupt: the job goes on from `checkpoint`, and numbers its next ones after them)."""
+        doomed = [c for c in self.completed() if c > checkpoint]
+        for c in doomed:
+            try:
+                self.fs.rm_file(self._path(f"{CHECKPOINTS}/{c:010d}.json"))
+            except FileNotFoundError:
+                pass
+            except OSError as exc:
+                raise CheckpointError(f"cannot delete checkpoint {c}: {exc}") from exc
+        return doomed
 
     # -- retention ------------------------------------------------------------------------------
 

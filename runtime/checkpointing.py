@@ -139,15 +139,17 @@ class CheckpointDriver:
         keyed_stage: str,
         stop: threading.Event,
         last_completed: int | None = None,
+        next_id: int = 1,
     ) -> None:
         self.host = host
         self.settings = settings
         self.store = store
         self.keyed_stage = keyed_stage
         self.stop = stop
-        # A restored job numbers on from its checkpoint, and builds deltas on top of it.
+        # A restored job builds deltas on top of its checkpoint, and numbers the next ones
+        # after every checkpoint ever taken (ids are never reused).
         self.last_completed = last_completed
-        self.next_id = (last_completed or 0) + 1
+        self.next_id = next_id
 
     def run(self) -> None:
         while not self.stop.wait(self.settings.interval):
@@ -167,7 +169,9 @@ class CheckpointDriver:
         outcome = CheckpointOutcome(checkpoint, False, started, 0.0)
         try:
             if events is None:
-                raise CheckpointError(f"not complete after {self.settings.timeout:g} s")
+                raise CheckpointError(
+                    f"not complete within {self.settings.timeout:g} s, or the job stopped running"
+                )
             failed = [e for e in events if e.get("error")]
             if failed:
                 raise CheckpointError(f"{failed[0]['instance']}: {failed[0]['error']}")
@@ -175,7 +179,7 @@ class CheckpointDriver:
             self.store.commit(meta)
             outcome.ok = True
             outcome.written = meta.written
-            outcome.full = sum(chain.size for chain in meta.groups.values())
+            outcome.full = meta.size()
             outcome.groups = len(meta.groups)
             self.last_completed = checkpoint
             try:

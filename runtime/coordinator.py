@@ -635,13 +635,21 @@ def main(argv: list[str] | None = None) -> int:
         print(exc, file=sys.stderr)
         return 2
     restore = None
-    if args.restore and spec.checkpoints is not None:
+    next_checkpoint = 1
+    if spec.checkpoints is not None:
         try:
-            restore = open_store(spec.checkpoints).latest_valid()
+            store = open_store(spec.checkpoints)
+            taken = store.completed()
+            next_checkpoint = max(taken, default=0) + 1
+            if args.restore:
+                restore = store.latest_valid()
+                if restore is not None:
+                    store.discard_after(restore.id)
         except CheckpointError as exc:
             print(f"coordinator: cannot read checkpoints: {exc}", file=sys.stderr)
             return 1
-        log.info("restoring from checkpoint %s", restore.id if restore else "(none: fresh start)")
+        if args.restore:
+            log.info("restoring from checkpoint %s", restore.id if restore else "(none)")
     coordinator = Coordinator(spec, args.register_timeout, restore)
     try:
         server, port = start_server(f"{args.host}:{args.port}", [coordinator.handler()])
@@ -663,6 +671,7 @@ def main(argv: list[str] | None = None) -> int:
             spec.keyed.name,
             coordinator.stopped,
             last_completed=restore.id if restore is not None else None,
+            next_id=next_checkpoint,
         )
         threading.Thread(target=driver.run, name="checkpoints", daemon=True).start()
     while not coordinator.stopped.wait(0.2):

@@ -113,18 +113,21 @@ def read_groups(
     """The state rows of some groups at a checkpoint, ready for `KeyedState.restore`: each
     chain's base and deltas applied in order (the last write of a key wins; tombstones delete).
     `schema` is the state's snapshot schema."""
-    shards: dict[str, pa.Table] = {}
-    parts: list[pa.Table] = []
-    written = 0  # a running row number: later links of a chain get higher ones
+    # A shard of a later checkpoint comes later in every chain that names it: reading the
+    # shards in checkpoint order, each once, keeps every group's links in order.
+    users: dict[ShardFile, list[int]] = {}
     for group, chain in chains.items():
         for shard in chain.files:
-            if shard.path not in shards:
-                shards[shard.path] = store.read_shard(shard)
-            table = shards[shard.path]
-            rows = table.filter(pc.equal(table.column(GROUP_COL), group))
-            order = np.arange(written, written + rows.num_rows, dtype=np.int64)
-            written += rows.num_rows
-            parts.append(rows.append_column(_ROW, pa.array(order)))
+            users.setdefault(shard, []).append(group)
+    parts: list[pa.Table] = []
+    written = 0  # a running row number: later links of a chain get higher ones
+    for shard in sorted(users, key=lambda f: f.path):  # paths start with the checkpoint id
+        table = store.read_shard(shard)
+        wanted = pa.array(users[shard], pa.int32())
+        rows = table.filter(pc.is_in(table.column(GROUP_COL), value_set=wanted))
+        order = np.arange(written, written + rows.num_rows, dtype=np.int64)
+        written += rows.num_rows
+        parts.append(rows.append_column(_ROW, pa.array(order)))
     if not written:
         return pa.RecordBatch.from_pylist([], schema=schema)
     table = pa.concat_tables(parts)

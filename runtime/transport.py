@@ -30,6 +30,10 @@ GRPC_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE),
     ("grpc.max_receive_message_length", MAX_MESSAGE),
     ("grpc.so_reuseport", 0),
+    # A peer that restarts (a recovering coordinator) is reached again within a second, not
+    # after gRPC's default backoff of up to two minutes.
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
 ]
 DATA_SERVICE = "keyshift.Data"
 HELLO, END, LEAVE, CREDIT = b"H", b"E", b"L", b"C"
