@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from throughput import job, ratio, snapshot
+from throughput import job, ratio, snapshot, start_flowing
 
 from keyshift.operator.local_host import LocalJob, run_job
 from keyshift.runtime.checkpoint_store import CheckpointStore
@@ -52,14 +52,7 @@ def measure(interval: float | None, warmup: float, window: float) -> dict[str, A
         path = Path(tmp) / "job.yaml"
         path.write_text(yaml.safe_dump(spec_data))
         with LocalJob(parse_job(spec_data), path, log_dir=Path(tmp) / "logs") as local:
-            local.start()
-            deadline = time.monotonic() + 60
-            while local.status()["phase"] != "running" or not snapshot(local)["counts"].get(
-                "records_in"
-            ):
-                if time.monotonic() > deadline:
-                    raise RuntimeError("no records reached the keyed instance within 60 s")
-                time.sleep(0.2)
+            start_flowing(local)
             time.sleep(warmup)
             before = snapshot(local)
             time.sleep(window)

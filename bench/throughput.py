@@ -48,20 +48,23 @@ def ratio(before: dict[str, float], after: dict[str, float], key: str) -> float:
     return (after.get(key, 0) - before.get(key, 0)) / (after["time"] - before["time"])
 
 
+def start_flowing(local: LocalJob) -> None:
+    """Start the job and wait until records reach the keyed instance."""
+    local.start()
+    deadline = time.monotonic() + 60
+    while local.status()["phase"] != "running" or not snapshot(local)["counts"].get("records_in"):
+        if time.monotonic() > deadline:
+            raise RuntimeError("no records reached the keyed instance within 60 s")
+        time.sleep(0.2)
+
+
 def measure_pipeline(batch: int, warmup: float, window: float) -> dict[str, float]:
     with tempfile.TemporaryDirectory() as tmp:
         spec_data = job(batch)
         path = Path(tmp) / "job.yaml"
         path.write_text(yaml.safe_dump(spec_data))
         with LocalJob(parse_job(spec_data), path, log_dir=Path(tmp) / "logs") as local:
-            local.start()
-            deadline = time.monotonic() + 60
-            while local.status()["phase"] != "running" or not snapshot(local)["counts"].get(
-                "records_in"
-            ):
-                if time.monotonic() > deadline:
-                    raise RuntimeError("no records reached the keyed instance within 60 s")
-                time.sleep(0.2)
+            start_flowing(local)
             time.sleep(warmup)
             before = snapshot(local)
             time.sleep(window)

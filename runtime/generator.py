@@ -409,8 +409,13 @@ class Pacer:
         later, and its latency must include that wait. Without a rate it is `elapsed`."""
         if records_due(self.profile, elapsed) is None or (self.target(elapsed) or 0) < count:
             return elapsed
-        lo, hi = 0.0, elapsed
-        for _ in range(40):
+        return self._first_due(count, elapsed, steps=40)
+
+    def _first_due(self, count: int, hi: float, steps: int) -> float:
+        """The earliest elapsed time in [0, hi] by which `count` records fell due, bisected;
+        `target(hi)` must reach `count`."""
+        lo = 0.0
+        for _ in range(steps):
             mid = (lo + hi) / 2.0
             if (self.target(mid) or 0) >= count:
                 hi = mid
@@ -428,14 +433,7 @@ class Pacer:
             if hi > 1e9:
                 return hi  # the profile never gets there (a rate of 0 from some point on)
             hi *= 2.0
-        lo = 0.0
-        for _ in range(60):
-            mid = (lo + hi) / 2.0
-            if (self.target(mid) or 0) >= count:
-                hi = mid
-            else:
-                lo = mid
-        return hi
+        return self._first_due(count, hi, steps=60)
 
     def done(self, emitted: int) -> bool:
         """Whether the total is reached (never, without a total)."""

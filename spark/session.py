@@ -1,4 +1,5 @@
-"""A local Spark session set up for keyshift, with its data sources registered.
+"""A local Spark session set up for keyshift, with its data sources registered, and the way
+an example job runs its query.
 
 Used by the example Spark jobs (examples/spark/), `make demo` and the tests: Python workers run
 this interpreter (PYSPARK_PYTHON), everything binds to loopback, no web UI, quiet logs.
@@ -10,6 +11,7 @@ import os
 import sys
 
 from pyspark.sql import SparkSession
+from pyspark.sql.streaming.query import StreamingQuery
 
 from keyshift.spark.bids import BidsDataSource
 from keyshift.spark.datasource import KeyshiftDataSource
@@ -41,3 +43,18 @@ def local_session(app: str, cores: int = 2, extra: dict[str, str] | None = None)
     spark.sparkContext.setLogLevel("ERROR")
     register(spark)
     return spark
+
+
+def run_to_the_end(spark: SparkSession, query: StreamingQuery, bounded: bool) -> None:
+    """Run a job's query until all its input is processed (`bounded`) or until Ctrl-C, then
+    stop the query and the session."""
+    try:
+        if bounded:
+            query.processAllAvailable()
+        else:
+            query.awaitTermination()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        query.stop()
+        spark.stop()

@@ -414,3 +414,14 @@ def test_arrival_inverts_the_load_profile() -> None:
     # Not yet due by `elapsed`, or no rate at all: it arrives now.
     assert pacer.arrival(10_000, 3.0) == 3.0
     assert Pacer(None, 1.0, None).arrival(5, 7.0) == 7.0
+
+
+def test_a_resumed_source_picks_up_its_profile_where_its_position_fell_due() -> None:
+    """A source restarted from a checkpoint at record n goes on at the time n records were due."""
+    step = StepProfile(kind="step", rate=1000, to=2000, at=10)
+    pacer = Pacer(step, share=1.0, total=None)
+    assert pacer.elapsed_at(5000) == pytest.approx(5.0, abs=1e-6)
+    assert pacer.elapsed_at(14_000) == pytest.approx(12.0, abs=1e-6)
+    assert pacer.target(pacer.elapsed_at(14_000)) == 14_000
+    assert pacer.elapsed_at(0) == 0.0
+    assert Pacer(None, share=1.0, total=100).elapsed_at(50) == 0.0  # no rate: at once

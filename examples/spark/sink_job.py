@@ -18,7 +18,7 @@ from pathlib import Path
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql.streaming import StreamingQuery
 
-from keyshift.spark.session import local_session
+from keyshift.spark.session import local_session, run_to_the_end
 
 
 def read_output(spark: SparkSession, log: Path, job: Path, reader: str | None) -> DataFrame:
@@ -52,13 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     query = write_parquet(
         read_output(spark, args.log, args.job, args.reader), args.output, args.checkpoint
     )
-    try:
-        query.awaitTermination()
-    except KeyboardInterrupt:
-        pass
-    finally:
-        query.stop()
-        spark.stop()
+    run_to_the_end(spark, query, bounded=False)
     return 0
 
 

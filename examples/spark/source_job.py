@@ -22,7 +22,7 @@ from pathlib import Path
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql.streaming import StreamingQuery
 
-from keyshift.spark.session import local_session
+from keyshift.spark.session import local_session, run_to_the_end
 
 
 def bid_stream(
@@ -78,16 +78,8 @@ def main(argv: list[str] | None = None) -> int:
     else:
         df = file_stream(spark, args.input, args.format)
     query = write_to_keyshift(df, args.endpoint, args.checkpoint)
-    try:
-        if args.bids is not None:
-            query.processAllAvailable()  # every bid, committed to the job
-        else:
-            query.awaitTermination()
-    except KeyboardInterrupt:
-        pass
-    finally:
-        query.stop()
-        spark.stop()
+    # --bids ends once every bid is committed to the job; a file replay runs until Ctrl-C.
+    run_to_the_end(spark, query, bounded=args.bids is not None)
     return 0
 
 
