@@ -775,6 +775,22 @@ def migration_dashboard() -> Json:
             [(by("max", "kind", series(M.CHECKPOINT_BYTES, JOB)), "{{kind}}")],
             "bytes",
         ),
+        stat(
+            "Recoveries",
+            "Restarts of the job from its latest checkpoint after a lost process, over the "
+            "job's life.",
+            [(by("max", "", series(M.RECOVERIES, JOB)), "recoveries")],
+            "none",
+            decimals=0,
+            no_value="0",
+        ),
+        stat(
+            "Last recovery time",
+            "Seconds from a lost process noticed to the job running again, for the last "
+            "recovery.",
+            [(by("max", "", series(M.RECOVERY_SECONDS, JOB)), "seconds")],
+            "s",
+        ),
     ]
     return dashboard(
         "keyshift-migration",

@@ -24,7 +24,7 @@ from typing import Any
 from keyshift.operator.processes import Child
 from keyshift.runtime.checkpoint_store import CheckpointError, CheckpointMeta, CheckpointStore
 from keyshift.runtime.coordinator import RESTART_EXIT_CODE
-from keyshift.runtime.job import GeneratorSource, JobSpec
+from keyshift.runtime.job import JobSpec
 from keyshift.runtime.transport import JsonClient, TransportError
 
 log = logging.getLogger("keyshift.host")
@@ -127,10 +127,11 @@ class LocalJob:
                 self.start_instance(stage.name, index)
 
     def recoverable(self) -> CheckpointMeta | None:
-        """The checkpoint a recovery would go on from: only with checkpoints, a replayable
-        source and a valid checkpoint (without one, a fresh start would repeat output)."""
+        """The checkpoint a recovery would go on from: only with checkpoints and a valid one
+        (without one, a fresh start would repeat output). Both kinds of source replay from a
+        checkpoint: a generator recomputes, an ingest source keeps a log."""
         settings = self.spec.checkpoints
-        if settings is None or not isinstance(self.spec.source.config, GeneratorSource):
+        if settings is None:
             return None
         try:
             return CheckpointStore(settings.storage, settings.storage_options).latest_valid()

@@ -8,6 +8,8 @@ Layout under the root URL::
 
     shards/<checkpoint:010d>-<writer>-<uuid>.arrow   Arrow IPC files of state rows
     checkpoints/<checkpoint:010d>.json              the metadata of a completed checkpoint
+    recovery/failure.json                           why the job is being restarted, and when
+    recovery/history.json                           the recoveries so far (the last 100)
 
 A shard is written before the metadata that names it, and the metadata last, in one write
 (a rename on a local disk, a single PUT on S3): a checkpoint is complete exactly when its
@@ -29,20 +31,23 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-import fsspec
 import pyarrow as pa
-from fsspec.implementations.local import LocalFileSystem
+
+from keyshift.runtime.storage import Storage, StorageError
 
 log = logging.getLogger("keyshift.checkpoints")
 
 SHARDS = "shards"
 CHECKPOINTS = "checkpoints"
+FAILURE = "recovery/failure.json"
+HISTORY = "recovery/history.json"
+KEPT_RECOVERIES = 100
 _METADATA_NAME = re.compile(r"^(\d{10})\.json$")
 _WRITER_NAME = re.compile(r"^[a-z0-9][a-z0-9-]{0,60}$")
 FORMAT_VERSION = 1
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(StorageError):
     """Checkpoint storage that cannot be used as asked (unreachable, full, misused)."""
 
 
@@ -129,43 +134,19 @@ def _digest(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-class CheckpointStore:
+class CheckpointStore(Storage):
+    error = CheckpointError
+    what = "checkpoint storage"
+
     def __init__(self, url: str, storage_options: Mapping[str, Any] | None = None) -> None:
-        try:
-            self.fs, root = fsspec.core.url_to_fs(url, **dict(storage_options or {}))
-        except (ImportError, ValueError) as exc:
-            raise CheckpointError(f"cannot use checkpoint storage {url!r}: {exc}") from None
-        self.url = url
-        self.root = root.rstrip("/")
+        super().__init__(url, storage_options)
         self.skipped = 0  # corrupt checkpoints skipped by latest_valid, for the metric
-
-    def _path(self, *parts: str) -> str:
-        return "/".join([self.root, *parts])
-
-    def _write(self, relative: str, data: bytes) -> None:
-        """Write a whole file at once: a local file under a temporary name and renamed, an
-        object store's object in one PUT; never a half-written file under the final name."""
-        path = self._path(relative)
-        try:
-            if isinstance(self.fs, LocalFileSystem):
-                self.fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
-                tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
-                with self.fs.open(tmp, "wb") as f:
-                    f.write(data)
-                self.fs.mv(tmp, path)
-            else:
-                self.fs.pipe_file(path, data)
-        except OSError as exc:
-            raise CheckpointError(f"cannot write {self.url}/{relative}: {exc}") from exc
 
     def _read(self, relative: str) -> bytes:
         try:
-            data: bytes = self.fs.cat_file(self._path(relative))
+            return super()._read(relative)
         except FileNotFoundError:
             raise CheckpointCorrupt(f"checkpoint file {self.url}/{relative} is missing") from None
-        except OSError as exc:
-            raise CheckpointError(f"cannot read {self.url}/{relative}: {exc}") from exc
-        return data
 
     # -- shards ---------------------------------------------------------------------------------
 
@@ -207,15 +188,9 @@ class CheckpointStore:
 
     def completed(self) -> list[int]:
         """The ids of the checkpoints whose metadata exists, ascending."""
-        try:
-            names = self.fs.ls(self._path(CHECKPOINTS), detail=False)
-        except FileNotFoundError:
-            return []
-        except OSError as exc:
-            raise CheckpointError(f"cannot list {self.url}/{CHECKPOINTS}: {exc}") from exc
         ids = []
-        for name in names:
-            m = _METADATA_NAME.match(str(name).rsplit("/", 1)[-1])
+        for name in self._names(CHECKPOINTS):
+            m = _METADATA_NAME.match(name)
             if m is not None:
                 ids.append(int(m.group(1)))
         return sorted(ids)
@@ -258,13 +233,45 @@ class CheckpointStore:
         corrupt: the job goes on from `checkpoint`, and numbers its next ones after them)."""
         doomed = [c for c in self.completed() if c > checkpoint]
         for c in doomed:
-            try:
-                self.fs.rm_file(self._path(f"{CHECKPOINTS}/{c:010d}.json"))
-            except FileNotFoundError:
-                pass
-            except OSError as exc:
-                raise CheckpointError(f"cannot delete checkpoint {c}: {exc}") from exc
+            self._delete(f"{CHECKPOINTS}/{c:010d}.json")
         return doomed
+
+    # -- recoveries ------------------------------------------------------------------------------
+
+    def note_failure(self, reason: str, at: float) -> None:
+        """Say why the job is about to be restarted from a checkpoint (the recovery's start)."""
+        self._write(FAILURE, json.dumps({"reason": reason, "at": at}).encode())
+
+    def record_recovery(self, checkpoint: int, started: float, running: float) -> dict[str, Any]:
+        """Add a recovery to the history once the restarted job runs: from `checkpoint`, timed
+        from the noted failure (or from `started`, the restarted coordinator's start, when the
+        coordinator itself was lost and noted nothing). The entry added."""
+        try:
+            failure = json.loads(super()._read(FAILURE))
+        except (FileNotFoundError, ValueError):
+            failure = {"reason": "the coordinator was lost", "at": started}
+        entry = {
+            "checkpoint": checkpoint,
+            "reason": str(failure["reason"]),
+            "failed_at": float(failure["at"]),
+            "running_at": running,
+            "seconds": running - float(failure["at"]),
+        }
+        history = [*self.recoveries(), entry][-KEPT_RECOVERIES:]
+        self._write(HISTORY, json.dumps(history).encode())
+        self._delete(FAILURE)
+        return entry
+
+    def recoveries(self) -> list[dict[str, Any]]:
+        """The recoveries recorded so far, oldest first."""
+        try:
+            history = json.loads(super()._read(HISTORY))
+        except FileNotFoundError:
+            return []
+        except ValueError as exc:
+            log.error("ignoring a corrupt %s/%s: %s", self.url, HISTORY, exc)
+            return []
+        return list(history)
 
     # -- retention ------------------------------------------------------------------------------
 
@@ -283,21 +290,12 @@ class CheckpointStore:
         for checkpoint in kept:
             referenced |= self.load(checkpoint).files()
         newest = kept[-1]
-        try:
-            shards = self.fs.ls(self._path(SHARDS), detail=False)
-        except FileNotFoundError:
-            shards = []
-        for name in shards:
-            relative = f"{SHARDS}/{str(name).rsplit('/', 1)[-1]}"
+        for name in self._names(SHARDS):
+            relative = f"{SHARDS}/{name}"
             prefix = relative.removeprefix(f"{SHARDS}/").split("-", 1)[0]
             in_progress = prefix.isdigit() and int(prefix) > newest
             if relative not in referenced and not in_progress:
                 doomed.append(relative)
         for relative in doomed:
-            try:
-                self.fs.rm_file(self._path(relative))
-            except FileNotFoundError:
-                pass
-            except OSError as exc:
-                raise CheckpointError(f"cannot delete {self.url}/{relative}: {exc}") from exc
+            self._delete(relative)
         return doomed

@@ -12,7 +12,9 @@ Three parts, one per role:
   barriers the same way, flushes its output log and acks the log's end offset. When every
   instance has acked, the driver writes the checkpoint's metadata (id, assignment epoch,
   source positions, output offsets, every group's chain) in one atomic write: the checkpoint
-  is complete. Then it deletes what the retained checkpoints no longer need.
+  is complete. It tells the sources and sinks so (CHECKPOINT_COMPLETE): an ingest source
+  lets go of the logged rows the checkpoint covers, and a sink lets readers see its output
+  up to the checkpoint's offset. Then it deletes what the retained checkpoints no longer need.
 - `BarrierAligner` is the alignment both keyed and sink instances do.
 - `KeyedCheckpointer` is a keyed instance's side: it remembers its last chains, so a delta is
   only written on top of a checkpoint that completed.
@@ -57,6 +59,9 @@ log = logging.getLogger("keyshift.checkpoints")
 SOURCE_ACK = "checkpoint_source"
 KEYED_ACK = "checkpoint_keyed"
 SINK_ACK = "checkpoint_sink"
+# Sent to sources and sinks once a checkpoint is complete, with its positions and offsets:
+# what it covers need not be kept for a replay, and the output up to it may be read.
+CHECKPOINT_COMPLETE = "checkpoint_complete"
 
 
 def open_store(settings: CheckpointSettings) -> CheckpointStore:
@@ -83,10 +88,20 @@ class CheckpointHost(Protocol):
 
     def checkpoint_events(self, checkpoint: int, timeout: float) -> list[dict[str, Any]] | None:
         """Wait until every instance in flight acked `checkpoint` (or one failed it); None on
-        timeout."""
+        timeout. A source that has ended acks with its final position. CheckpointAbandoned
+        when the job stops running meanwhile."""
+        ...
+
+    def checkpoint_completed(self, meta: CheckpointMeta) -> None:
+        """Tell the sources and sinks that `meta`'s checkpoint is complete."""
         ...
 
     def checkpoint_ended(self, outcome: CheckpointOutcome) -> None: ...
+
+
+class CheckpointAbandoned(CheckpointError):
+    """The job stopped running (finished, or is stopping) before the checkpoint completed:
+    not a failure of the checkpoint."""
 
 
 @dataclass
@@ -96,6 +111,7 @@ class CheckpointOutcome:
     started: float  # wall clock
     seconds: float
     error: str | None = None
+    abandoned: bool = False
     written: int = 0  # bytes of new shards
     full: int = 0  # bytes of all shards the checkpoint names
     groups: int = 0
@@ -165,18 +181,17 @@ class CheckpointDriver:
         command = {"type": "checkpoint", "id": checkpoint, "previous": self.last_completed}
         for index in sorted(members["source"]):
             self.host.checkpoint_send(index, command)
-        events = self.host.checkpoint_events(checkpoint, self.settings.timeout)
         outcome = CheckpointOutcome(checkpoint, False, started, 0.0)
         try:
+            events = self.host.checkpoint_events(checkpoint, self.settings.timeout)
             if events is None:
-                raise CheckpointError(
-                    f"not complete within {self.settings.timeout:g} s, or the job stopped running"
-                )
+                raise CheckpointError(f"not complete within {self.settings.timeout:g} s")
             failed = [e for e in events if e.get("error")]
             if failed:
                 raise CheckpointError(f"{failed[0]['instance']}: {failed[0]['error']}")
             meta = self._metadata(checkpoint, started, events)
             self.store.commit(meta)
+            self.host.checkpoint_completed(meta)
             outcome.ok = True
             outcome.written = meta.written
             outcome.full = meta.size()
@@ -186,6 +201,9 @@ class CheckpointDriver:
                 self.store.retain(self.settings.retain)
             except CheckpointError as exc:  # the checkpoint is complete; cleanup can wait
                 log.warning("retention after checkpoint %d failed: %s", checkpoint, exc)
+        except CheckpointAbandoned as exc:
+            outcome.error, outcome.abandoned = str(exc), True
+            log.info("checkpoint %d abandoned: %s", checkpoint, exc)
         except CheckpointError as exc:
             outcome.error = str(exc)
             log.error("checkpoint %d failed: %s", checkpoint, exc)

@@ -25,8 +25,11 @@ from typing import Any
 import grpc
 import numpy as np
 
-from keyshift.runtime.checkpoint_store import CheckpointError, CheckpointMeta
+from keyshift.runtime.checkpoint_store import CheckpointError, CheckpointMeta, CheckpointStore
 from keyshift.runtime.checkpointing import (
+    CHECKPOINT_COMPLETE,
+    SOURCE_ACK,
+    CheckpointAbandoned,
     CheckpointDriver,
     CheckpointOutcome,
     CheckpointStats,
@@ -67,10 +70,19 @@ class Coordinator:
     """The job's control state; every method is called from gRPC threads under one lock."""
 
     def __init__(
-        self, spec: JobSpec, register_timeout: float, restore: CheckpointMeta | None = None
+        self,
+        spec: JobSpec,
+        register_timeout: float,
+        restore: CheckpointMeta | None = None,
+        store: CheckpointStore | None = None,
     ) -> None:
+        """`store` (a checkpointed job's) keeps the record of recoveries; `restore` is the
+        checkpoint this coordinator goes on from, after a crash."""
         self.spec = spec
+        self.store = store
         self.restored_from = restore.id if restore is not None else None
+        self.recoveries: list[dict[str, Any]] = []
+        self._recovery_pending = restore is not None
         self.restart = False  # set when the job must start again from its checkpoint
         self.register_timeout = register_timeout
         self.started = time.time()
@@ -100,6 +112,12 @@ class Coordinator:
         self.stopped = threading.Event()
         self.metrics = CoordinatorMetrics(spec.name)
         self.metrics.set_phase(self._phase)
+        if store is not None:
+            try:
+                self.recoveries = store.recoveries()
+            except CheckpointError as exc:
+                log.error("cannot read the record of recoveries: %s", exc)
+        self.metrics.recovered(len(self.recoveries), self._last_recovery_seconds())
         for stage in spec.stages():
             self.metrics.set_parallelism(stage.name, stage.parallelism)
 
@@ -132,6 +150,11 @@ class Coordinator:
         """Stop every instance and exit with RESTART_EXIT_CODE: the host (the local host, or
         Kubernetes restarting the pods) starts the job again from its latest checkpoint."""
         log.error("%s; restarting the job from its latest checkpoint", message)
+        if self.store is not None:
+            try:
+                self.store.note_failure(message, time.time())
+            except CheckpointError as exc:  # the recovery is only timed from later
+                log.error("cannot note the failure: %s", exc)
         self.errors.append(message)
         self.phase = "recovering"
         self.restart = True
@@ -449,18 +472,58 @@ class Coordinator:
         with self._changed:
             members = self._checkpoint_members
             assert members is not None
-            while not acked(self._checkpoint_events, checkpoint, members):
+            while True:
+                if self.phase not in ("running", "draining"):
+                    raise CheckpointAbandoned(f"the job is {self.phase}")
+                # A source that ended before it saw the command sends no barrier: its END
+                # ends the alignment downstream, and all it emitted is in the checkpoint.
+                ended = self._ended_source_positions()
+                waiting = {**members, "source": members["source"] - set(ended)}
+                if acked(self._checkpoint_events, checkpoint, waiting):
+                    break
                 remaining = deadline - time.monotonic()
-                if remaining <= 0 or self.phase not in ("running", "draining"):
+                if remaining <= 0:
                     return None
                 self._changed.wait(min(remaining, 0.5))
-            return [e for e in self._checkpoint_events if e.get("id") == checkpoint]
+            events = [e for e in self._checkpoint_events if e.get("id") == checkpoint]
+            positioned = {e["index"] for e in events if e.get("type") == SOURCE_ACK}
+            for index, position in ended.items():
+                if index not in positioned:
+                    events.append(
+                        {"type": SOURCE_ACK, "id": checkpoint, "index": index, "position": position}
+                    )
+            return events
+
+    def _ended_source_positions(self) -> dict[int, int]:
+        """The final positions of the sources that have ended (a recovery must not replay
+        them from the start)."""
+        return {
+            i: int(r.stats["emitted"])
+            for i, r in self.members[self.spec.source.name].items()
+            if r.finished and "emitted" in r.stats
+        }
+
+    def checkpoint_completed(self, meta: CheckpointMeta) -> None:
+        command = {
+            "type": CHECKPOINT_COMPLETE,
+            "id": meta.id,
+            "sources": meta.sources,
+            "outputs": meta.outputs,
+        }
+        with self._lock:
+            for stage in (self.spec.source.name, self.spec.sink.name):
+                for record in self.members[stage].values():
+                    record.commands.put(command)
 
     def checkpoint_ended(self, outcome: CheckpointOutcome) -> None:
         with self._changed:
             stats = self.checkpoints
-            stats.last = outcome
             stats.in_flight = None
+            self._checkpoint_members = None
+            self._changed.notify_all()
+            if outcome.abandoned:
+                return
+            stats.last = outcome
             if outcome.ok:
                 stats.completed += 1
                 stats.failures_in_a_row = 0
@@ -473,8 +536,6 @@ class Coordinator:
                 settings.degraded_after if settings else 0
             )
             self.metrics.checkpoint_ended(outcome)
-            self._checkpoint_members = None
-            self._changed.notify_all()
 
     def _run_rescale(self, driver: RescaleDriver) -> None:
         driver.run()
@@ -537,6 +598,10 @@ class Coordinator:
                 "rescales": [r.to_json() for r in self.rescale_history[-20:]],
                 "checkpoints": self.checkpoints.to_json() if self.spec.checkpoints else None,
                 "restored_from": self.restored_from,
+                "recoveries": {
+                    "total": len(self.recoveries),
+                    "last": self.recoveries[-1] if self.recoveries else None,
+                },
             }
 
     def shutdown(self, body: dict[str, Any]) -> dict[str, Any]:
@@ -548,6 +613,27 @@ class Coordinator:
                 record.commands.put(None)
         self.stopped.set()
         return {}
+
+    def record_recovery(self) -> None:
+        """Once a restored job runs again, add its recovery to the record (called from the
+        main loop: storage I/O stays off the RPC threads)."""
+        with self._lock:
+            if not self._recovery_pending or self.phase != "running":
+                return
+            self._recovery_pending = False
+        assert self.store is not None and self.restored_from is not None
+        try:
+            entry = self.store.record_recovery(self.restored_from, self.started, time.time())
+        except CheckpointError as exc:
+            log.error("cannot record the recovery: %s", exc)
+            return
+        log.info("recovered from checkpoint %d in %.2f s", entry["checkpoint"], entry["seconds"])
+        with self._lock:
+            self.recoveries.append(entry)
+            self.metrics.recovered(len(self.recoveries), entry["seconds"])
+
+    def _last_recovery_seconds(self) -> float | None:
+        return float(self.recoveries[-1]["seconds"]) if self.recoveries else None
 
     def check_registration(self) -> None:
         with self._lock:
@@ -635,6 +721,7 @@ def main(argv: list[str] | None = None) -> int:
         print(exc, file=sys.stderr)
         return 2
     restore = None
+    store = None
     next_checkpoint = 1
     if spec.checkpoints is not None:
         try:
@@ -653,7 +740,7 @@ def main(argv: list[str] | None = None) -> int:
             log.error("checkpoint storage is unusable (%s); the job runs, checkpoints fail", exc)
         if args.restore:
             log.info("restoring from checkpoint %s", restore.id if restore else "(none)")
-    coordinator = Coordinator(spec, args.register_timeout, restore)
+    coordinator = Coordinator(spec, args.register_timeout, restore, store)
     try:
         server, port = start_server(f"{args.host}:{args.port}", [coordinator.handler()])
         metrics_port = coordinator.metrics.serve(args.host, args.metrics_port)
@@ -679,6 +766,7 @@ def main(argv: list[str] | None = None) -> int:
         threading.Thread(target=driver.run, name="checkpoints", daemon=True).start()
     while not coordinator.stopped.wait(0.2):
         coordinator.check_registration()
+        coordinator.record_recovery()
     if coordinator.restart:
         time.sleep(0.5)  # let the instances' command streams carry the stop
     server.stop(grace=1.0)

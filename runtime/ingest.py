@@ -30,8 +30,14 @@ and stages its rows (a later Push of the same part replaces them: a retried task
 at once, and answers `duplicate: true` for a transaction committed before, so a Spark
 micro-batch that is retried or committed twice is applied once; `keyshift.Ingest/Abort` with
 `{"transaction": t}` drops the staged parts. Parts nobody commits expire after `staged_ttl`.
-Batch ids and committed transactions are kept in memory (the last 100,000): they survive any
-retry of the client, not a restart of this instance (durability comes with checkpoints).
+Batch ids and committed transactions are remembered (the last 100,000), so any retry of the
+client is applied once.
+
+When the job takes checkpoints, the service keeps a durable log (keyshift.runtime.ingest_log):
+accepted rows and staged parts are written there before the reply, and after a crash the
+instance starts from it — the rows a checkpoint does not cover yet are replayed first, staged
+parts can still be committed, and the remembered ids are still there. Without checkpoints,
+everything is kept in memory and a restart of the instance forgets it.
 """
 
 from __future__ import annotations
@@ -52,7 +58,8 @@ import numpy.typing as npt
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from keyshift.runtime.records import ARROW_TYPES, EVENT_TIME, now_us, record_schema
+from keyshift.runtime.ingest_log import IngestLog, IngestLogError
+from keyshift.runtime.records import ARROW_TYPES, EVENT_TIME, SEQ, now_us, record_schema
 from keyshift.runtime.schema_check import check_records, why_invalid
 
 log = logging.getLogger("keyshift.ingest")
@@ -167,6 +174,23 @@ class CheckedRows:
     @property
     def rejected(self) -> int:
         return sum(r.count for r in self.rejections)
+
+    def to_table(self, fields: Sequence[str]) -> pa.Table:
+        """The valid rows as a table (rejections are not kept: they were answered)."""
+        columns = dict(zip(fields, self.columns, strict=True)) if self.num_rows else {}
+        if self.event_time is not None:
+            columns[EVENT_TIME] = self.event_time
+        return pa.table(columns) if columns else pa.table({})
+
+    @classmethod
+    def from_table(cls, table: pa.Table, fields: Sequence[str]) -> CheckedRows:
+        if table.num_rows == 0:
+            return cls([], None, 0)
+        columns = [table.column(name).combine_chunks() for name in fields]
+        event_time = (
+            table.column(EVENT_TIME).combine_chunks() if EVENT_TIME in table.column_names else None
+        )
+        return cls(columns, event_time, table.num_rows)
 
 
 @dataclass
@@ -381,7 +405,12 @@ class IngestService:
         on_reject: Callable[[str, Any, int], None],
         push_timeout: float = 30.0,
         staged_ttl: float = STAGED_TTL,
+        durable: IngestLog | None = None,
+        position: int | None = None,
     ) -> None:
+        """With `durable`, accepted rows are logged there before they are acknowledged, and the
+        service starts from what the log holds: after a recovery (`position`, the checkpoint's
+        sequence number) the rows from there on are taken first."""
         if max_pending < 1:
             raise ValueError(f"max_pending must be at least 1, got {max_pending}")
         self.fields = dict(fields)
@@ -399,6 +428,17 @@ class IngestService:
         self._seen: OrderedDict[str, None] = OrderedDict()
         self._in_flight: set[str] = set()
         self._staged: dict[str, _Staged] = {}
+        self._log = durable
+        self._replay: deque[pa.RecordBatch] = deque()
+        if durable is not None:
+            reopened = durable.reopen(position)
+            self._next_seq = reopened.next_seq
+            self._seen = reopened.seen
+            self._replay.extend(reopened.replay)
+            for transaction, parts in reopened.staged.items():
+                self._staged[transaction] = _Staged(
+                    {p: CheckedRows.from_table(t, list(self.fields)) for p, t in parts.items()}
+                )
 
     def handler(self) -> grpc.GenericRpcHandler[Any, Any]:
         return grpc.method_handlers_generic_handler(
@@ -410,9 +450,32 @@ class IngestService:
             },
         )
 
+    @property
+    def next_seq(self) -> int:
+        """The sequence number of the next row taken: the source's position."""
+        with self._cv:
+            if self._replay:
+                return int(self._replay[0].column(SEQ)[0].as_py())
+            if self._queue:
+                return int(self._queue[0].column(SEQ)[0].as_py())
+            return self._next_seq
+
+    def trim(self, position: int) -> None:
+        """A checkpoint with this source at `position` completed: the log may let go of the
+        rows below it."""
+        if self._log is None:
+            return
+        with self._cv:
+            try:
+                self._log.trim(position)
+            except IngestLogError as exc:  # the rows stay; the next checkpoint tries again
+                log.warning("cannot trim the ingest log: %s", exc)
+
     def take(self, timeout: float) -> pa.RecordBatch | None:
         """The next accepted batch, or None when none arrives within `timeout` seconds."""
         with self._cv:
+            if self._replay:
+                return self._replay.popleft()
             if not self._cv.wait_for(lambda: self._queue, timeout):
                 return None
             batch = self._queue.popleft()
@@ -422,12 +485,12 @@ class IngestService:
     def pending(self) -> int:
         """Accepted batches not yet taken."""
         with self._cv:
-            return len(self._queue)
+            return len(self._replay) + len(self._queue)
 
     def pending_rows(self) -> int:
         """Accepted rows not yet taken: the source's backlog."""
         with self._cv:
-            return sum(batch.num_rows for batch in self._queue)
+            return sum(batch.num_rows for batch in (*self._replay, *self._queue))
 
     def staged_rows(self) -> int:
         """Rows staged by open transactions."""
@@ -465,7 +528,7 @@ class IngestService:
             if (duplicate := self._begin_once(once, deadline, active)) is not None:
                 return duplicate
             try:
-                first_seq = self._enqueue([rows], deadline, active)
+                first_seq = self._enqueue([rows], deadline, active, once)
                 if once is not None:
                     self._remember(once)
             finally:
@@ -510,9 +573,10 @@ class IngestService:
                         "(the endpoint restarted or the parts expired); retry the whole batch",
                     )
                 chosen = [staged.parts[p] for p in dict.fromkeys(parts)]
-                first_seq = self._enqueue(chosen, deadline, active)
+                first_seq = self._enqueue(chosen, deadline, active, once)
                 self._staged.pop(transaction, None)
                 self._remember(once)
+                self._unstage(transaction)
             finally:
                 self._end_once(once)
         accepted = sum(r.num_rows for r in chosen)
@@ -532,6 +596,7 @@ class IngestService:
             )
         with self._cv:
             dropped = self._staged.pop(transaction, _Staged())
+            self._unstage(transaction)
         return {"dropped": len(dropped.parts)}
 
     def _stage(self, transaction: str, part: str, rows: CheckedRows) -> bool:
@@ -541,6 +606,13 @@ class IngestService:
             self._expire_staged()
             if f"transaction {transaction}" in self._seen:
                 return True
+            if self._log is not None:
+                try:
+                    self._log.stage(transaction, part, rows.to_table(list(self.fields)))
+                except IngestLogError as exc:
+                    raise IngestRefused(
+                        grpc.StatusCode.UNAVAILABLE, f"cannot keep the part durably: {exc}"
+                    ) from None
             staged = self._staged.setdefault(transaction, _Staged())
             staged.parts[part] = rows
             staged.touched = time.monotonic()
@@ -557,6 +629,15 @@ class IngestService:
                 "dropping transaction %r: not committed within %.0f s", transaction, self.staged_ttl
             )
             del self._staged[transaction]
+            self._unstage(transaction)
+
+    # Called with self._cv held.
+    def _unstage(self, transaction: str) -> None:
+        if self._log is not None:
+            try:
+                self._log.unstage(transaction)
+            except IngestLogError as exc:  # left over; the next start deletes them
+                log.warning("cannot delete the staged parts of %r: %s", transaction, exc)
 
     def _deadline(self, time_left: float | None) -> float:
         wait = self.push_timeout if time_left is None else min(self.push_timeout, time_left)
@@ -591,10 +672,15 @@ class IngestService:
 
     # Called with self._cv held.
     def _enqueue(
-        self, parts: Sequence[CheckedRows], deadline: float, active: Callable[[], bool]
+        self,
+        parts: Sequence[CheckedRows],
+        deadline: float,
+        active: Callable[[], bool],
+        once: str | None,
     ) -> int | None:
         """Queue the rows of `parts` together (one batch each): the bound is checked once, so
-        a transaction is applied whole even when it is larger than the queue."""
+        a transaction is applied whole even when it is larger than the queue. With a durable
+        log they are logged first, under their once-id, and only then queued."""
         self._refuse_if_closed()
         parts = [rows for rows in parts if rows.num_rows]
         if not parts:
@@ -603,9 +689,19 @@ class IngestService:
             self._wait(deadline, active)
         first_seq = self._next_seq
         stamp = now_us()
+        batches, seq = [], first_seq
         for rows in parts:
-            self._queue.append(self._batch(rows, self._next_seq, stamp))
-            self._next_seq += rows.num_rows
+            batches.append(self._batch(rows, seq, stamp))
+            seq += rows.num_rows
+        if self._log is not None:
+            try:
+                self._log.append(first_seq, batches, once)
+            except IngestLogError as exc:
+                raise IngestRefused(
+                    grpc.StatusCode.UNAVAILABLE, f"cannot log the rows durably: {exc}"
+                ) from None
+        self._queue.extend(batches)
+        self._next_seq = seq
         self._cv.notify_all()
         return first_seq
 

@@ -41,7 +41,9 @@ class LogRetention:
         return self._committed
 
     def unread(self) -> int:
-        return self._writer.end_offset - self._committed
+        """Records readers could read and have not: what is not published yet does not
+        count (readers cannot catch up on it; the next checkpoint publishes it)."""
+        return self._writer.visible_offset - self._committed
 
     def poll(self) -> None:
         """Read the readers' offsets now and then, and trim what all of them have read."""
@@ -51,8 +53,8 @@ class LogRetention:
         offsets = reader_offsets(self._path)
         partition = self._writer.partition
         committed = min(offsets.get(r, {}).get(partition, 0) for r in self._readers)
-        # A reader cannot commit what was never written; clamp a confused one.
-        self._committed = max(self._committed, min(committed, self._writer.end_offset))
+        # A reader cannot commit what it could not read; clamp a confused one.
+        self._committed = max(self._committed, min(committed, self._writer.visible_offset))
         self._writer.trim(self._committed)
 
     def blocked(self) -> bool:

@@ -56,6 +56,8 @@ class MetricName(StrEnum):
     CHECKPOINT_SECONDS = "keyshift_checkpoint_duration_seconds"
     CHECKPOINT_BYTES = "keyshift_checkpoint_size_bytes"
     CHECKPOINT_COMPLETED_TIME = "keyshift_checkpoint_last_completed_timestamp_seconds"
+    RECOVERIES = "keyshift_recoveries_total"
+    RECOVERY_SECONDS = "keyshift_recovery_duration_seconds"
 
 
 COUNTERS = (
@@ -102,6 +104,10 @@ HELP: dict[MetricName, str] = {
     "(incremental) and named by it (full).",
     MetricName.CHECKPOINT_COMPLETED_TIME: "When the last checkpoint completed (Unix seconds; "
     "its age is time() minus this).",
+    MetricName.RECOVERIES: "Restarts of the job from a checkpoint after a lost process, over "
+    "the job's life (kept with its checkpoints).",
+    MetricName.RECOVERY_SECONDS: "Seconds the last recovery took, from the failure noticed to "
+    "the job running again.",
 }
 
 
@@ -268,6 +274,9 @@ class CoordinatorMetrics:
         self._checkpoint_completed = gauge(
             MetricName.CHECKPOINT_COMPLETED_TIME, ("job",), self.registry
         )
+        self._recoveries = counter(MetricName.RECOVERIES, ("job",), self.registry)
+        self._recovery_seconds = gauge(MetricName.RECOVERY_SECONDS, ("job",), self.registry)
+        self._recoveries_counted = 0
 
     def set_parallelism(self, stage: str, parallelism: int) -> None:
         self._parallelism.labels(self.job, stage).set(parallelism)
@@ -286,6 +295,13 @@ class CoordinatorMetrics:
             self._checkpoint_bytes.labels(self.job, "incremental").set(outcome.written)
             self._checkpoint_bytes.labels(self.job, "full").set(outcome.full)
             self._checkpoint_completed.labels(self.job).set(outcome.started + outcome.seconds)
+
+    def recovered(self, total: int, last_seconds: float | None) -> None:
+        """The job's recoveries so far (the counter only goes up to `total`)."""
+        self._recoveries.labels(self.job).inc(max(total - self._recoveries_counted, 0))
+        self._recoveries_counted = max(total, self._recoveries_counted)
+        if last_seconds is not None:
+            self._recovery_seconds.labels(self.job).set(last_seconds)
 
     def set_phase(self, phase: str) -> None:
         for name in PHASES:

@@ -16,6 +16,13 @@ Readers that must see every record (named in the sink's `readers`) record how fa
 read in ``<path>/_readers/<name>.json`` (``{"<partition>": offset}``); the writer may then trim
 a partition: it writes ``<partition>/trimmed`` (the first offset still kept) and deletes the
 segments below it. Offsets never change; reading below the trimmed offset is an error.
+
+A job that takes checkpoints *publishes* its output: ``<partition>/published`` holds the offset
+below which records are final, and readers see nothing past it (as Kafka's read_committed
+consumers, or Flink's two-phase-commit sinks). The sink moves it up to a checkpoint's offset
+once that checkpoint is complete, and to the end when the job finishes; a recovery truncates
+the log back to its checkpoint's offset, so what readers saw is never made again. Without
+the file, every complete segment is visible.
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import logging
 import os
 import re
 from collections.abc import Callable, Iterable
@@ -43,7 +51,10 @@ FORMATS: Final = ("jsonl", "parquet", "none")
 OFFSET_COLUMN: Final = "offset"
 TMP_SUFFIX: Final = ".tmp"
 TRIMMED_FILE: Final = "trimmed"
+PUBLISHED_FILE: Final = "published"
 READERS_DIR: Final = "_readers"
+
+log = logging.getLogger("keyshift.output_log")
 
 _SEGMENT_NAME = re.compile(r"^(\d{20})-(\d{20})\.(jsonl|parquet)$")
 _PARTITION_NAME = re.compile(r"^part-(\d{5,})$")
@@ -78,21 +89,29 @@ class Segment:
         return self.end - self.start
 
 
-def trimmed_offset(partition_dir: Path) -> int:
-    """The first offset a partition still keeps (0 until it is trimmed)."""
+def _offset_file(path: Path) -> int | None:
+    """The offset an offset file holds; None when there is no such file."""
     try:
-        text = (partition_dir / TRIMMED_FILE).read_text()
+        text = path.read_text()
     except FileNotFoundError:
-        return 0
+        return None
     try:
         offset = int(text)
     except ValueError:
-        raise OutputLogError(
-            f"corrupt output log: {partition_dir / TRIMMED_FILE} holds {text[:40]!r}"
-        ) from None
+        raise OutputLogError(f"corrupt output log: {path} holds {text[:40]!r}") from None
     if offset < 0:
-        raise OutputLogError(f"corrupt output log: {partition_dir / TRIMMED_FILE} is negative")
+        raise OutputLogError(f"corrupt output log: {path} is negative")
     return offset
+
+
+def trimmed_offset(partition_dir: Path) -> int:
+    """The first offset a partition still keeps (0 until it is trimmed)."""
+    return _offset_file(partition_dir / TRIMMED_FILE) or 0
+
+
+def published_offset(partition_dir: Path) -> int | None:
+    """The offset below which a partition's records are final (None: all of them are)."""
+    return _offset_file(partition_dir / PUBLISHED_FILE)
 
 
 def list_segments(partition_dir: Path) -> list[Segment]:
@@ -301,6 +320,7 @@ class OutputLogWriter:
         self._closed = False
         self._next_segment_start = 0
         self._trimmed = 0
+        self._published: int | None = None
         if format != "none":
             self._dir.mkdir(parents=True, exist_ok=True)
             for entry in os.scandir(self._dir):
@@ -308,6 +328,7 @@ class OutputLogWriter:
                     with contextlib.suppress(FileNotFoundError):
                         os.unlink(entry.path)
             self._trimmed = trimmed_offset(self._dir)
+            self._published = published_offset(self._dir)
             self._delete_trimmed()
             segments = list_segments(self._dir)
             self._next_segment_start = segments[-1].end if segments else self._trimmed
@@ -343,6 +364,25 @@ class OutputLogWriter:
     def trimmed_offset(self) -> int:
         """The first offset still kept in the partition's files."""
         return self._trimmed
+
+    @property
+    def visible_offset(self) -> int:
+        """The offset readers can read up to: the published one, if the log publishes."""
+        end = self.end_offset
+        return end if self._published is None else min(self._published, end)
+
+    def publish(self, offset: int) -> None:
+        """Let readers see the records below `offset` (in segments: flush first)."""
+        if self._format == "none" or offset == self._published:
+            return
+        if offset > self._next_segment_start:
+            raise OutputLogError(
+                f"cannot publish offset {offset} of partition {self._partition}: its segments "
+                f"end at {self._next_segment_start}"
+            )
+        text = str(offset).encode()
+        _write_atomically(self._dir / PUBLISHED_FILE, lambda f: f.write(text))
+        self._published = offset
 
     def trim(self, below: int) -> int:
         """Delete the complete segments that end at or below `below`; the records deleted.
@@ -388,6 +428,16 @@ class OutputLogWriter:
                 raise OutputLogError(
                     f"offset {offset} is inside segment {seg.path.name}, not at a boundary"
                 )
+        if self._published is not None and offset < self._published:
+            # Only a recovery that had to skip a corrupt checkpoint goes back this far: readers
+            # may have read records that are now made again.
+            log.error(
+                "partition %d goes back to offset %d, below the published %d: readers may see "
+                "records %d..%d again",
+                self._partition, offset, self._published, offset, self._published - 1,
+            )  # fmt: skip
+            self.publish(offset)
+        for seg in reversed(segments):
             if seg.start >= offset:
                 seg.path.unlink()
                 dropped += seg.records
@@ -576,11 +626,15 @@ class OutputLogReader:
         return list_segments(part_dir)
 
     def end_offset(self, partition: int) -> int:
-        """The offset after the last complete segment (0 for an empty partition)."""
-        segments = self.segments(partition)
-        if segments:
-            return segments[-1].end
-        return trimmed_offset(self._path / partition_dir_name(partition))
+        """The offset after the last visible record: the last complete segment's end, or the
+        published offset if it is lower (the trimmed offset for an empty partition)."""
+        return self._visible_end(partition, self.segments(partition))
+
+    def _visible_end(self, partition: int, segments: list[Segment]) -> int:
+        part_dir = self._path / partition_dir_name(partition)
+        end = segments[-1].end if segments else trimmed_offset(part_dir)
+        published = published_offset(part_dir)
+        return end if published is None else max(min(end, published), trimmed_offset(part_dir))
 
     def start_offset(self, partition: int) -> int:
         """The first offset still readable (0 unless the partition was trimmed)."""
@@ -604,7 +658,7 @@ class OutputLogReader:
                 f"offsets below {trimmed} of partition {partition} of output log {self._path} "
                 f"were deleted after every named reader committed them; cannot read from {start}"
             )
-        end = segments[-1].end if segments else trimmed
+        end = self._visible_end(partition, segments)
         stop = end if stop is None else min(stop, end)
         wanted = [s for s in segments if s.end > start and s.start < stop]
         if not wanted:

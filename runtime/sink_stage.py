@@ -1,6 +1,9 @@
 """The sink stage loop: measure end-to-end latency, and append updates to the ordered output
 log (or hand them to a user's function). While a named reader of the log lags too far behind,
-the loop takes no records (keyshift.runtime.log_retention): the job is backpressured.
+the loop takes no records (keyshift.runtime.log_retention): the job is backpressured. A job
+with checkpoints publishes its log up to each completed checkpoint's offset, and all of it
+when the job finishes (keyshift.runtime.output_log): readers never see output a recovery
+would make again.
 
 Called by `keyshift.runtime.instance` for instances of the job's sink stage.
 """
@@ -13,7 +16,7 @@ from collections import deque
 
 import numpy as np
 
-from keyshift.runtime.checkpointing import SINK_ACK, BarrierAligner
+from keyshift.runtime.checkpointing import CHECKPOINT_COMPLETE, SINK_ACK, BarrierAligner
 from keyshift.runtime.instance import InstanceContext
 from keyshift.runtime.job import FunctionSink, resolve_function
 from keyshift.runtime.log_retention import LogRetention
@@ -41,6 +44,8 @@ def run(ctx: InstanceContext) -> None:
         if offset is not None:
             # What came after the checkpoint is made again by the replay from its positions.
             writer.truncate(offset)
+        if spec.checkpoints is not None:
+            writer.publish(writer.end_offset)  # an earlier run's output, or the checkpoint's
     ctx.wait_topology()
     ended: set[str] = set()
     aligner = BarrierAligner()
@@ -53,8 +58,12 @@ def run(ctx: InstanceContext) -> None:
     # current upstream instance has ended its stream (retired ones are no longer upstream).
     while not ctx.upstream_names(spec.keyed.name) <= ended:
         ctx.check()
-        while ctx.next_command() is not None:
-            pass  # topology updates are read through ctx.upstream_names
+        while (command := ctx.next_command()) is not None:
+            # Topology updates are read through ctx.upstream_names.
+            if command.get("type") == CHECKPOINT_COMPLETE and writer is not None:
+                published = command["outputs"].get(str(ctx.index))
+                if published is not None:
+                    writer.publish(int(published))
         if writer is not None:
             retention.poll()
             if retention.blocked():
@@ -112,4 +121,6 @@ def run(ctx: InstanceContext) -> None:
         metrics.count(MetricName.BUSY_SECONDS, time.perf_counter() - t0)
     if writer is not None:
         writer.close()
+        if spec.checkpoints is not None:
+            writer.publish(writer.end_offset)  # the job is done: all of it is final
         ctx.extra_stats["output_offset"] = writer.end_offset

@@ -13,12 +13,14 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import grpc
 import numpy as np
 import pyarrow as pa
 
-from keyshift.runtime.checkpointing import SOURCE_ACK
+from keyshift.runtime.checkpointing import CHECKPOINT_COMPLETE, SOURCE_ACK
 from keyshift.runtime.generator import KeyGenerator, Pacer, instance_total, rate_at
-from keyshift.runtime.ingest import IngestService
+from keyshift.runtime.ingest import REMEMBERED_BATCH_IDS, IngestService
+from keyshift.runtime.ingest_log import IngestLog, ingest_log_url
 from keyshift.runtime.instance import InstanceContext
 from keyshift.runtime.job import GeneratorSource, IngestSource, JobSpec, resolve_function
 from keyshift.runtime.keyspace import Assignment, key_groups
@@ -37,7 +39,14 @@ from keyshift.runtime.records import (
     split_by_owner,
 )
 from keyshift.runtime.schema_check import check_records
-from keyshift.runtime.transport import BARRIER, MARKER, TransportError, start_server
+from keyshift.runtime.storage import StorageError
+from keyshift.runtime.transport import (
+    BARRIER,
+    MARKER,
+    PortInUseError,
+    TransportError,
+    start_server,
+)
 
 log = logging.getLogger("keyshift.source")
 Transform = tuple[str, Callable[..., Any]]
@@ -171,6 +180,14 @@ class Emitter:
         self.router = router
         self.transforms = _transforms(ctx.spec)
         self.emitted = 0
+        # A source that keeps what it emitted until a checkpoint covers it lets go of it here.
+        self.on_complete: Callable[[int], None] = lambda position: None
+
+    def start_at(self, position: int) -> None:
+        """Count from `position` (a recovery's, or an ingest log's next sequence number); the
+        coordinator learns it at once, so even a source that ends without emitting has one."""
+        self.emitted = position
+        self.ctx.extra_stats["emitted"] = position
 
     def emit(self, batch: pa.RecordBatch, started: float) -> None:
         spec = self.ctx.spec
@@ -192,6 +209,8 @@ class Emitter:
         while (command := self.ctx.next_command()) is not None:
             if command.get("type") == "checkpoint":
                 self.barrier(command)
+            elif command.get("type") == CHECKPOINT_COMPLETE:
+                self.on_complete(int(command["sources"].get(str(self.ctx.index), 0)))
             else:
                 self.router.handle(command)
 
@@ -216,21 +235,30 @@ def run(ctx: InstanceContext) -> None:
 
 
 def run_ingest(ctx: InstanceContext, config: IngestSource, emitter: Emitter) -> None:
-    """Rows pushed by clients (keyshift.runtime.ingest_client; the PySpark writer) flow on."""
+    """Rows pushed by clients (keyshift.runtime.ingest_client; the PySpark writer) flow on.
+    With checkpoints, what is accepted is logged durably first and replayed after a crash."""
     spec = ctx.spec
-    if ctx.restore is not None:
-        raise RuntimeError(
-            "an ingest source cannot be replayed from a checkpoint yet (it keeps no log of "
-            "accepted rows): this job cannot recover"
-        )
+    durable = None
+    if spec.checkpoints is not None:
+        settings = spec.checkpoints
+        url = ingest_log_url(settings.storage, ctx.stage, ctx.index)
+        try:
+            durable = IngestLog(url, settings.storage_options, REMEMBERED_BATCH_IDS)
+        except StorageError as exc:
+            raise RuntimeError(f"the ingest source keeps its log at {url}: {exc}") from None
+    position = int(ctx.restore.sources.get(str(ctx.index), 0)) if ctx.restore else None
     service = IngestService(
         spec.fields,
         ctx.index,
         max_pending=spec.batching.credits,
         # The first word of a reason is the metric's label.
         on_reject=lambda reason, sample, count: ctx.reject(f"ingest {reason}", sample, count),
+        durable=durable,
+        position=position,
     )
-    server, port = start_server(f"{ctx.host}:{config.port}", [service.handler()])
+    emitter.start_at(service.next_seq)
+    emitter.on_complete = service.trim
+    server, port = _listen(ctx, config.port, durable, service)
     ctx.extra_stats["ingest_address"] = f"{ctx.host}:{port}"
     linger = spec.batching.linger_ms / 1000.0
     try:
@@ -256,6 +284,25 @@ def run_ingest(ctx: InstanceContext, config: IngestSource, emitter: Emitter) -> 
         server.stop(grace=0.5)
 
 
+def _listen(
+    ctx: InstanceContext, port: int, durable: IngestLog | None, service: IngestService
+) -> tuple[grpc.Server, int]:
+    """Serve the ingest endpoint. Without a configured port, a restarted instance listens
+    where it did before if it can, so its clients (a Spark writer) find it again."""
+    previous = durable.last_port() if durable is not None and port == 0 else None
+    server = None
+    if previous is not None:
+        try:
+            server, port = start_server(f"{ctx.host}:{previous}", [service.handler()])
+        except PortInUseError:
+            log.warning("ingest port %d is taken now; clients must be told the new one", previous)
+    if server is None:
+        server, port = start_server(f"{ctx.host}:{port}", [service.handler()])
+    if durable is not None and port != previous:
+        durable.remember_port(port)
+    return server, port
+
+
 def run_generator(ctx: InstanceContext, config: GeneratorSource, emitter: Emitter) -> None:
     spec = ctx.spec
     parallelism = spec.source.parallelism
@@ -270,7 +317,7 @@ def run_generator(ctx: InstanceContext, config: GeneratorSource, emitter: Emitte
     # After a crash the source replays from the checkpoint's position, on the profile's clock
     # as of that position.
     seq = int(ctx.restore.sources.get(str(ctx.index), 0)) if ctx.restore else 0
-    emitter.emitted = seq
+    emitter.start_at(seq)
     resumed = pacer.elapsed_at(seq)
     start = time.monotonic() - resumed
     started_us = now_us() - int(resumed * 1e6)

@@ -26,13 +26,17 @@ from tests.test_rescale import SERVICE, rescale_via, truth
 
 SOURCE = {"kind": "generator", "keys": 3000, "distribution": "zipf", "seed": 9,
           "profile": {"rate": 20000}, "total": 200_000}  # fmt: skip
+# Long enough for checkpoints before and after a rescale on a loaded machine.
+LONGER = {**SOURCE, "total": 400_000}
 GROUPS = 256
 
 
-def checkpointed_job(out: Path, storage: str, **checkpoints: Any) -> dict[str, Any]:
+def checkpointed_job(
+    out: Path, storage: str, source: dict[str, Any] = SOURCE, **checkpoints: Any
+) -> dict[str, Any]:
     return count_job(
         max_key_groups=GROUPS,
-        source={"parallelism": 2, "config": SOURCE},
+        source={"parallelism": 2, "config": source},
         keyed={"name": "counts", "parallelism": 2},
         sink={"parallelism": 2, "config": {"kind": "log", "path": str(out), "format": "jsonl",
                                            "segment_records": 5000}},
@@ -47,7 +51,7 @@ def checkpoints_of(local: Any) -> dict[str, Any]:
 
 def test_every_checkpoint_is_a_consistent_cut_through_a_rescale(tmp_path: Path) -> None:
     out, storage = tmp_path / "out", tmp_path / "checkpoints"
-    with running_job(tmp_path, checkpointed_job(out, str(storage))) as local:
+    with running_job(tmp_path, checkpointed_job(out, str(storage), LONGER)) as local:
         wait_for(lambda: checkpoints_of(local)["completed"] >= 3, 60, "three checkpoints")
         client = JsonClient(local.address, SERVICE)
         try:
@@ -69,7 +73,7 @@ def test_every_checkpoint_is_a_consistent_cut_through_a_rescale(tmp_path: Path) 
         epochs.add(meta.epochs["counts"])
         assert sorted(meta.groups) == list(range(GROUPS))
         positions = [meta.sources[str(s)] for s in range(2)]
-        expected, _ = truth(SOURCE, positions)
+        expected, _ = truth(LONGER, positions)
         state = AggregateState("count", GROUPS, pa.int64())
         state.restore(read_groups(store, meta.groups, state.snapshot_groups([]).schema))
         assert state.items() == dict(expected), f"checkpoint {checkpoint} is not a cut"

@@ -8,15 +8,10 @@ into an empty store, which must equal the state it was taken from.
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import time
-import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import boto3
 import numpy as np
 import pyarrow as pa
 import pytest
@@ -30,45 +25,10 @@ from keyshift.runtime.checkpoint_store import (
 )
 from keyshift.runtime.state import AggregateState, ProcessState
 from keyshift.runtime.state_checkpoint import read_groups, write_groups
-from tests.prometheus_server import free_port
+from tests.s3_server import s3_bucket, s3_endpoint, s3_options  # noqa: F401 (a fixture)
 from tests.test_state import G, make_batch
 
 ALL_GROUPS = list(range(G))
-
-
-@pytest.fixture(scope="module")
-def s3_endpoint() -> Iterator[str]:
-    """moto's S3 server as its own process on a free loopback port."""
-    port = free_port()
-    server = subprocess.Popen(
-        [str(Path(sys.executable).with_name("moto_server")), "-H", "127.0.0.1", "-p", str(port)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                urllib.request.urlopen(url, timeout=1).close()
-                break
-            except OSError:
-                if time.monotonic() > deadline or server.poll() is not None:
-                    raise RuntimeError("moto_server did not start") from None
-                time.sleep(0.1)
-        yield url
-    finally:
-        server.terminate()
-        server.wait(timeout=10)
-
-
-def s3_options(endpoint: str) -> dict[str, Any]:
-    return {
-        "key": "testing",
-        "secret": "testing",
-        "use_listings_cache": False,
-        "client_kwargs": {"endpoint_url": endpoint, "region_name": "us-east-1"},
-    }
 
 
 @pytest.fixture(params=["local", "s3"])
@@ -76,14 +36,7 @@ def store(request: pytest.FixtureRequest, tmp_path: Path) -> CheckpointStore:
     if request.param == "local":
         return CheckpointStore(str(tmp_path / "checkpoints"))
     endpoint = request.getfixturevalue("s3_endpoint")
-    bucket = f"ckpt-{time.monotonic_ns()}"
-    boto3.client(
-        "s3",
-        endpoint_url=endpoint,
-        region_name="us-east-1",
-        aws_access_key_id="testing",
-        aws_secret_access_key="testing",
-    ).create_bucket(Bucket=bucket)
+    bucket = s3_bucket(endpoint, "ckpt")
     return CheckpointStore(f"s3://{bucket}/job-a", s3_options(endpoint))
 
 

@@ -3,26 +3,37 @@ an instance in the middle of a hot-first migration, while `keyshift run` runs a 
 job under load. The host restarts the job from its latest checkpoint; at the end every record
 was applied exactly once and in order per key (tests.job_fns:track outputs each record's
 (count, source, seq)), and the final counts equal the truth computed from the sources' seeds.
+
+A job fed through its ingest endpoint recovers the same way when its source instance is
+killed: what the endpoint acknowledged is replayed from its log, a client's retry is applied
+once, and a reader of the output log never sees a record that the recovery makes again.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import signal
+import threading
+import urllib.request
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+import pyarrow as pa
 import pytest
 import yaml
 
 from keyshift.runtime.generator import instance_total
-from keyshift.runtime.transport import JsonClient
+from keyshift.runtime.ingest_client import IngestClient, IngestError
+from keyshift.runtime.output_log import OutputLogReader
+from keyshift.runtime.transport import JsonClient, TransportError
 from tests.conftest import children_of, cli, wait_for
 from tests.prometheus_server import free_port
 from tests.test_autoscaling_live import Output
-from tests.test_checkpointing_live import checkpoints_of
-from tests.test_rescale import SERVICE, check_output, tracked_job
+from tests.test_rescale import SERVICE, applied_once, check_output, tracked_job
 
 pytestmark = pytest.mark.slow
 
@@ -41,11 +52,21 @@ class Run:
     def status(self) -> dict[str, Any]:
         return self.client.call("Status", timeout=5.0)  # type: ignore[no-any-return]
 
-    def completed(self) -> int:
+    def status_now(self) -> dict[str, Any] | None:
+        """The status, or None while the coordinator is (re)starting: for polling."""
         try:
-            return int(checkpoints_of(self)["completed"])
-        except Exception:  # the coordinator is restarting
-            return 0
+            return self.status()
+        except TransportError:
+            return None
+
+    def completed(self) -> int:
+        status = self.status_now()
+        return int(status["checkpoints"]["completed"]) if status else 0
+
+    def ingest_address(self) -> str | None:
+        status = self.status_now()
+        instances = status["stages"][0]["instances"] if status else []
+        return instances[0]["stats"].get("ingest_address") if instances else None
 
     def pid_of(self, stage: str, index: int) -> int:
         stages = {s["name"]: s for s in self.status()["stages"]}
@@ -53,15 +74,21 @@ class Run:
         return int(instance["pid"])
 
 
-def run_and_crash(tmp_path: Path, crash: Any) -> None:
-    out = tmp_path / "out"
-    job = tracked_job(out, SOURCE, keyed=2)
+def start_run(tmp_path: Path, job: dict[str, Any]) -> tuple[Any, int]:
+    """`keyshift run` of `job` with checkpoints every 0.5 s: the cli context and its port."""
     job["checkpoints"] = {"interval": 0.5, "storage": str(tmp_path / "checkpoints")}
     job_file = tmp_path / "job.yaml"
     job_file.write_text(yaml.safe_dump(job))
     port = free_port()
-    with cli(["run", str(job_file), "--no-view", "--port", str(port),
-              "--log-dir", str(tmp_path / "logs")]) as proc:  # fmt: skip
+    args = ["run", str(job_file), "--no-view", "--port", str(port),
+            "--log-dir", str(tmp_path / "logs")]  # fmt: skip
+    return cli(args), port
+
+
+def run_and_crash(tmp_path: Path, crash: Any) -> None:
+    out = tmp_path / "out"
+    context, port = start_run(tmp_path, tracked_job(out, SOURCE, keyed=2))
+    with context as proc:
         output = Output(proc)
         run = Run(proc, f"127.0.0.1:{port}")
         try:
@@ -103,10 +130,128 @@ def test_a_kill_during_a_hot_first_migration_recovers(tmp_path: Path) -> None:
         run.client.call("Rescale", {"stage": "track", "parallelism": 3, "strategy": "hot-first"})
 
         def moving() -> bool:
-            rescale = run.status()["rescale"]
+            rescale = (run.status_now() or {}).get("rescale")
             return bool(rescale) and rescale["phase"] in ("moving", "retiring")
 
         wait_for(moving, 60, "the rescale to move state")
         os.kill(run.pid_of("track", 0), signal.SIGKILL)  # the old owner, mid-move
 
     run_and_crash(tmp_path, crash)
+
+
+def coordinator_metrics(tmp_path: Path) -> str:
+    """What the running coordinator of `start_run`'s job exports."""
+    ready = json.loads((tmp_path / "logs" / "coordinator.ready").read_text())
+    with urllib.request.urlopen(f"http://127.0.0.1:{ready['metrics_port']}/metrics") as reply:
+        return reply.read().decode()  # type: ignore[no-any-return]
+
+
+class Pusher:
+    """Pushes batches of known rows into an ingest endpoint on a thread, each with its batch id,
+    retrying a batch until it is acknowledged (applied now, or before: a duplicate)."""
+
+    RETRY = frozenset({"UNAVAILABLE", "RESOURCE_EXHAUSTED", "DEADLINE_EXCEEDED", "CANCELLED"})
+
+    def __init__(self, endpoint: str, batches: int, rows: int) -> None:
+        rng = np.random.default_rng(5)
+        self.tables = [
+            pa.table({"key": rng.zipf(1.2, rows) % 500, "value": np.ones(rows)})
+            for _ in range(batches)
+        ]
+        self.endpoint = endpoint
+        self.acked = 0
+        self.retries = 0
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        try:
+            for i, table in enumerate(self.tables):
+                while not self._push(table, f"b{i}"):
+                    self.retries += 1
+                self.acked += 1
+                threading.Event().wait(0.02)  # a steady stream, still flowing at the crash
+        except BaseException as exc:  # reported by the test
+            self.error = exc
+
+    def _push(self, table: pa.Table, batch_id: str) -> bool:
+        try:
+            with IngestClient(self.endpoint) as client:
+                client.push(table, batch_id=batch_id, timeout=10)
+            return True
+        except IngestError as exc:
+            if exc.code is None or exc.code.name not in self.RETRY:
+                raise
+            threading.Event().wait(0.1)
+            return False
+
+    def truth(self) -> Counter[int]:
+        return Counter(k for t in self.tables for k in t.column("key").to_pylist())
+
+
+class LogWatcher:
+    """Reads the output log on a thread as a Spark sink query would, remembering each record
+    it saw by (partition, offset)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.seen: dict[tuple[int, int], tuple[Any, ...]] = {}
+        self.stop = threading.Event()
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        ends: dict[int, int] = {}
+        try:
+            while not self.stop.wait(0.1):
+                if not self.path.exists():
+                    continue
+                reader = OutputLogReader(self.path)
+                for p in reader.partitions():
+                    for row in reader.read(p, ends.get(p, 0)).to_pylist():
+                        self.seen[(p, row["offset"])] = tuple(row.values())
+                        ends[p] = row["offset"] + 1
+        except BaseException as exc:  # reported by the test
+            self.error = exc
+
+
+def test_a_killed_ingest_source_replays_what_it_acknowledged(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    job = tracked_job(out, {"kind": "ingest"}, keyed=2, sources=1)
+    context, port = start_run(tmp_path, job)
+    with context as proc:
+        output = Output(proc)
+        run = Run(proc, f"127.0.0.1:{port}")
+        watcher = LogWatcher(out)
+        try:
+            endpoint = wait_for(run.ingest_address, 60, "the ingest endpoint")
+            pusher = Pusher(endpoint, batches=300, rows=200)
+            wait_for(lambda: run.completed() >= 2 and pusher.acked > 60, 60, "checkpoints")
+            os.kill(run.pid_of("source", 0), signal.SIGKILL)
+            recoveries = lambda: (run.status_now() or {}).get("recoveries") or {}  # noqa: E731
+            wait_for(lambda: recoveries().get("total"), 60, "the recovery")
+            last = recoveries()["last"]
+            assert last["reason"].startswith("instance source/0") and last["seconds"] > 0, last
+            assert 'keyshift_recoveries_total{job="t"} 1.0' in coordinator_metrics(tmp_path)
+            wait_for(lambda: pusher.acked == 300 or pusher.error, 120, "every batch acked")
+            assert pusher.error is None, pusher.error
+            os.kill(proc.pid, signal.SIGINT)  # drain
+            code = proc.wait(timeout=60)
+        finally:
+            run.client.close()
+            watcher.stop.set()
+            watcher.thread.join(timeout=10)
+        assert code == 0, output.text()
+    assert watcher.error is None, watcher.error
+    counts, seen = applied_once(out)
+    assert counts == pusher.truth()
+    assert seen == {(0, q) for q in range(300 * 200)}
+    final = OutputLogReader(out).read_all(with_partition=True).to_pylist()
+    now = {(row.pop("partition"), row["offset"]): tuple(row.values()) for row in final}
+    changed = [key for key, row in watcher.seen.items() if now.get(key) != row]
+    assert not changed, f"records read during the run changed afterwards: {changed[:5]}"
+    assert len(watcher.seen) > 0
+    assert "recovered from checkpoint" in output.text()
+    assert pusher.retries > 0  # the crash interrupted the stream

@@ -54,8 +54,9 @@ def truth(source: dict[str, Any], emitted: list[int]) -> tuple[Counter[int], set
     return counts, records
 
 
-def check_output(out: Path, source: dict[str, Any], emitted: list[int]) -> None:
-    """Exactly once, in order per key and sender, and the final counts equal the truth.
+def applied_once(out: Path) -> tuple[Counter[int], set[tuple[int, int]]]:
+    """Check that every record in the output was applied once, in order per key and sender;
+    the records applied per key, and the (source, seq) of every record.
 
     Each output carries the key's count after applying one record, so sorting a key's outputs
     by count gives the order its records were applied in, wherever the key lived meanwhile
@@ -77,10 +78,16 @@ def check_output(out: Path, source: dict[str, Any], emitted: list[int]) -> None:
             assert seq > last.get(sender, -1), f"key {key}: seq {seq} of {sender} out of order"
             last[sender] = seq
             seen[(sender, seq)] += 1
+    assert not seen or max(seen.values()) == 1, "a record was applied twice"
+    return Counter({k: len(v) for k, v in applied.items()}), set(seen)
+
+
+def check_output(out: Path, source: dict[str, Any], emitted: list[int]) -> None:
+    """Exactly once, in order per key and sender, and the final counts equal the truth."""
+    counts, seen = applied_once(out)
     counts_truth, records = truth(source, emitted)
-    assert set(seen) == records, f"{len(records - set(seen))} records lost"
-    assert max(seen.values()) == 1, "a record was applied twice"
-    assert {k: len(v) for k, v in applied.items()} == dict(counts_truth)
+    assert seen == records, f"{len(records - seen)} records lost"
+    assert counts == counts_truth
 
 
 def run_with_rescales(

@@ -1,0 +1,196 @@
+"""The coordinator's side of checkpoints and recoveries (keyshift.runtime.checkpointing's
+CheckpointDriver with keyshift.runtime.coordinator's Coordinator), in this process: the
+instances are played by calls to the coordinator's Register and Report, the checkpoints go to
+a real store in a temporary directory.
+
+A source that has ended is in every later checkpoint at its final position (a recovery must
+not replay it); a checkpoint the job's end cuts short is abandoned, not failed; sources and
+sinks are told when a checkpoint is complete; a restarted coordinator records its recovery
+with the failure's reason and time.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from pathlib import Path
+from typing import Any
+
+from keyshift.runtime.checkpoint_store import CheckpointStore
+from keyshift.runtime.checkpointing import (
+    CHECKPOINT_COMPLETE,
+    KEYED_ACK,
+    SINK_ACK,
+    SOURCE_ACK,
+    CheckpointDriver,
+    CheckpointOutcome,
+)
+from keyshift.runtime.coordinator import Coordinator
+from keyshift.runtime.job import parse_job
+from tests.conftest import count_job
+
+STAGES = {"source": 2, "counts": 1, "sink": 1}
+
+
+class Gone:
+    """The gRPC context of a command stream whose instance died."""
+
+    def is_active(self) -> bool:
+        return False
+
+
+class Job:
+    """A coordinator whose instances are played by the test."""
+
+    def __init__(self, tmp_path: Path, store: CheckpointStore | None = None, **kw: Any) -> None:
+        spec = parse_job(
+            count_job(
+                source={"parallelism": 2},
+                keyed={"parallelism": 1},
+                sink={"parallelism": 1},
+                checkpoints={"storage": str(tmp_path / "checkpoints"), "timeout": 5},
+            )
+        )
+        self.store = store or CheckpointStore(str(tmp_path / "checkpoints"))
+        self.coordinator = Coordinator(spec, 30.0, store=self.store, **kw)
+        self.driver = CheckpointDriver(
+            self.coordinator,
+            spec.checkpoints,
+            self.store,
+            "counts",
+            threading.Event(),  # type: ignore[arg-type]
+        )
+        for stage, n in STAGES.items():
+            for index in range(n):
+                self.coordinator.register(
+                    {"stage": stage, "index": index, "data_address": "-", "metrics_address": "-"}
+                )
+
+    def report(self, stage: str, index: int, **body: Any) -> None:
+        self.coordinator.report({"stage": stage, "index": index, **body})
+
+    def commands(self, stage: str, index: int) -> list[dict[str, Any]]:
+        found = []
+        commands = self.coordinator.members[stage][index].commands
+        while True:
+            try:
+                found.append(commands.get_nowait())
+            except queue.Empty:
+                return [c for c in found if c is not None]
+
+    def take(self, answer: Any) -> CheckpointOutcome:
+        """Take a checkpoint on a thread while `answer(id)` plays the instances' part."""
+        members = self.coordinator.checkpoint_members()
+        assert members is not None
+        outcome: list[CheckpointOutcome] = []
+        thread = threading.Thread(target=lambda: outcome.append(self.driver.take(members)))
+        thread.start()
+        answer(self.driver.next_id - 1)
+        thread.join(timeout=10)
+        return outcome[0]
+
+    def ack_keyed_and_sink(self, checkpoint: int, offset: int) -> None:
+        self.report("counts", 0, events=[
+            {"type": KEYED_ACK, "id": checkpoint, "chains": {"shards": [], "groups": {}},
+             "written": 0}
+        ])  # fmt: skip
+        self.report("sink", 0, events=[{"type": SINK_ACK, "id": checkpoint, "offset": offset}])
+
+
+def test_an_ended_source_is_in_every_later_checkpoint_at_its_final_position(
+    tmp_path: Path,
+) -> None:
+    job = Job(tmp_path)
+    job.report("source", 1, stats={"emitted": 700}, finished=True)  # ended before
+
+    def answer(checkpoint: int) -> None:
+        job.report("source", 0, events=[{"type": SOURCE_ACK, "id": checkpoint, "position": 50}])
+        job.ack_keyed_and_sink(checkpoint, 40)
+
+    first = job.take(answer)
+    assert first.ok, first.error
+    assert job.store.load(first.id).sources == {"0": 50, "1": 700}
+
+    def source_0_ends_meanwhile(checkpoint: int) -> None:
+        job.ack_keyed_and_sink(checkpoint, 90)  # source 0's END ended the alignment
+        job.report("source", 0, stats={"emitted": 120}, finished=True)
+
+    second = job.take(source_0_ends_meanwhile)
+    assert second.ok, second.error
+    meta = job.store.load(second.id)
+    assert (meta.sources, meta.outputs) == ({"0": 120, "1": 700}, {"0": 90})
+
+
+def test_sources_and_sinks_are_told_when_a_checkpoint_is_complete(tmp_path: Path) -> None:
+    job = Job(tmp_path)
+    for stage, n in STAGES.items():
+        for index in range(n):
+            job.commands(stage, index)  # the topology
+
+    def answer(checkpoint: int) -> None:
+        for index in range(2):
+            job.report("source", index, events=[
+                {"type": SOURCE_ACK, "id": checkpoint, "position": 10 * (index + 1)}
+            ])  # fmt: skip
+        job.ack_keyed_and_sink(checkpoint, 30)
+
+    outcome = job.take(answer)
+    assert outcome.ok, outcome.error
+    told = {"type": CHECKPOINT_COMPLETE, "id": outcome.id, "sources": {"0": 10, "1": 20},
+            "outputs": {"0": 30}}  # fmt: skip
+    for stage, index in [("source", 0), ("source", 1), ("sink", 0)]:
+        assert told in job.commands(stage, index), (stage, index)
+    assert not any(c["type"] == CHECKPOINT_COMPLETE for c in job.commands("counts", 0))
+
+
+def test_a_checkpoint_the_job_end_cuts_short_is_abandoned_not_failed(tmp_path: Path) -> None:
+    job = Job(tmp_path)
+
+    def the_job_stops(checkpoint: int) -> None:
+        job.coordinator.shutdown({})
+
+    outcome = job.take(the_job_stops)
+    assert outcome.abandoned and not outcome.ok
+    stats = job.coordinator.checkpoints
+    assert (stats.failed, stats.failures_in_a_row, stats.last) == (0, 0, None)
+    assert job.store.completed() == []
+
+
+def test_a_restarted_coordinator_records_its_recovery(tmp_path: Path) -> None:
+    store = CheckpointStore(str(tmp_path / "checkpoints"))
+    first = Job(tmp_path, store)
+
+    def answer(checkpoint: int) -> None:
+        for index in range(2):
+            first.report("source", index, events=[
+                {"type": SOURCE_ACK, "id": checkpoint, "position": 5}
+            ])  # fmt: skip
+        first.ack_keyed_and_sink(checkpoint, 5)
+
+    assert first.take(answer).ok
+    list(first.coordinator.watch({"stage": "counts", "index": 0}, Gone()))
+    assert first.coordinator.restart and first.coordinator.phase == "recovering"
+
+    meta = store.latest_valid()
+    assert meta is not None
+    second = Job(tmp_path, store, restore=meta)  # registers everyone: the job runs again
+    assert second.coordinator.phase == "running"
+    second.coordinator.record_recovery()
+    (entry,) = store.recoveries()
+    assert entry["checkpoint"] == meta.id
+    assert entry["reason"].startswith("instance counts/0") and entry["seconds"] >= 0
+    status = second.coordinator.status({})
+    assert status["recoveries"] == {"total": 1, "last": entry}
+    exported = second.coordinator.metrics.registry.get_sample_value(
+        "keyshift_recoveries_total", {"job": "t"}
+    )
+    assert exported == 1.0
+    second.coordinator.record_recovery()  # once
+    assert len(store.recoveries()) == 1
+    third = Job(tmp_path, store)  # a later coordinator counts the job's recoveries
+    assert (
+        third.coordinator.metrics.registry.get_sample_value(
+            "keyshift_recoveries_total", {"job": "t"}
+        )
+        == 1.0
+    )
