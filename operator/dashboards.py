@@ -786,8 +786,7 @@ def migration_dashboard() -> Json:
         ),
         stat(
             "Last recovery time",
-            "Seconds from a lost process noticed to the job running again, for the last "
-            "recovery.",
+            "Seconds from a lost process noticed to the job running again, for the last recovery.",
             [(by("max", "", series(M.RECOVERY_SECONDS, JOB)), "seconds")],
             "s",
         ),

@@ -31,7 +31,10 @@ can set `automountServiceAccountToken`). keyshift containers run in APP_DIR (`/a
 keyshift images keep the job's code: the runtime imports users' `module:function` references
 from its working directory), so a `log` sink with a relative path writes below `/app`, and the
 sink stage gets an emptyDir mounted at its output directory. The output therefore lives as long
-as the pod; a PersistentVolumeClaim template for it is future work.
+as the pod; a PersistentVolumeClaim template for it is future work. Checkpoints (and an ingest
+source's log beside them) must outlive every pod and be shared by all of them: in an object
+store (`s3://...`), or in a local directory on `spec.checkpointClaim`, a ReadWriteMany
+PersistentVolumeClaim mounted there in the coordinator and every stage pod.
 
 `spec.pod_template` (a partial PodTemplateSpec) is merged into every pod template, the
 coordinator's and the Spark apps' included, so tolerations and node selectors reach all of
@@ -98,6 +101,7 @@ POD_MERGE_KEYS: Mapping[str, str] = {
 _JOB_VOLUME = "job"
 _TMP_VOLUME = "tmp"
 _OUTPUT_VOLUME = "output"
+_CHECKPOINT_VOLUME = "checkpoints"
 
 
 # -- names, labels, selectors -------------------------------------------------------------------
@@ -189,6 +193,7 @@ def child_problems(name: str, spec: StreamingJobSpec, job: JobSpec) -> list[str]
     clashes = sorted({s for s in services if services.count(s) > 1})
     if clashes:
         found.append(f"two Services would be named {clashes} (is a stage named 'coordinator'?)")
+    found += _checkpoint_problems(spec, job)
     source = job.source.config
     if spec.sources and isinstance(source, IngestSource) and source.port == 0:
         found.append(
@@ -196,6 +201,36 @@ def child_problems(name: str, spec: StreamingJobSpec, job: JobSpec) -> list[str]
             "(0 picks a random one, which the sources cannot find)"
         )
     return found
+
+
+def _checkpoint_problems(spec: StreamingJobSpec, job: JobSpec) -> list[str]:
+    storage = job.checkpoints.storage if job.checkpoints is not None else None
+    local = storage is not None and "://" not in storage
+    if local and spec.checkpoint_claim is None:
+        return [
+            f"spec.job.checkpoints.storage {storage!r} is a local directory, which every pod of "
+            "the job writes and the restarted ones read: give spec.checkpointClaim (a "
+            "ReadWriteMany PersistentVolumeClaim, mounted there) or an object store URL "
+            "(s3://bucket/prefix)"
+        ]
+    if spec.checkpoint_claim is not None and not local:
+        return [
+            f"spec.checkpointClaim {spec.checkpoint_claim!r} is mounted where local checkpoints "
+            f"go, but the job has {'no checkpoints' if storage is None else storage!r}"
+        ]
+    return []
+
+
+def _checkpoint_volume(spec: StreamingJobSpec, job: JobSpec) -> tuple[Manifest, Manifest] | None:
+    """The shared volume of local checkpoints and where the pods mount it, if there is one."""
+    if spec.checkpoint_claim is None or job.checkpoints is None:
+        return None
+    volume = {
+        "name": _CHECKPOINT_VOLUME,
+        "persistentVolumeClaim": {"claimName": spec.checkpoint_claim},
+    }
+    path = posixpath.normpath(posixpath.join(APP_DIR, job.checkpoints.storage))
+    return volume, {"name": _CHECKPOINT_VOLUME, "mountPath": path}
 
 
 # -- merging ------------------------------------------------------------------------------------
@@ -385,8 +420,15 @@ def config_map(name: str, namespace: str, job: JobSpec) -> Manifest:
     }
 
 
-def coordinator_deployment(name: str, namespace: str, spec: StreamingJobSpec) -> Manifest:
+def coordinator_deployment(
+    name: str, namespace: str, spec: StreamingJobSpec, job: JobSpec
+) -> Manifest:
     selector = coordinator_selector_labels(name)
+    mounts, volumes = [_job_mount()], [_job_volume(name)]
+    checkpoints = _checkpoint_volume(spec, job)
+    if checkpoints is not None:
+        volumes.append(checkpoints[0])
+        mounts.append(checkpoints[1])
     labels = {**common_labels(name, "coordinator"), **selector}
     container: Manifest = {
         "image": spec.image,
@@ -404,7 +446,7 @@ def coordinator_deployment(name: str, namespace: str, spec: StreamingJobSpec) ->
             str(REGISTER_TIMEOUT),
             # A job with checkpoints goes on from its latest one whenever the coordinator
             # (re)starts: after its own crash, or after it exited to recover a lost instance.
-            *(["--restore"] if spec.job.get("checkpoints") else []),
+            *(["--restore"] if job.checkpoints is not None else []),
         ],
         "workingDir": APP_DIR,
         "env": _env({**_base_env(), "KEYSHIFT_JOB": name}),
@@ -413,7 +455,7 @@ def coordinator_deployment(name: str, namespace: str, spec: StreamingJobSpec) ->
             {"name": "metrics", "containerPort": METRICS_PORT, "protocol": "TCP"},
         ],
         "resources": _resources(spec.resources),
-        "volumeMounts": [_job_mount()],
+        "volumeMounts": mounts,
         **_metrics_probes(),
     }
     template = _pod_template(
@@ -421,7 +463,7 @@ def coordinator_deployment(name: str, namespace: str, spec: StreamingJobSpec) ->
         labels=labels,
         annotations=_scrape_annotations(),
         container=container,
-        volumes=[_job_volume(name)],
+        volumes=volumes,
     )
     return {
         "apiVersion": "apps/v1",
@@ -512,6 +554,10 @@ def stage_stateful_set(
     if output is not None:
         mounts.append({"name": _OUTPUT_VOLUME, "mountPath": output})
         volumes.append({"name": _OUTPUT_VOLUME, "emptyDir": {}})
+    checkpoints = _checkpoint_volume(spec, job)
+    if checkpoints is not None:
+        volumes.append(checkpoints[0])
+        mounts.append(checkpoints[1])
     container: Manifest = {
         "image": spec.image,
         "command": ["python", "-P", "-m", "keyshift.runtime.instance"],
@@ -615,7 +661,7 @@ def children(
     current = replicas or {}
     out = [
         config_map(name, namespace, job),
-        coordinator_deployment(name, namespace, spec),
+        coordinator_deployment(name, namespace, spec, job),
         coordinator_service(name, namespace),
     ]
     for stage in job.stages():

@@ -89,6 +89,14 @@ class StreamingJobSpec(_Model):
         description="merged into every worker pod template (labels, tolerations, ...)",
     )
     service_account: str | None = Field(default=None, alias="serviceAccountName")
+    checkpoint_claim: str | None = Field(
+        default=None,
+        alias="checkpointClaim",
+        pattern=r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$",
+        description="a PersistentVolumeClaim (ReadWriteMany) mounted at the job's checkpoint "
+        "directory in the coordinator and every stage pod: needed when job.checkpoints.storage "
+        "is a local path (checkpoints, and an ingest source's log, live there)",
+    )
 
     @field_validator("job")
     @classmethod

@@ -347,6 +347,43 @@ def test_a_job_with_checkpoints_restores_whenever_its_coordinator_starts() -> No
     assert "--restore" not in coordinator_args(build()[1])
 
 
+def test_local_checkpoints_live_on_a_claim_every_pod_mounts() -> None:
+    """Checkpoints in a local directory (and an ingest source's log beside them) are written
+    by every pod and read by restarted ones: a ReadWriteMany claim is mounted there in the
+    coordinator and every stage; the operator refuses a local directory without a claim, and a
+    claim nothing would use."""
+    job = {**spec_data()["job"], "checkpoints": {"storage": "state/checkpoints"}}
+    spec = StreamingJobSpec.model_validate(spec_data(job=job, checkpointClaim="clicks-state"))
+    assert child_problems(NAME, spec, spec.job_spec()) == []
+    _, manifests = build(job=job, checkpointClaim="clicks-state")
+    for m in manifests:
+        kubernetes_validate.validate(m, "1.30", strict=True)
+    pods = [
+        template["spec"]
+        for _, template in pod_templates(manifests)
+        if template["metadata"]["labels"][LABEL_COMPONENT] in ("coordinator", "stage")
+    ]
+    assert len(pods) == 4  # the coordinator and three stages
+    for pod in pods:
+        volume = {"name": "checkpoints", "persistentVolumeClaim": {"claimName": "clicks-state"}}
+        assert volume in pod["volumes"]
+        (container,) = pod["containers"]
+        mount = {"name": "checkpoints", "mountPath": "/app/state/checkpoints"}
+        assert mount in container["volumeMounts"]
+
+    unshared = StreamingJobSpec.model_validate(spec_data(job=job))
+    (problem,) = child_problems(NAME, unshared, unshared.job_spec())
+    assert "is a local directory" in problem and "spec.checkpointClaim" in problem
+    s3 = {**job, "checkpoints": {"storage": "s3://bucket/clicks"}}
+    for unused in (
+        spec_data(checkpointClaim="clicks-state"),
+        spec_data(job=s3, checkpointClaim="x"),
+    ):
+        spec = StreamingJobSpec.model_validate(unused)
+        (problem,) = child_problems(NAME, spec, spec.job_spec())
+        assert "is mounted where local checkpoints go, but the job has" in problem
+
+
 def test_spark_apps_run_spark_submit_with_the_job_in_their_environment() -> None:
     _, manifests = build()
     spark = by_kind(manifests, "Deployment")["clicks-source-events"]
