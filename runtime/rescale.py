@@ -236,8 +236,10 @@ class RescaleDriver:
                 self._broadcast_sources({"type": "resume"}, "resume", self.current.epoch)
         if new_p < old_p:
             self._phase("retiring")
-            self.host.retire(list(range(new_p, old_p)))
+            # Lowered first: a host keeps instances 0..desired-1 running, and must not start a
+            # retired one again in the moment after it left.
             self.host.set_desired(new_p)
+            self.host.retire(list(range(new_p, old_p)))
 
     def _broadcast_sources(self, command: dict[str, Any], step: str, epoch: int) -> None:
         """Send a command to the sources and wait for their acks; a source that has ended

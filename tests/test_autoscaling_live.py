@@ -27,7 +27,7 @@ from keyshift.operator.scaling_metrics import (
 from keyshift.runtime.job import parse_job
 from tests.conftest import KEYSHIFT, REPO, cli, count_job, running_job, wait_for, write_job
 from tests.prometheus_server import PrometheusServer, free_port
-from tests.test_rescale import check_output
+from tests.test_rescale import applied_once, check_output
 
 STEP_AT = 10.0
 
@@ -94,25 +94,41 @@ def test_load_step_scales_out_then_in_with_default_settings_and_real_prometheus(
     tmp_path: Path, prometheus: PrometheusServer
 ) -> None:
     out = tmp_path / "out"
-    # 4k/s, a step to 20k/s at 10 s, back to 4k/s at 40 s; the source ends after 100 s.
+    # 4k/s, a step to 20k/s at 10 s, back to 4k/s at 40 s. With the default activation and
+    # warm-up, the way back to one instance may take two scale-ins (the slower scale-down
+    # takes the highest answer of its ticks, which may still see the high load): the low tail
+    # is long enough for both, and the run is drained once the stage is back to one.
     profile = {"kind": "points", "points": [[0, 4000], [STEP_AT, 20_000], [40, 4000]]}
-    total = 4000 * 10 + 20_000 * 30 + 4000 * 60
+    total = 4000 * 10 + 20_000 * 30 + 4000 * 200
     job = slow_job(out, profile, {"prometheus_url": prometheus.url}, total=total)
     logs = tmp_path / "logs"
     args = ["run", str(write_job(tmp_path, job)), "--no-view", "--log-dir", str(logs),
             "--prometheus-targets", str(prometheus.targets_file)]  # fmt: skip
+
+    def decisions() -> list[dict[str, Any]]:
+        lines = (logs / "decisions.jsonl").read_text().splitlines()
+        acted = [json.loads(line) for line in lines]
+        return [d for d in acted if d.get("action") in ("scale_up", "scale_down")]
+
+    def back_to_one() -> bool:
+        status = keyshift_status("auto")
+        if not status or status.get("rescale") is not None:
+            return False
+        track = next(s for s in status["stages"] if s["name"] == "track")
+        return track["desired"] == 1 and any(d["action"] == "scale_down" for d in decisions())
+
     with cli(args) as run:
         output = Output(run)
         wait_for(lambda: keyshift_status("auto").get("phase") == "running", 60, "the job to run")
         started = time.time()
         wait_for(lambda: output.has("scale up"), 90, "a scale-out decision", every=0.5)
-        wait_for(lambda: output.has("scale down"), 120, "a scale-in decision", every=0.5)
-        run.wait(timeout=150)
+        wait_for(back_to_one, 240, "scale-ins back to one instance", every=1.0)
+        os.kill(run.pid, signal.SIGINT)
+        run.wait(timeout=60)
         output.join()
     text = output.text()
     assert run.returncode == 0, text
-    decisions = [json.loads(line) for line in (logs / "decisions.jsonl").read_text().splitlines()]
-    acted = [d for d in decisions if d.get("action") in ("scale_up", "scale_down")]
+    acted = decisions()
     first_up = next(d for d in acted if d["action"] == "scale_up")
     assert first_up["at"] - (started + STEP_AT) < 60, first_up
     assert first_up["to"] >= 2 and "true rate" in first_up["reason"], first_up
@@ -123,7 +139,8 @@ def test_load_step_scales_out_then_in_with_default_settings_and_real_prometheus(
     assert [d["action"] for d in acted] == sorted((d["action"] for d in acted), reverse=True)
     assert "rescale 1 of track 1->" in text and ": done after" in text, text
     assert "failed" not in text, text
-    check_output(out, job["source"]["config"], [total])
+    _, seen = applied_once(out)
+    check_output(out, job["source"]["config"], [max(seq for _, seq in seen) + 1])
 
 
 def test_dry_run_reports_decisions_and_never_rescales(tmp_path: Path) -> None:
