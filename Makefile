@@ -59,8 +59,10 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	tools/typecheck.sh
 
+# Two workers, one test module each at a time: most live tests wait on their sources' rates
+# more than they compute, so two overlap well on two cores (about 10 minutes instead of 13).
 test: lint typecheck prometheus java
-	$(VENV)/bin/pytest
+	$(VENV)/bin/pytest -n 2 --dist loadfile
 
 bench: $(STAMP)
 	$(PY) bench/throughput.py
