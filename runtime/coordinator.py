@@ -82,7 +82,7 @@ class Coordinator:
         self.store = store
         self.restored_from = restore.id if restore is not None else None
         self.recoveries: list[dict[str, Any]] = []
-        self._recovery_pending = restore is not None
+        self._recovery_pending = restore is not None and store is not None
         self.restart = False  # set when the job must start again from its checkpoint
         self.register_timeout = register_timeout
         self.started = time.time()
@@ -117,7 +117,8 @@ class Coordinator:
                 self.recoveries = store.recoveries()
             except CheckpointError as exc:
                 log.error("cannot read the record of recoveries: %s", exc)
-        self.metrics.recovered(len(self.recoveries), self._last_recovery_seconds())
+        last = self.recoveries[-1]["seconds"] if self.recoveries else None
+        self.metrics.recovered(len(self.recoveries), last)
         for stage in spec.stages():
             self.metrics.set_parallelism(stage.name, stage.parallelism)
 
@@ -621,9 +622,11 @@ class Coordinator:
             if not self._recovery_pending or self.phase != "running":
                 return
             self._recovery_pending = False
-        assert self.store is not None and self.restored_from is not None
+        store, checkpoint = self.store, self.restored_from
+        if store is None or checkpoint is None:  # pending only when both are there
+            return
         try:
-            entry = self.store.record_recovery(self.restored_from, self.started, time.time())
+            entry = store.record_recovery(checkpoint, self.started, time.time())
         except CheckpointError as exc:
             log.error("cannot record the recovery: %s", exc)
             return
@@ -631,9 +634,6 @@ class Coordinator:
         with self._lock:
             self.recoveries.append(entry)
             self.metrics.recovered(len(self.recoveries), entry["seconds"])
-
-    def _last_recovery_seconds(self) -> float | None:
-        return float(self.recoveries[-1]["seconds"]) if self.recoveries else None
 
     def check_registration(self) -> None:
         with self._lock:

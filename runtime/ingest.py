@@ -180,7 +180,7 @@ class CheckedRows:
         columns = dict(zip(fields, self.columns, strict=True)) if self.num_rows else {}
         if self.event_time is not None:
             columns[EVENT_TIME] = self.event_time
-        return pa.table(columns) if columns else pa.table({})
+        return pa.table(columns)
 
     @classmethod
     def from_table(cls, table: pa.Table, fields: Sequence[str]) -> CheckedRows:

@@ -32,8 +32,9 @@ import json
 import logging
 import re
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import pyarrow as pa
 
@@ -96,10 +97,13 @@ class IngestLog(Storage):
     error = IngestLogError
     what = "ingest log storage"
 
-    def __init__(self, url: str, storage_options: dict[str, object], remembered: int) -> None:
+    def __init__(self, url: str, storage_options: Mapping[str, Any], remembered: int) -> None:
         super().__init__(url, storage_options)
         self.remembered = remembered
-        self._entries: list[Entry] = []
+        self._entries: list[Entry] = []  # not yet covered by a completed checkpoint
+        # What the covered entries left behind (seen.json).
+        self._next_seq = 0
+        self._seen: OrderedDict[str, None] = OrderedDict()
 
     # -- start ----------------------------------------------------------------------------
 
