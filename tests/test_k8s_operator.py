@@ -38,6 +38,7 @@ MERGE = {"Content-Type": "application/merge-patch+json"}
 
 pytestmark = [
     pytest.mark.asyncio,
+    pytest.mark.alone,
     pytest.mark.filterwarnings("ignore:read_binary is deprecated:DeprecationWarning"),
 ]
 
@@ -321,8 +322,12 @@ async def test_full_loop_ds2_scales_out_a_running_job_and_its_output_stays_exact
                        "bounds": {"max_parallelism": 3}},
     })  # fmt: skip
     async with job_running_in_cluster(emu, tmp_path, body):
-        await eventually(lambda: job_object(emu)["status"].get("parallelism", 0) >= 2, 90,
-                         "a scale-out")  # fmt: skip
+        # Instances register before their rescale is done: wait for both.
+        await eventually(
+            lambda: job_object(emu)["status"].get("parallelism", 0) >= 2
+            and any(r["phase"] == "done" for r in job_object(emu)["status"].get("rescales", [])),
+            90, "a scale-out",
+        )  # fmt: skip
         sts = stored(emu, "apps/v1/statefulsets", NS, "clicks-track") or {}
         assert sts["spec"]["replicas"] >= 2
         status = job_object(emu)["status"]

@@ -31,7 +31,7 @@ from keyshift.spark.session import local_session
 from tests.conftest import count_job, latest_by_version, running_job, wait_for
 from tests.test_rescale import SERVICE, rescale_via
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.alone]
 
 AUCTIONS = 2000
 SEED = 5
