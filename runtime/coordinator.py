@@ -60,6 +60,8 @@ class InstanceRecord:
     finished: bool = False
     retiring: bool = False
     watching: bool = False
+    last_report: float = field(default_factory=time.monotonic)
+    lost: bool = False  # taken as lost (died, or silent too long); it is not lost twice
 
     @property
     def name(self) -> str:
@@ -291,9 +293,13 @@ class Coordinator:
         with self._lock:
             return set(self._lost_keyed)
 
-    def _lost(self, record: InstanceRecord) -> None:
+    def _lost(
+        self, record: InstanceRecord, why: str = "its process died or stopped answering"
+    ) -> None:
         with self._changed:
             record.watching = False
+            if record.lost:
+                return
             if record.retiring and record.finished:
                 del self.members[record.stage][record.index]
                 self._broadcast_topology()
@@ -309,8 +315,9 @@ class Coordinator:
                 # Mid-rescale, the driver recovers: the job goes on with the survivors.
                 message = (
                     f"instance {record.name} (pid {record.pid}) was lost during rescale "
-                    f"{self.rescale_status.id}: its process died or stopped answering"
+                    f"{self.rescale_status.id}: {why}"
                 )
+                record.lost = True
                 log.error("%s", message)
                 self.errors.append(message)
                 self.lost.append(record.name)
@@ -318,10 +325,8 @@ class Coordinator:
                 del self.members[record.stage][record.index]
                 self._abort = message
             elif not record.finished and self.phase not in ("failed", "stopping", "recovering"):
-                message = (
-                    f"instance {record.name} (pid {record.pid}) was lost: "
-                    "its process died or stopped answering"
-                )
+                message = f"instance {record.name} (pid {record.pid}) was lost: {why}"
+                record.lost = True
                 if self.spec.checkpoints is not None:
                     self._restart_to_recover(message)
                 else:
@@ -336,6 +341,7 @@ class Coordinator:
             if record is None:
                 raise ControlError("report before register", grpc.StatusCode.FAILED_PRECONDITION)
             record.stats = dict(body.get("stats", {}))
+            record.last_report = time.monotonic()
             if body.get("metrics_address"):
                 record.metrics_address = str(body["metrics_address"])
             if "group_hits" in body:
@@ -635,6 +641,23 @@ class Coordinator:
             self.recoveries.append(entry)
             self.metrics.recovered(len(self.recoveries), entry["seconds"])
 
+    def check_heartbeats(self) -> None:
+        """Take an instance that has not reported for `heartbeat_timeout` as lost: a hung
+        process, or one on a node that is gone, whose command stream may look open for long."""
+        timeout = self.spec.heartbeat_timeout
+        with self._lock:
+            if self.phase not in ("running", "draining"):
+                return
+            now = time.monotonic()
+            silent = [
+                r
+                for r in self._records()
+                if not (r.finished or r.lost) and now - r.last_report > timeout
+            ]
+        for record in silent:
+            self._lost(record, f"it sent no report for {timeout:g} s (hung, or its node is gone)")
+            record.commands.put(None)  # ends its command stream, should it still be open
+
     def check_registration(self) -> None:
         with self._lock:
             if self.phase != "starting":
@@ -766,6 +789,7 @@ def main(argv: list[str] | None = None) -> int:
         threading.Thread(target=driver.run, name="checkpoints", daemon=True).start()
     while not coordinator.stopped.wait(0.2):
         coordinator.check_registration()
+        coordinator.check_heartbeats()
         coordinator.record_recovery()
     if coordinator.restart:
         time.sleep(0.5)  # let the instances' command streams carry the stop

@@ -340,6 +340,14 @@ class JobSpec(_Model):
     checkpoints: CheckpointSettings | None = Field(
         default=None, description="periodic checkpoints of the keyed state; none takes none"
     )
+    heartbeat_timeout: float = Field(
+        default=15.0,
+        gt=0,
+        le=3600,
+        description="seconds without a report from an instance (they report twice a second) "
+        "before the coordinator takes it as lost: hung, or on a node that is gone; a process "
+        "that dies is noticed at once",
+    )
 
     @model_validator(mode="after")
     def _consistent(self) -> JobSpec:

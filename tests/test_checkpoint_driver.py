@@ -69,14 +69,15 @@ class Job:
     def report(self, stage: str, index: int, **body: Any) -> None:
         self.coordinator.report({"stage": stage, "index": index, **body})
 
-    def commands(self, stage: str, index: int) -> list[dict[str, Any]]:
+    def commands(self, stage: str, index: int) -> list[dict[str, Any] | None]:
+        """The commands sent to an instance so far (None ends its command stream)."""
         found = []
         commands = self.coordinator.members[stage][index].commands
         while True:
             try:
                 found.append(commands.get_nowait())
             except queue.Empty:
-                return [c for c in found if c is not None]
+                return found
 
     def take(self, answer: Any) -> CheckpointOutcome:
         """Take a checkpoint on a thread while `answer(id)` plays the instances' part."""
@@ -140,7 +141,7 @@ def test_sources_and_sinks_are_told_when_a_checkpoint_is_complete(tmp_path: Path
             "outputs": {"0": 30}}  # fmt: skip
     for stage, index in [("source", 0), ("source", 1), ("sink", 0)]:
         assert told in job.commands(stage, index), (stage, index)
-    assert not any(c["type"] == CHECKPOINT_COMPLETE for c in job.commands("counts", 0))
+    assert not any(c and c["type"] == CHECKPOINT_COMPLETE for c in job.commands("counts", 0))
 
 
 def test_a_checkpoint_the_job_end_cuts_short_is_abandoned_not_failed(tmp_path: Path) -> None:
@@ -194,3 +195,30 @@ def test_a_restarted_coordinator_records_its_recovery(tmp_path: Path) -> None:
         )
         == 1.0
     )
+
+
+def test_an_instance_silent_past_the_heartbeat_timeout_is_lost(tmp_path: Path) -> None:
+    """A hung process, or one on a node that is gone, keeps its command stream open: its
+    silence makes it lost. With checkpoints the job restarts from the latest one (and the
+    failure is noted for the recovery's record); without, it fails."""
+    job = Job(tmp_path)
+    coordinator = job.coordinator
+    coordinator.check_heartbeats()
+    assert coordinator.phase == "running"  # everyone reported at registration
+    coordinator.members["counts"][0].last_report -= coordinator.spec.heartbeat_timeout + 1
+    coordinator.check_heartbeats()
+    assert coordinator.restart and coordinator.phase == "recovering"
+    (error,) = coordinator.errors
+    assert error.startswith("instance counts/0") and "sent no report for 15 s" in error
+    assert None in job.commands("counts", 0)  # its command stream is ended
+    list(coordinator.watch({"stage": "counts", "index": 0}, Gone()))  # and once it ends...
+    assert coordinator.errors == [error]  # ...it is not lost a second time
+
+    spec = parse_job(count_job(keyed={"parallelism": 1}, sink={"parallelism": 1}))
+    plain = Coordinator(spec, 30.0)
+    for stage, index in [("source", 0), ("counts", 0), ("sink", 0)]:
+        plain.register({"stage": stage, "index": index, "data_address": "-",
+                        "metrics_address": "-"})  # fmt: skip
+    plain.members["sink"][0].last_report -= spec.heartbeat_timeout + 1
+    plain.check_heartbeats()
+    assert plain.phase == "failed" and "instance sink/0" in plain.errors[0]

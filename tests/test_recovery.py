@@ -85,9 +85,9 @@ def start_run(tmp_path: Path, job: dict[str, Any]) -> tuple[Any, int]:
     return cli(args), port
 
 
-def run_and_crash(tmp_path: Path, crash: Any) -> None:
+def run_and_crash(tmp_path: Path, crash: Any, **job: Any) -> None:
     out = tmp_path / "out"
-    context, port = start_run(tmp_path, tracked_job(out, SOURCE, keyed=2))
+    context, port = start_run(tmp_path, {**tracked_job(out, SOURCE, keyed=2), **job})
     with context as proc:
         output = Output(proc)
         run = Run(proc, f"127.0.0.1:{port}")
@@ -111,6 +111,18 @@ def test_a_killed_keyed_instance_recovers_from_the_last_checkpoint(tmp_path: Pat
         os.kill(run.pid_of("track", random.randint(0, 1)), signal.SIGKILL)
 
     run_and_crash(tmp_path, crash)
+
+
+def test_a_hung_instance_is_lost_by_its_silence_and_the_job_recovers(tmp_path: Path) -> None:
+    """SIGSTOP: the process lives and its connections stay open, as on a node that is gone;
+    the coordinator notices that it stopped reporting."""
+
+    def crash(run: Run) -> None:
+        os.kill(run.pid_of("track", 1), signal.SIGSTOP)  # the host's halt kills it
+
+    run_and_crash(tmp_path, crash, heartbeat_timeout=2)
+    log = (tmp_path / "logs" / "coordinator.log").read_text()
+    assert "instance track/1" in log and "it sent no report for 2 s" in log, log[-2000:]
 
 
 def test_a_killed_coordinator_recovers_from_the_checkpoint_metadata(tmp_path: Path) -> None:
