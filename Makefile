@@ -63,7 +63,7 @@ typecheck: $(STAMP)
 # more than they compute, so two overlap well on two cores. The modules marked `alone` (the
 # operator in process, Spark's JVM) slow down too much beside another, and run after, alone.
 test: lint typecheck prometheus java
-	$(VENV)/bin/pytest -n 2 --dist loadfile -m "not alone"
+	$(VENV)/bin/pytest -n 2 --dist worksteal -m "not alone"
 	$(VENV)/bin/pytest -m alone
 
 bench: $(STAMP)
