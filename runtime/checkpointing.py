@@ -2,13 +2,14 @@
 
 Three parts, one per role:
 
-- `CheckpointDriver` runs in the coordinator: every `interval` seconds, when no rescale runs,
-  it tells every source instance to take checkpoint N. A source puts a BARRIER on each of its
-  keyed streams between two batches and acks its position (records emitted so far). A keyed
-  instance aligns: once a source's barrier arrived, that source's later batches wait (unread,
-  so their credits backpressure it) until every live source's barrier is in; then it writes
-  its key groups (keyshift.runtime.state_checkpoint: a base or a delta per group), acks their
-  chains, sends the barrier on to the sinks and goes on. A sink aligns on the keyed instances'
+- `CheckpointDriver` runs in the coordinator: as soon as the job runs, then every `interval`
+  seconds, when no rescale runs, it tells every source instance to take checkpoint N. A
+  source puts a BARRIER on each of its keyed streams between two batches and acks its
+  position (records emitted so far). A keyed instance aligns: once a source's barrier
+  arrived, that source's later batches wait (unread, so their credits backpressure it) until
+  every live source's barrier is in; then it writes its key groups
+  (keyshift.runtime.state_checkpoint: a base or a delta per group), acks their chains, sends
+  the barrier on to the sinks and goes on. A sink aligns on the keyed instances'
   barriers the same way, flushes its output log and acks the log's end offset. When every
   instance has acked, the driver writes the checkpoint's metadata (id, assignment epoch,
   source positions, output offsets, every group's chain) in one atomic write: the checkpoint
@@ -62,6 +63,7 @@ SINK_ACK = "checkpoint_sink"
 # Sent to sources and sinks once a checkpoint is complete, with its positions and offsets:
 # what it covers need not be kept for a replay, and the output up to it may be read.
 CHECKPOINT_COMPLETE = "checkpoint_complete"
+FIRST_CHECKPOINT_POLL = 0.2  # seconds between looks for a running job to take a first one of
 
 
 def open_store(settings: CheckpointSettings) -> CheckpointStore:
@@ -168,11 +170,15 @@ class CheckpointDriver:
         self.next_id = next_id
 
     def run(self) -> None:
-        while not self.stop.wait(self.settings.interval):
+        # A job that has no checkpoint yet takes its first as soon as it runs: until one
+        # completes, a crash has nothing to go back to.
+        wait = FIRST_CHECKPOINT_POLL if self.last_completed is None else self.settings.interval
+        while not self.stop.wait(wait):
             members = self.host.checkpoint_members()
             if members is None:
                 continue
             self.take(members)
+            wait = self.settings.interval
 
     def take(self, members: dict[str, set[int]]) -> CheckpointOutcome:
         checkpoint = self.next_id

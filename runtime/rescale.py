@@ -43,7 +43,6 @@ DEFAULT_OPTIONS: dict[str, dict[str, float]] = {
     "lazy": {"chunk_keys": 4096, "trickle_keys_per_s": 20000},
 }
 PUSH_OPTIONS = ("chunk_keys", "trickle_keys_per_s")
-PUSH_OPTIONS = ("chunk_keys", "trickle_keys_per_s")
 STEP_TIMEOUT = 30.0
 MOVE_TIMEOUT = 600.0
 
