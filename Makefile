@@ -15,10 +15,12 @@ APT_INSTALL := $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y --n
 
 # `python -m` puts the working directory first on sys.path, where our operator/ folder would
 # shadow the standard library's `operator`; so venv and pip run from / and by their scripts.
+# pip does not byte-compile every installed file (Spark's thousands): imports compile what
+# they use, once.
 $(STAMP): pyproject.toml
 	cd / && $(PYTHON) -m venv $(CURDIR)/$(VENV)
 	$(VENV)/bin/pip install --quiet --upgrade pip
-	$(VENV)/bin/pip install --quiet -e '.[dev]'
+	$(VENV)/bin/pip install --quiet --no-compile -e '.[dev]'
 	touch $(STAMP)
 
 # The tests use a real Prometheus server, Debian's `prometheus` package; install it

@@ -25,9 +25,9 @@ from tests.conftest import count_job, running_job, wait_for
 from tests.test_rescale import SERVICE, rescale_via, truth
 
 SOURCE = {"kind": "generator", "keys": 3000, "distribution": "zipf", "seed": 9,
-          "profile": {"rate": 20000}, "total": 200_000}  # fmt: skip
+          "profile": {"rate": 10000}, "total": 100_000}  # fmt: skip
 # Long enough for checkpoints before and after a rescale on a loaded machine.
-LONGER = {**SOURCE, "total": 400_000}
+LONGER = {**SOURCE, "total": 200_000}
 GROUPS = 256
 
 

@@ -37,9 +37,9 @@ from tests.test_rescale import SERVICE, applied_once, check_output, tracked_job
 
 pytestmark = pytest.mark.slow
 
-TOTAL = 240_000
+TOTAL = 120_000  # 12 s at 10k records/s: the crashes come within the first few
 SOURCE = {"kind": "generator", "keys": 2000, "distribution": "zipf", "seed": 17,
-          "profile": {"rate": 20000}, "total": TOTAL}  # fmt: skip
+          "profile": {"rate": 10000}, "total": TOTAL}  # fmt: skip
 
 
 class Run:
