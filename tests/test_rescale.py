@@ -264,6 +264,15 @@ def test_bad_rescale_requests_are_refused_and_change_nothing(tmp_path: Path) -> 
                 {"stage": "track", "parallelism": 2, "options": {"batch_groups": 3}},
                 "does not apply to hot-first",
             ),
+            (
+                {
+                    "stage": "track",
+                    "parallelism": 2,
+                    "strategy": "all-at-once",
+                    "options": {"trickle_keys_per_s": 100},
+                },
+                "does not apply to all-at-once; it takes ['chunk_keys']",
+            ),
         ]
         for body, message in cases:
             with pytest.raises(TransportError, match=re.escape(message)):
