@@ -61,12 +61,12 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	tools/typecheck.sh
 
-# Two workers, one test module each at a time: most live tests wait on their sources' rates
+# Two workers sharing the tests one at a time: most live tests wait on their sources' rates
 # more than they compute, so two overlap well on two cores. The modules marked `alone` (the
 # operator in process, Spark's JVM) slow down too much beside another, and run after, alone.
 test: lint typecheck prometheus java
-	$(VENV)/bin/pytest -n 2 --dist worksteal -m "not alone"
-	$(VENV)/bin/pytest -m alone
+	$(VENV)/bin/pytest -n 2 --dist worksteal -m "not alone" --durations=25
+	$(VENV)/bin/pytest -m alone --durations=10
 
 bench: $(STAMP)
 	$(PY) bench/throughput.py

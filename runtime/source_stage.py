@@ -340,9 +340,10 @@ def run_generator(ctx: InstanceContext, config: GeneratorSource, emitter: Emitte
         elif due >= max_records or (due > 0 and now - last_emit >= linger):
             n = min(due, max_records)
         else:
-            wait = max(
-                0.0005, min(linger - (now - last_emit), pacer.seconds_until_next(elapsed, seq))
-            )
+            # Records are due but the batch may still grow: wake when its linger ends. Nothing
+            # due: wake when the next record is (a linger that has passed has nothing to flush).
+            until = linger - (now - last_emit) if due else pacer.seconds_until_next(elapsed, seq)
+            wait = max(0.0005, until)
             time.sleep(wait)
             metrics.count(MetricName.IDLE_SECONDS, wait)
             continue

@@ -39,11 +39,11 @@ _since_round_trip = 0
 
 
 def slow_track(state: Any, record: dict[str, Any]) -> tuple[Any, Any]:
-    """`track` behind a slow service: 5 ms per 64 records caps an instance near 12k records/s,
+    """`track` behind a slow service: 10 ms per 64 records caps an instance near 6k records/s,
     so an autoscaling test sees real overload without burning the machine's two cores."""
     global _since_round_trip
     _since_round_trip += 1
     if _since_round_trip == 64:
         _since_round_trip = 0
-        time.sleep(0.005)
+        time.sleep(0.010)
     return track(state, record)

@@ -34,8 +34,8 @@ STEP_AT = 10.0
 
 def slow_job(out: Path, profile: dict[str, Any], autoscaler: dict[str, Any], **extra: Any
              ) -> dict[str, Any]:  # fmt: skip
-    """One generator, a keyed stage capped near 12k records/s per instance (tests.job_fns:
-    slow_track), a JSON-lines sink: 20k records/s needs two keyed instances, 4k needs one."""
+    """One generator, a keyed stage capped near 6k records/s per instance (tests.job_fns:
+    slow_track), a JSON-lines sink: 10k records/s needs two keyed instances, 2k needs one."""
     return count_job(
         name="auto",
         source={"config": {"kind": "generator", "keys": 3000, "distribution": "zipf",
@@ -43,7 +43,7 @@ def slow_job(out: Path, profile: dict[str, Any], autoscaler: dict[str, Any], **e
         keyed={"name": "track", "parallelism": 1,
                "operator": {"kind": "process", "function": "tests.job_fns:slow_track"}},
         sink={"config": {"kind": "log", "path": str(out), "format": "jsonl"}},
-        batching={"max_records": 1024, "linger_ms": 5, "credits": 4},
+        batching={"max_records": 1024},
         autoscaler=autoscaler,
     )  # fmt: skip
 
@@ -94,12 +94,12 @@ def test_load_step_scales_out_then_in_with_default_settings_and_real_prometheus(
     tmp_path: Path, prometheus: PrometheusServer
 ) -> None:
     out = tmp_path / "out"
-    # 4k/s, a step to 20k/s at 10 s, back to 4k/s at 40 s. With the default activation and
+    # 2k/s, a step to 10k/s at 10 s, back to 2k/s at 40 s. With the default activation and
     # warm-up, the way back to one instance may take two scale-ins (the slower scale-down
     # takes the highest answer of its ticks, which may still see the high load): the low tail
     # is long enough for both, and the run is drained once the stage is back to one.
-    profile = {"kind": "points", "points": [[0, 4000], [STEP_AT, 20_000], [40, 4000]]}
-    total = 4000 * 10 + 20_000 * 30 + 4000 * 200
+    profile = {"kind": "points", "points": [[0, 2000], [STEP_AT, 10_000], [40, 2000]]}
+    total = 2000 * 10 + 10_000 * 30 + 2000 * 200
     job = slow_job(out, profile, {"prometheus_url": prometheus.url}, total=total)
     logs = tmp_path / "logs"
     args = ["run", str(write_job(tmp_path, job)), "--no-view", "--log-dir", str(logs),
@@ -132,7 +132,7 @@ def test_load_step_scales_out_then_in_with_default_settings_and_real_prometheus(
     first_up = next(d for d in acted if d["action"] == "scale_up")
     assert first_up["at"] - (started + STEP_AT) < 60, first_up
     assert first_up["to"] >= 2 and "true rate" in first_up["reason"], first_up
-    assert first_up["inputs"]["target_rate"] > 12_000, first_up
+    assert first_up["inputs"]["target_rate"] > 6000, first_up
     downs = [d for d in acted if d["action"] == "scale_down"]
     assert downs and downs[-1]["to"] == 1, acted
     # Never back and forth: up first, then down only.
@@ -144,8 +144,8 @@ def test_load_step_scales_out_then_in_with_default_settings_and_real_prometheus(
 
 
 def test_dry_run_reports_decisions_and_never_rescales(tmp_path: Path) -> None:
-    """The embedded default (direct scraping); 20k/s against one ~12k/s instance."""
-    job = slow_job(tmp_path / "out", {"kind": "constant", "rate": 20_000},
+    """The embedded default (direct scraping); 10k/s against one ~6k/s instance."""
+    job = slow_job(tmp_path / "out", {"kind": "constant", "rate": 10_000},
                    {"dry_run": True, "interval": 1, "metrics_window": 5})  # fmt: skip
     text = run_until(tmp_path, job, "dry run, not applied: scale up", "a dry-run decision")
     assert "direct scraping (dry run)" in text
@@ -156,7 +156,7 @@ def test_prometheus_down_means_no_decision_and_the_job_runs_on(tmp_path: Path) -
     nobody = f"http://127.0.0.1:{free_port()}"
     job = slow_job(
         tmp_path / "out",
-        {"kind": "constant", "rate": 2000},
+        {"kind": "constant", "rate": 1000},
         {"prometheus_url": nobody, "interval": 1},
     )
     text = run_until(tmp_path, job, "no decision: Prometheus at", "the loop to say why")

@@ -26,7 +26,7 @@ def test_slow_sink_backpressures_with_bounded_memory(tmp_path: Path) -> None:
         },
         keyed={"name": "counts", "parallelism": 2},
         sink={"config": {"kind": "function", "function": "tests.job_fns:slow_sink"}},
-        batching={"max_records": 4096, "linger_ms": 5, "credits": 4},
+        batching={"max_records": 4096},
     )
     with running_job(tmp_path, job) as local:
         procs = [psutil.Process(c.pid) for c in local.instances.values()]

@@ -40,7 +40,7 @@ def checkpointed_job(
         keyed={"name": "counts", "parallelism": 2},
         sink={"parallelism": 2, "config": {"kind": "log", "path": str(out), "format": "jsonl",
                                            "segment_records": 5000}},
-        batching={"max_records": 1024, "linger_ms": 5, "credits": 4},
+        batching={"max_records": 1024},
         checkpoints={"interval": 0.5, "storage": storage, "retain": 50, **checkpoints},
     )  # fmt: skip
 

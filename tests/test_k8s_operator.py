@@ -19,6 +19,7 @@ import pytest_asyncio
 from kubernetes_asyncio import client as k8s
 
 from keyshift.operator.k8s_operator import OperatorConfig, build_registry, observed_phase
+from tests.conftest import BATCHING
 from tests.kube_emulator import (
     CR,
     CR_API,
@@ -302,14 +303,14 @@ async def test_full_loop_ds2_scales_out_a_running_job_and_its_output_stays_exact
     """Real processes for the pods; DS2 reads them (direct scraping), the StatefulSet grows,
     state moves live, and every record is counted once."""
     out = tmp_path / "out"
-    total = 2000 * 5 + 16_000 * 25
+    total = 1000 * 5 + 8000 * 25
     source = {
         "kind": "generator",
         "keys": 3000,
         "distribution": "zipf",
         "seed": 5,
         "total": total,
-        "profile": {"kind": "points", "points": [[0, 2000], [5, 16_000]]},
+        "profile": {"kind": "points", "points": [[0, 1000], [5, 8000]]},
     }
     body = streaming_job(job={
         "name": "clicks",
@@ -317,7 +318,7 @@ async def test_full_loop_ds2_scales_out_a_running_job_and_its_output_stays_exact
         "keyed": {"name": "track", "parallelism": 1,
                   "operator": {"kind": "process", "function": "tests.job_fns:slow_track"}},
         "sink": {"config": {"kind": "log", "path": str(out), "format": "jsonl"}},
-        "batching": {"max_records": 1024, "linger_ms": 5, "credits": 4},
+        "batching": {**BATCHING, "max_records": 1024},
         "autoscaler": {"interval": 1, "metrics_window": 5, "warmup": 5,
                        "bounds": {"max_parallelism": 3}},
     })  # fmt: skip
