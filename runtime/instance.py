@@ -237,7 +237,7 @@ class InstanceContext:
         }
         self._reports += 1
         if self.group_hits is not None and self._reports % GROUP_REPORT_EVERY == 0:
-            hits = self.group_hits()
+            hits = self.group_hits().copy()  # the stage thread updates it meanwhile
             nonzero = np.flatnonzero(hits)
             body["group_hits"] = dict(
                 zip(map(str, nonzero.tolist()), hits[nonzero].tolist(), strict=True)
@@ -252,9 +252,14 @@ class InstanceContext:
 
     def report_periodically(self) -> None:
         while not self.stop.wait(REPORT_INTERVAL):
-            # A lost coordinator is noticed by the command stream, which stops the instance.
-            with contextlib.suppress(TransportError):
+            try:
                 self.report()
+            except TransportError:
+                pass  # a lost coordinator is noticed by the command stream, which stops us
+            except Exception:
+                # The reports are the coordinator's heartbeat: a bug in gathering them must not
+                # silence a healthy instance into being taken as lost.
+                log.exception("report failed; the next one follows")
 
     def close_outlets(self) -> None:
         for outlet in self._outlets:

@@ -119,16 +119,19 @@ class Router:
 
     def route(self, batch: pa.RecordBatch, groups: np.ndarray) -> list[tuple[int, bytes]]:
         owners = self.assignment.owners[groups]
-        parallelism = max(self.outlets) + 1
+        # By the assignment, not the open streams: an owner that left keeps its records here.
+        parallelism = int(owners.max()) + 1 if len(owners) else 1
         return [(o, encode(part)) for o, part in split_by_owner(batch, owners, parallelism)]
 
     def send(self, parts: list[tuple[int, bytes]]) -> None:
         for owner, payload in parts:
-            if owner in self.dead:
+            outlet = self.outlets.get(owner)
+            if owner in self.dead or outlet is None:
+                # Dead, or gone from the topology before the reroute that gives its groups away.
                 self.stranded.append(payload)
                 continue
             try:
-                self.ctx.send(self.outlets[owner], payload)
+                self.ctx.send(outlet, payload)
             except TransportError as exc:
                 # A keyed instance died; the coordinator reroutes its groups to survivors, and
                 # these records follow them then. (What it had received is gone with it.)

@@ -1,0 +1,60 @@
+"""An instance's periodic reports are its coordinator's heartbeat: keyshift.runtime.instance's
+InstanceContext reporting to a real Coordinator served on loopback in this process. A report
+that fails to gather is logged and the next one follows, so a healthy instance is never taken as
+lost by its silence (a keyed instance once was: reading its group hit counts while its stage
+thread updated them raised, and the reporting thread died with it).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+
+from keyshift.runtime.coordinator import SERVICE, Coordinator
+from keyshift.runtime.instance import InstanceContext
+from keyshift.runtime.job import parse_job
+from keyshift.runtime.transport import Inbox, JsonClient, start_server
+from tests.conftest import count_job, wait_for
+
+
+@pytest.fixture
+def coordinator() -> Iterator[tuple[Coordinator, str]]:
+    spec = parse_job(count_job(keyed={"parallelism": 1}, sink={"parallelism": 1}))
+    coordinator = Coordinator(spec, 30.0)
+    server, port = start_server("127.0.0.1:0", [coordinator.handler()])
+    try:
+        yield coordinator, f"127.0.0.1:{port}"
+    finally:
+        server.stop(None)
+
+
+def test_a_report_that_fails_is_logged_and_the_reports_go_on(
+    coordinator: tuple[Coordinator, str], caplog: pytest.LogCaptureFixture
+) -> None:
+    coord, address = coordinator
+    coord.register({"stage": "counts", "index": 0, "data_address": "-", "metrics_address": "-"})
+    control = JsonClient(address, SERVICE)
+    ctx = InstanceContext(coord.spec, "counts", 0, control, Inbox())
+    failed = threading.Event()
+
+    def hits() -> np.ndarray:
+        if not failed.is_set():
+            failed.set()
+            raise RuntimeError("number of non-zero array elements changed")
+        return np.ones(coord.spec.max_key_groups, dtype=np.int64)
+
+    ctx.group_hits = hits
+    reporter = threading.Thread(target=ctx.report_periodically)
+    reporter.start()
+    try:
+        wait_for(failed.is_set, 10, "a report to fail")
+        before = coord.members["counts"][0].last_report
+        wait_for(lambda: coord.members["counts"][0].last_report > before, 10, "the next report")
+    finally:
+        ctx.stop.set()
+        reporter.join(timeout=10)
+        control.close()
+    assert "report failed; the next one follows" in caplog.text
