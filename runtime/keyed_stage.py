@@ -195,6 +195,9 @@ class KeyedStage:
                 self.owned |= self.move_out.abandon(lost)
             if self.move_in is not None:
                 self.move_in.abandon(lost)
+            # Groups whose state died with a lost instance go on here, from empty.
+            adopted = command.get("adopt", {}).get(str(self.ctx.index), [])
+            self.owned[np.asarray(adopted, dtype=np.int64)] = True
             self.ctx.emit({"type": "ack", "step": "abort", "epoch": command["epoch"]})
         elif kind == "retire":
             self.retire = True

@@ -266,14 +266,30 @@ class RescaleDriver:
         died = np.isin(owners, list(lost))
         owners[died] = current[died]  # not handed over: the old owner still has it
         gone = np.isin(owners, list(lost))
+
+        # The instances a scale-out started may still be registering: they take a share too.
+        wanted = set(range(max(self.status.from_parallelism, self.status.to_parallelism))) - lost
+        try:
+            self.host.wait_for(
+                lambda _events: wanted <= set(self.host.keyed_addresses()),
+                self.host.register_timeout,
+                f"instances {sorted(wanted)} to take the lost instances' key groups",
+            )
+        except RescaleError:
+            if not set(self.host.keyed_addresses()) - lost:
+                raise
         alive = sorted(set(self.host.keyed_addresses()) - lost)
-        if not alive:
-            raise RescaleError("no keyed instance is left")
         if gone.any():
             owners[gone] = np.asarray(alive, dtype=np.int32)[np.arange(gone.sum()) % len(alive)]
+        # Survivors take those groups up before any source routes a record of them there.
+        adopt = {
+            str(i): g.tolist() for i in alive if len(g := np.flatnonzero(gone & (owners == i)))
+        }
         recovered = Assignment(max(target.epoch, self.current.epoch) + 1, owners)
-        participants = (senders | receivers) - lost
-        self.host.broadcast_keyed({"type": "abort", "epoch": target.epoch, "lost": sorted(lost)})
+        participants = (senders | receivers | {int(i) for i in adopt}) - lost
+        self.host.broadcast_keyed(
+            {"type": "abort", "epoch": target.epoch, "lost": sorted(lost), "adopt": adopt}
+        )
         self.host.wait_for(
             _acked("abort", target.epoch, {(self.keyed, i) for i in participants}),
             STEP_TIMEOUT,

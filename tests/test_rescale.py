@@ -287,6 +287,43 @@ def test_bad_rescale_requests_are_refused_and_change_nothing(tmp_path: Path) -> 
         client.close()
 
 
+def test_the_only_old_owner_dying_before_the_new_ones_start_hands_its_groups_to_them(
+    tmp_path: Path,
+) -> None:
+    """A scale-out 1 -> 3 whose one old owner is killed while the new instances are not started
+    yet: the rescale fails naming it, waits for the new instances, gives them its key groups
+    (empty: without checkpoints its state is gone), and the sources, which held the records for
+    it meanwhile, go on to the new owners."""
+    out = tmp_path / "out"
+    source = {"kind": "generator", "keys": 2000, "seed": 6, "profile": {"rate": 5000}}
+    with running_job(tmp_path, tracked_job(out, source, 1)) as local:
+        client = JsonClient(local.address, SERVICE)
+        wait_for(lambda: local.status()["phase"] == "running", 30, "the job to run")
+        wait_for(lambda: sum_out(local) > 5000, 30, "records to flow")
+        client.call("Rescale", {"stage": "track", "parallelism": 3})
+        local.instances["track/0"].process.kill()  # the test is the host: nothing started yet
+        wait_for(lambda: local.status()["lost"] == ["track/0"], 30, "track/0 to be lost")
+
+        def done() -> dict[str, Any] | None:
+            status = local.status()
+            local.ensure_instances(status)
+            return status if status["rescales"] else None
+
+        status = wait_for(done, 60, "the rescale to end")
+        (result,) = status["rescales"]
+        client.close()
+        assert result["phase"] == "failed" and "track/0" in result["error"], result
+        assert "recovered at parallelism 2" in result["error"], result["error"]
+        assert status["phase"] == "running", status["errors"]
+        flowed = sum_out(local)
+        wait_for(lambda: sum_out(local) > flowed + 5000, 30, "records to flow to the new owners")
+        outputs = {
+            i["index"]: i["stats"].get("records_out", 0)
+            for i in local.status()["stages"][1]["instances"]
+        }
+        assert outputs.get(1, 0) > 0 and outputs.get(2, 0) > 0, outputs
+
+
 def test_new_owner_dying_mid_move_fails_the_rescale_and_the_stage_goes_on(tmp_path: Path) -> None:
     """The new owner is killed mid-move: the rescale fails naming it, the moving groups go back
     to the old owner with all state not yet handed over, and the job keeps running correctly
