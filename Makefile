@@ -61,8 +61,8 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	tools/typecheck.sh
 
-# Two workers sharing the tests one at a time: most live tests wait on their sources' rates
-# more than they compute, so two overlap well on two cores. The modules marked `alone` (the
+# Two workers sharing the tests one at a time: the live tests also wait (process starts,
+# rescale steps, checkpoints), so two keep the two cores busier than one. The modules marked `alone` (the
 # operator in process, Spark's JVM) slow down too much beside another, and run after, alone.
 test: lint typecheck prometheus java
 	$(VENV)/bin/pytest -n 2 --dist worksteal -m "not alone" --durations=25
