@@ -15,7 +15,11 @@ A shard is written before the metadata that names it, and the metadata last, in 
 (a rename on a local disk, a single PUT on S3): a checkpoint is complete exactly when its
 metadata exists. Every shard's SHA-256 and size are in the metadata, and the metadata carries
 the SHA-256 of its own body, so a corrupt or partial file is detected on read
-(CheckpointCorrupt) and `latest_valid` falls back to the previous complete checkpoint. Files
+(CheckpointCorrupt) and `latest_valid` falls back to the previous complete checkpoint. In a job
+with a secret every shard and the metadata also carry an HMAC under the job's state key
+(`keyshift.runtime.state_integrity`): a checksum only catches accidents, and whoever can write
+the bucket could otherwise hand the job state (pickles included) of their own making. A file
+whose HMAC is missing or wrong is treated as corrupt. Files
 no retained checkpoint names are deleted by `retain` (after a crash, or a failed checkpoint).
 """
 
@@ -33,6 +37,7 @@ from typing import Any
 
 import pyarrow as pa
 
+from keyshift.runtime.state_integrity import StateIntegrityError, StateSeal
 from keyshift.runtime.storage import Storage, StorageError
 
 log = logging.getLogger("keyshift.checkpoints")
@@ -57,11 +62,12 @@ class CheckpointCorrupt(CheckpointError):
 
 @dataclass(frozen=True)
 class ShardFile:
-    """One written shard: its path below the root, SHA-256 and size in bytes."""
+    """One written shard: its path below the root, SHA-256, size in bytes and HMAC."""
 
     path: str
     sha256: str
     size: int
+    mac: str | None = None  # None in a job without a secret
 
 
 @dataclass(frozen=True)
@@ -138,8 +144,14 @@ class CheckpointStore(Storage):
     error = CheckpointError
     what = "checkpoint storage"
 
-    def __init__(self, url: str, storage_options: Mapping[str, Any] | None = None) -> None:
+    def __init__(
+        self,
+        url: str,
+        storage_options: Mapping[str, Any] | None = None,
+        seal: StateSeal | None = None,
+    ) -> None:
         super().__init__(url, storage_options)
+        self.seal = seal if seal is not None else StateSeal.from_environment()
         self.skipped = 0  # corrupt checkpoints skipped by latest_valid, for the metric
 
     def _read(self, relative: str) -> bytes:
@@ -160,7 +172,7 @@ class CheckpointStore(Storage):
         data = sink.getvalue()
         relative = f"{SHARDS}/{checkpoint:010d}-{writer}-{uuid.uuid4().hex[:12]}.arrow"
         self._write(relative, data)
-        return ShardFile(relative, _digest(data), len(data))
+        return ShardFile(relative, _digest(data), len(data), self.seal.mac(data))
 
     def _checked(self, shard: ShardFile) -> bytes:
         data = self._read(shard.path)
@@ -169,6 +181,10 @@ class CheckpointStore(Storage):
                 f"checkpoint shard {self.url}/{shard.path} does not match its checksum "
                 f"({len(data)} bytes, expected {shard.size})"
             )
+        try:
+            self.seal.check_mac(data, shard.mac, f"checkpoint shard {self.url}/{shard.path}")
+        except StateIntegrityError as exc:
+            raise CheckpointCorrupt(str(exc)) from None
         return data
 
     def read_shard(self, shard: ShardFile) -> pa.Table:
@@ -181,9 +197,11 @@ class CheckpointStore(Storage):
     # -- metadata -------------------------------------------------------------------------------
 
     def commit(self, meta: CheckpointMeta) -> None:
-        """Complete a checkpoint: write its metadata, with the checksum of its body."""
+        """Complete a checkpoint: write its metadata, with the checksum and HMAC of its body."""
         body = json.dumps(meta.to_json(), sort_keys=True)
-        document = json.dumps({"sha256": _digest(body.encode()), "body": body})
+        document = json.dumps(
+            {"sha256": _digest(body.encode()), "mac": self.seal.mac(body.encode()), "body": body}
+        )
         self._write(f"{CHECKPOINTS}/{meta.id:010d}.json", document.encode())
 
     def completed(self) -> list[int]:
@@ -203,9 +221,12 @@ class CheckpointStore(Storage):
             body = document["body"]
             if _digest(body.encode()) != document["sha256"]:
                 raise CheckpointCorrupt(f"{self.url}/{relative} does not match its checksum")
+            self.seal.check_mac(body.encode(), document.get("mac"), f"{self.url}/{relative}")
             return CheckpointMeta.from_json(json.loads(body))
         except CheckpointCorrupt:
             raise
+        except StateIntegrityError as exc:
+            raise CheckpointCorrupt(str(exc)) from None
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
             raise CheckpointCorrupt(f"{self.url}/{relative} cannot be parsed: {exc}") from exc
 

@@ -39,6 +39,8 @@ from keyshift.runtime.state import (
     ProcessState,
     aggregate_output_schema,
 )
+from keyshift.runtime.state_integrity import StateSeal
+from keyshift.runtime.state_values import ValueCodec
 from keyshift.runtime.transport import (
     BARRIER,
     BATCH,
@@ -54,12 +56,14 @@ IDLE_WAIT = 0.05
 log = logging.getLogger("keyshift.keyed")
 
 
-def make_state(spec: JobSpec) -> AggregateState | ProcessState:
+def make_state(spec: JobSpec, seal: StateSeal) -> AggregateState | ProcessState:
     key_type = ARROW_TYPES[spec.fields[spec.keyed.key_by]]
     op = spec.keyed.operator
     if isinstance(op, AggregateOperator):
         return AggregateState(op.function, spec.max_key_groups, key_type)
-    return ProcessState(resolve_function(op.function), spec.max_key_groups, key_type)
+    # Pickled values are only safe to keep when every state byte that arrives is authenticated.
+    codec = ValueCodec(allow_pickle=seal.authenticated)
+    return ProcessState(resolve_function(op.function), spec.max_key_groups, key_type, codec)
 
 
 def process_output_schema(key_type: pa.DataType) -> pa.Schema:
@@ -94,7 +98,8 @@ class KeyedStage:
         self.ctx = ctx
         spec = ctx.spec
         self.spec = spec
-        self.state = make_state(spec)
+        self.seal = StateSeal.from_environment()
+        self.state = make_state(spec, self.seal)
         ctx.state_size = lambda: (self.state.key_count, self.state.bytes_estimate())
         ctx.group_hits = self.state.group_hits
         op = spec.keyed.operator
@@ -176,13 +181,13 @@ class KeyedStage:
         if kind == "migrate_in":
             if self.move_in is not None:
                 raise ProtocolError("migrate_in while another move in is running")
-            self.move_in = MoveIn(self.ctx, self.state, command, self.apply)
+            self.move_in = MoveIn(self.ctx, self.state, command, self.apply, self.seal)
             self.owned |= self.move_in.source_of >= 0
             self.ctx.emit({"type": "ack", "step": "migrate_in", "epoch": self.move_in.epoch})
         elif kind == "migrate_out":
             if self.move_out is not None:
                 raise ProtocolError("migrate_out while another move out is running")
-            move = MoveOut(self.ctx, self.state, command)
+            move = MoveOut(self.ctx, self.state, command, self.seal)
             self.move_out = move
             for ended in self.ended:
                 move.marker(ended, None)
@@ -276,7 +281,7 @@ class KeyedStage:
         elif kind == STATE:
             if self.move_in is None:
                 raise ProtocolError(f"state from {sender} with no move in")
-            self.move_in.state_chunk(payload)
+            self.move_in.state_chunk(payload, sender)
         elif kind == FORWARD_DONE:
             if self.move_in is None:
                 raise ProtocolError(f"forward-done from {sender} with no move in")

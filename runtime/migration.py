@@ -28,6 +28,7 @@ import pyarrow as pa
 from keyshift.runtime.instance import MIGRATE_SERVICE, FetchRequest, InstanceContext
 from keyshift.runtime.records import GROUP, encode, pack, unpack
 from keyshift.runtime.state import KEY_COL, KeyedState
+from keyshift.runtime.state_integrity import StateSeal
 from keyshift.runtime.transport import (
     FORWARD,
     FORWARD_DONE,
@@ -56,9 +57,11 @@ class MoveOut:
         ctx: InstanceContext,
         state: KeyedState,
         command: dict[str, Any],
+        seal: StateSeal,
     ) -> None:
         self.ctx = ctx
         self.state = state
+        self.seal = seal
         self.stats = ctx.metrics.migration_stats()
         self.epoch = int(command["epoch"])
         self.sources = int(command["sources"])
@@ -143,7 +146,7 @@ class MoveOut:
         self.state.drop_keys(found)
         self.fetched.update(wanted)
         absent = sorted(set(wanted) - set(found), key=repr)
-        request.reply = pack({"in_transit": in_transit, "absent": absent}, snapshot)
+        request.reply = self.seal.seal(pack({"in_transit": in_transit, "absent": absent}, snapshot))
         request.done.set()
         self.stats["fetches"] += 1
         self.stats["keys_fetched_out"] += len(found)
@@ -179,7 +182,7 @@ class MoveOut:
         targets = snapshot.column("group").to_numpy()
         for dst, groups in by_dst.items():
             part = snapshot.filter(pa.array(np.isin(targets, groups)))
-            self._send(dst, STATE, pack({"groups": groups}, part))
+            self._send(dst, STATE, self.seal.seal(pack({"groups": groups}, part)))
             self.stats["keys_out"] += part.num_rows
             self.stats["bytes_out"] += part.nbytes
         self.stats["groups_pushed"] += len(chunk)
@@ -213,10 +216,12 @@ class MoveIn:
         state: KeyedState,
         command: dict[str, Any],
         apply: Callable[[pa.RecordBatch], None],
+        seal: StateSeal,
     ) -> None:
         self.ctx = ctx
         self.state = state
         self.apply = apply
+        self.seal = seal
         self.stats = ctx.metrics.migration_stats()
         self.epoch = int(command["epoch"])
         groups = ctx.spec.max_key_groups
@@ -333,7 +338,9 @@ class MoveIn:
                 raise ProtocolError(
                     f"fetch from {self.ctx.spec.keyed.name}/{owner} failed: {reply}"
                 )
-            header, snapshot = unpack(reply)
+            header, snapshot = unpack(
+                self.seal.open(reply, f"fetch reply from {self.ctx.spec.keyed.name}/{owner}")
+            )
             got: list[Any] = []
             if snapshot is not None and snapshot.num_rows:
                 self.state.restore(snapshot)
@@ -347,8 +354,8 @@ class MoveIn:
         if changed:
             self.release()
 
-    def state_chunk(self, body: bytes) -> None:
-        header, snapshot = unpack(body)
+    def state_chunk(self, body: bytes, sender: str) -> None:
+        header, snapshot = unpack(self.seal.open(body, f"state chunk from {sender}"))
         if snapshot is not None and snapshot.num_rows:
             self.state.restore(snapshot)
             self.arrived.update(key_list(snapshot.column(KEY_COL)))

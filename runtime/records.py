@@ -91,8 +91,8 @@ def pack(header: dict[str, Any], batch: pa.RecordBatch | None = None) -> bytes:
     return struct.pack("<I", len(head)) + head + body
 
 
-def unpack(message: bytes) -> tuple[dict[str, Any], pa.RecordBatch | None]:
+def unpack(message: bytes | memoryview) -> tuple[dict[str, Any], pa.RecordBatch | None]:
     (size,) = struct.unpack_from("<I", message)
-    header = json.loads(message[4 : 4 + size])
+    header = json.loads(bytes(message[4 : 4 + size]))
     body = message[4 + size :]
     return header, (decode(body) if body else None)

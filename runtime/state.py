@@ -2,8 +2,10 @@
 
 Two stores share one interface. `AggregateState` keeps running count/sum/min/max per key in
 numpy columns and updates them a whole batch at a time; `ProcessState` keeps one Python value per
-key for a user's per-record function. Both snapshot and restore by key group or by key as Arrow
-batches, which is what live migration moves. Used by the keyed stage instances.
+key for a user's per-record function (as bytes, by `keyshift.runtime.state_values`: plain data
+as msgpack, pickle only in a job whose state bytes are authenticated). Both snapshot and restore
+by key group or by key as Arrow batches, which is what live migration moves. Used by the keyed
+stage instances.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import pyarrow as pa
 
 from keyshift.runtime.key_index import SlotKeys
 from keyshift.runtime.records import EVENT_TIME, GROUP, INGEST_TIME, SEQ, SOURCE
+from keyshift.runtime.state_values import ValueCodec
 
 GROUP_COL = "group"
 KEY_COL = "key"
@@ -341,9 +344,15 @@ class ProcessState:
     """One Python value per key, updated record by record by a user's function."""
 
     def __init__(
-        self, function: ProcessFunction, max_key_groups: int, key_type: pa.DataType
+        self,
+        function: ProcessFunction,
+        max_key_groups: int,
+        key_type: pa.DataType,
+        codec: ValueCodec | None = None,
     ) -> None:
         self.function = function
+        # Without an explicit codec no pickle is ever written or read: plain values only.
+        self.codec = codec or ValueCodec(allow_pickle=False)
         self.max_key_groups = max_key_groups
         self.key_type = key_type
         self._groups: dict[int, dict[Any, Any]] = {}
@@ -361,6 +370,7 @@ class ProcessState:
 
     def bytes_estimate(self) -> int:
         sample = next((v for g in self._groups.values() for v in g.values()), None)
+        # An estimate only: pickle sizes any value (and dumping runs no foreign code).
         per_value = len(pickle.dumps(sample)) if sample is not None else 0
         return self.key_count * (per_value + 150)
 
@@ -408,7 +418,7 @@ class ProcessState:
                 pa.array([g for g, _, _ in entries], type=pa.int32()),
                 pa.array([k for _, k, _ in entries], type=self.key_type),
                 pa.array([self._hits.get(k, 0) for _, k, _ in entries], type=pa.int64()),
-                pa.array([pickle.dumps(v) for _, _, v in entries], type=pa.binary()),
+                pa.array([self.codec.encode(v) for _, _, v in entries], type=pa.binary()),
             ],
             names=[GROUP_COL, KEY_COL, HITS_COL, "state"],
         )
@@ -436,7 +446,7 @@ class ProcessState:
         for g, k, h, blob in zip(
             groups, keys, hits, snapshot.column("state").to_pylist(), strict=True
         ):
-            self._groups.setdefault(g, {})[k] = pickle.loads(blob)
+            self._groups.setdefault(g, {})[k] = self.codec.decode(blob)
             self._hits[k] = h
             self._group_hits[g] += h
             self._restored.add(g)

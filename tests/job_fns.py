@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import pyarrow as pa
@@ -47,3 +48,17 @@ def slow_track(state: Any, record: dict[str, Any]) -> tuple[Any, Any]:
         _since_round_trip = 0
         time.sleep(0.010)
     return track(state, record)
+
+
+@dataclass
+class Tally:
+    """A state value only pickle can carry (not plain data)."""
+
+    count: int
+
+
+def tally(state: Tally | None, record: dict[str, Any]) -> tuple[Any, Any]:
+    """`track` with its count in a `Tally`: its state moves and is checkpointed as a pickle."""
+    tally = state or Tally(0)
+    tally.count += 1
+    return tally, [tally.count, record["source"], record["seq"]]
