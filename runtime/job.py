@@ -281,10 +281,30 @@ class SourceStage(Stage):
     transforms: list[Transform] = Field(default_factory=list)
 
 
+class StateSettings(_Model):
+    """Where a keyed stage keeps its state: in memory, or in an embedded RocksDB per instance
+    for state larger than memory (see keyshift.runtime.rocksdb_state)."""
+
+    backend: Literal["memory", "rocksdb"] = Field(default="memory", description="memory or rocksdb")
+    path: str = Field(
+        default="state",
+        min_length=1,
+        description="rocksdb: local directory below which each keyed instance keeps its "
+        "database, in <path>/<job>/<stage>-<index> (rebuilt from checkpoints, never shared)",
+    )
+    block_cache_mb: int = Field(
+        default=64, ge=8, le=1 << 20, description="rocksdb: block cache per instance, MiB"
+    )
+    write_buffer_mb: int = Field(
+        default=16, ge=1, le=4096, description="rocksdb: each of the two write buffers, MiB"
+    )
+
+
 class KeyedStage(Stage):
     name: str = Field(default="keyed", pattern=STAGE_NAME_PATTERN)
     key_by: str = Field(default="key", description="the field whose value is the key")
     operator: OperatorConfig = Field(default_factory=AggregateOperator)
+    state: StateSettings = Field(default_factory=StateSettings)
 
 
 class SinkStage(Stage):

@@ -11,6 +11,7 @@ import json
 import logging
 import time
 from collections import Counter, deque
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -32,6 +33,12 @@ from keyshift.runtime.records import (
     decode,
     encode,
     split_by_owner,
+)
+from keyshift.runtime.rocksdb_state import (
+    RocksAggregateState,
+    RocksProcessState,
+    open_database,
+    prepare_directory,
 )
 from keyshift.runtime.state import (
     KEY_COL,
@@ -56,13 +63,25 @@ IDLE_WAIT = 0.05
 log = logging.getLogger("keyshift.keyed")
 
 
-def make_state(spec: JobSpec, seal: StateSeal) -> AggregateState | ProcessState:
+def make_state(
+    spec: JobSpec, seal: StateSeal, owner: str
+) -> AggregateState | ProcessState | RocksAggregateState | RocksProcessState:
+    """The keyed stage's state store for instance `owner` ("<stage>-<index>")."""
     key_type = ARROW_TYPES[spec.fields[spec.keyed.key_by]]
     op = spec.keyed.operator
-    if isinstance(op, AggregateOperator):
-        return AggregateState(op.function, spec.max_key_groups, key_type)
     # Pickled values are only safe to keep when every state byte that arrives is authenticated.
     codec = ValueCodec(allow_pickle=seal.authenticated)
+    settings = spec.keyed.state
+    if settings.backend == "rocksdb":
+        directory = prepare_directory(Path(settings.path) / spec.name / owner, owner)
+        db = open_database(directory, settings.block_cache_mb, settings.write_buffer_mb)
+        track = spec.checkpoints is not None
+        if isinstance(op, AggregateOperator):
+            return RocksAggregateState(op.function, spec.max_key_groups, key_type, db, track)
+        function = resolve_function(op.function)
+        return RocksProcessState(function, spec.max_key_groups, key_type, db, codec, track)
+    if isinstance(op, AggregateOperator):
+        return AggregateState(op.function, spec.max_key_groups, key_type)
     return ProcessState(resolve_function(op.function), spec.max_key_groups, key_type, codec)
 
 
@@ -99,7 +118,7 @@ class KeyedStage:
         spec = ctx.spec
         self.spec = spec
         self.seal = StateSeal.from_environment()
-        self.state = make_state(spec, self.seal)
+        self.state = make_state(spec, self.seal, f"{ctx.stage}-{ctx.index}")
         ctx.state_size = lambda: (self.state.key_count, self.state.bytes_estimate())
         ctx.group_hits = self.state.group_hits
         op = spec.keyed.operator
@@ -133,7 +152,7 @@ class KeyedStage:
         if batch.num_rows == 0:
             return
         t0 = time.perf_counter()
-        if isinstance(self.state, AggregateState):
+        if isinstance(self.state, AggregateState | RocksAggregateState):
             out = self.state.apply(batch, self.key_field, self.value_field).batch
         else:
             rows, _ = self.state.apply(batch, self.key_field)

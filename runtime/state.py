@@ -91,6 +91,103 @@ def aggregate_output_schema(function: str, key_type: pa.DataType) -> pa.Schema:
     )
 
 
+def aggregate_values(
+    function: str, count: np.ndarray, total: np.ndarray, low: np.ndarray, high: np.ndarray
+) -> np.ndarray:
+    """The value an aggregate shows for keys with these running columns."""
+    if function == "count":
+        return count
+    if function == "sum":
+        return total
+    if function == "min":
+        return low
+    if function == "max":
+        return high
+    result: np.ndarray = total / count
+    return result
+
+
+def empty_update(schema: pa.Schema) -> Update:
+    return Update(batch=pa.RecordBatch.from_pylist([], schema=schema), records=0)
+
+
+@dataclass(frozen=True)
+class Reduced:
+    """A value field reduced per key."""
+
+    sums: np.ndarray
+    mins: np.ndarray
+    maxs: np.ndarray
+
+
+@dataclass(frozen=True)
+class BatchAggregate:
+    """One batch pre-aggregated per key, in the batch's sorted key order: what every aggregate
+    backend applies to its state at once (one lookup and one write per key, not per record)."""
+
+    keys: Any  # int64 numpy array for integer keys, else a list
+    groups: np.ndarray
+    counts: np.ndarray
+    reduced: Reduced | None  # None when no value field is aggregated (count)
+    event: np.ndarray  # the latest event time per key
+    ingest: np.ndarray  # the earliest ingest time per key
+
+    @classmethod
+    def of(
+        cls, batch: pa.RecordBatch, key_field: str, value_field: str | None, numeric: bool
+    ) -> BatchAggregate:
+        n = batch.num_rows
+        key_col = batch.column(key_field)
+        dictionary: pa.Array | None = None
+        if numeric:
+            codes = key_col.to_numpy()
+        else:
+            encoded = key_col.dictionary_encode()
+            codes = encoded.indices.to_numpy().astype(np.int64)
+            dictionary = encoded.dictionary
+        order = np.argsort(codes)
+        sorted_codes = codes[order]
+        starts = np.concatenate(([0], np.flatnonzero(sorted_codes[1:] != sorted_codes[:-1]) + 1))
+        keys: Any = sorted_codes[starts]
+        if dictionary is not None:
+            keys = dictionary.take(pa.array(keys)).to_pylist()
+        reduced = None
+        if value_field is not None:
+            vals = batch.column(value_field).to_numpy(zero_copy_only=False).astype(np.float64)
+            vals = vals[order]
+            reduced = Reduced(
+                np.add.reduceat(vals, starts),
+                np.minimum.reduceat(vals, starts),
+                np.maximum.reduceat(vals, starts),
+            )
+        return cls(
+            keys=keys,
+            groups=batch.column(GROUP).to_numpy()[order[starts]],
+            counts=np.diff(np.append(starts, n)),
+            reduced=reduced,
+            event=np.maximum.reduceat(batch.column(EVENT_TIME).to_numpy()[order], starts),
+            ingest=np.minimum.reduceat(batch.column(INGEST_TIME).to_numpy()[order], starts),
+        )
+
+    def update(
+        self, schema: pa.Schema, values: np.ndarray, versions: np.ndarray, groups: np.ndarray
+    ) -> Update:
+        """The output rows: each touched key's new value after this batch."""
+        out = pa.RecordBatch.from_arrays(
+            [
+                pa.array(self.keys, type=schema.field(KEY_COL).type),
+                pa.array(values),
+                pa.array(self.counts),
+                pa.array(self.event),
+                pa.array(self.ingest),
+                pa.array(versions),
+                pa.array(groups),
+            ],
+            schema=schema,
+        )
+        return Update(batch=out, records=int(self.counts.sum()))
+
+
 class AggregateState:
     """Running aggregates per key in numpy columns, updated a batch at a time."""
 
@@ -166,70 +263,34 @@ class AggregateState:
         return slots
 
     def values(self, slots: np.ndarray) -> np.ndarray:
-        fn = self.function
-        result: np.ndarray
-        if fn == "count":
-            result = self._count[slots]
-        elif fn == "sum":
-            result = self._sum[slots]
-        elif fn == "min":
-            result = self._min[slots]
-        elif fn == "max":
-            result = self._max[slots]
-        else:
-            result = self._sum[slots] / self._count[slots]
-        return result
+        return aggregate_values(
+            self.function, self._count[slots], self._sum[slots], self._min[slots], self._max[slots]
+        )
 
     def apply(self, batch: pa.RecordBatch, key_field: str, value_field: str | None) -> Update:
         """Apply every record of `batch`; return one output row per key it touched."""
-        n = batch.num_rows
-        if n == 0:
-            return Update(
-                batch=pa.RecordBatch.from_pylist([], schema=self.output_schema()), records=0
-            )
-        key_col = batch.column(key_field)
-        dictionary: pa.Array | None = None
-        if self._keys.numeric:
-            codes = key_col.to_numpy()
-        else:
-            encoded = key_col.dictionary_encode()
-            codes = encoded.indices.to_numpy().astype(np.int64)
-            dictionary = encoded.dictionary
-        groups = batch.column(GROUP).to_numpy()
-        order = np.argsort(codes)
-        sorted_codes = codes[order]
-        starts = np.concatenate(([0], np.flatnonzero(sorted_codes[1:] != sorted_codes[:-1]) + 1))
-        counts = np.diff(np.append(starts, n))
-        unique_codes = sorted_codes[starts]
-        keys: Any = unique_codes
-        if dictionary is not None:
-            keys = dictionary.take(pa.array(unique_codes)).to_pylist()
-        slots = self._slots(keys, groups[order[starts]])
-        self._count[slots] += counts
-        self._hits[slots] += counts
-        self._changed[slots] = True
-        if value_field is not None and self.function != "count":
-            vals = batch.column(value_field).to_numpy(zero_copy_only=False).astype(np.float64)
-            vals = vals[order]
-            self._sum[slots] += np.add.reduceat(vals, starts)
-            self._min[slots] = np.minimum(self._min[slots], np.minimum.reduceat(vals, starts))
-            self._max[slots] = np.maximum(self._max[slots], np.maximum.reduceat(vals, starts))
-        self._group_hits += np.bincount(groups, minlength=self.max_key_groups)
-        event = batch.column(EVENT_TIME).to_numpy()[order]
-        ingest = batch.column(INGEST_TIME).to_numpy()[order]
-        out = pa.RecordBatch.from_arrays(
-            [
-                self._keys.arrow(keys),
-                pa.array(self.values(slots)),
-                pa.array(counts),
-                pa.array(np.maximum.reduceat(event, starts)),
-                pa.array(np.minimum.reduceat(ingest, starts)),
-                pa.array(self._hits[slots]),
-                pa.array(self._group[slots]),
-            ],
-            schema=self.output_schema(),
+        if batch.num_rows == 0:
+            return empty_update(self.output_schema())
+        part = BatchAggregate.of(
+            batch, key_field, self._value_field(value_field), self._keys.numeric
         )
-        return Update(batch=out, records=n)
+        slots = self._slots(part.keys, part.groups)
+        self._count[slots] += part.counts
+        self._hits[slots] += part.counts
+        self._changed[slots] = True
+        if part.reduced is not None:
+            self._sum[slots] += part.reduced.sums
+            self._min[slots] = np.minimum(self._min[slots], part.reduced.mins)
+            self._max[slots] = np.maximum(self._max[slots], part.reduced.maxs)
+        self._group_hits += np.bincount(
+            batch.column(GROUP).to_numpy(), minlength=self.max_key_groups
+        )
+        return part.update(
+            self.output_schema(), self.values(slots), self._hits[slots], self._group[slots]
+        )
+
+    def _value_field(self, value_field: str | None) -> str | None:
+        return None if self.function == "count" else value_field
 
     def output_schema(self) -> pa.Schema:
         return aggregate_output_schema(self.function, self.key_type)
@@ -340,6 +401,19 @@ class AggregateState:
 ProcessFunction = Callable[[Any, dict[str, Any]], tuple[Any, Any]]
 
 
+def process_output(key: Any, out: Any, record: dict[str, Any]) -> dict[str, Any]:
+    """A process function's output row, with the metadata of the record that made it."""
+    return {
+        KEY_COL: key,
+        "value": out,
+        EVENT_TIME: record[EVENT_TIME],
+        INGEST_TIME: record[INGEST_TIME],
+        SOURCE: record[SOURCE],
+        SEQ: record[SEQ],
+        GROUP: record[GROUP],
+    }
+
+
 class ProcessState:
     """One Python value per key, updated record by record by a user's function."""
 
@@ -399,17 +473,7 @@ class ProcessState:
                 self._changed.setdefault(group, set()).add(key)
                 self._deleted.get(group, set()).discard(key)
             if out is not None:
-                outputs.append(
-                    {
-                        KEY_COL: key,
-                        "value": out,
-                        EVENT_TIME: record[EVENT_TIME],
-                        INGEST_TIME: record[INGEST_TIME],
-                        SOURCE: record[SOURCE],
-                        SEQ: record[SEQ],
-                        GROUP: group,
-                    }
-                )
+                outputs.append(process_output(key, out, record))
         return outputs, batch.num_rows
 
     def _snapshot(self, entries: list[tuple[int, Any, Any]]) -> pa.RecordBatch:

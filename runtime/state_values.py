@@ -59,6 +59,13 @@ class ValueCodec:
                 ) from exc
             return PICKLED + pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
 
+    def check(self, blobs: list[bytes]) -> None:
+        """Refuse encoded values this codec would refuse to decode, before they are stored."""
+        if not self.allow_pickle and any(blob[:1] == PICKLED for blob in blobs):
+            raise StateValueError(
+                "refusing a pickled state value: this job has no secret to authenticate it"
+            )
+
     def decode(self, blob: bytes) -> Any:
         kind, body = blob[:1], blob[1:]
         if kind == PLAIN:

@@ -104,6 +104,17 @@ def cli(args: list[str], cwd: Path = REPO, **popen: Any) -> Iterator[subprocess.
 BATCHING = {"max_records": 2048, "linger_ms": 20, "credits": 4}
 
 
+STATE_BACKENDS = ["memory", "rocksdb"]
+
+
+def state_settings(backend: str, tmp_path: Path) -> dict[str, Any]:
+    """A keyed stage's `state` for a test job: small caches, each test its own directory."""
+    if backend == "memory":
+        return {"backend": "memory"}
+    return {"backend": "rocksdb", "path": str(tmp_path / "state"), "block_cache_mb": 8,
+            "write_buffer_mb": 4}  # fmt: skip
+
+
 def count_job(**overrides: Any) -> dict[str, Any]:
     """A small keyed-count job; tests override what they exercise."""
     job: dict[str, Any] = {

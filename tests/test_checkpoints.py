@@ -23,10 +23,16 @@ from keyshift.runtime.checkpoint_store import (
     CheckpointStore,
     GroupChain,
 )
-from keyshift.runtime.state import AggregateState, ProcessState
 from keyshift.runtime.state_checkpoint import read_groups, write_groups
 from tests.s3_server import s3_bucket, s3_endpoint, s3_options  # noqa: F401 (a fixture)
-from tests.test_state import G, make_batch
+from tests.test_state import (  # noqa: F401 (backend is a fixture)
+    AggregateStore,
+    G,
+    backend,
+    make_batch,
+    new_process_state,
+    new_state,
+)
 
 ALL_GROUPS = list(range(G))
 
@@ -45,8 +51,8 @@ def zipf_keys(n: int, keys: int, seed: int) -> np.ndarray:
     return (rng.zipf(1.3, n) - 1) % keys
 
 
-def aggregate(n: int = 50_000, keys: int = 10_000) -> AggregateState:
-    state = AggregateState("sum", G, pa.int64())
+def aggregate(n: int = 50_000, keys: int = 10_000) -> AggregateStore:
+    state = new_state("sum")
     ks = zipf_keys(n, keys, 1)
     state.apply(make_batch(ks.tolist(), (ks % 7).astype(float).tolist()), "key", "value")
     return state
@@ -74,6 +80,7 @@ def restored(store: CheckpointStore, meta: CheckpointMeta, fresh: Any) -> dict[A
     return fresh.items()  # type: ignore[no-any-return]
 
 
+@pytest.mark.usefixtures("backend")
 def test_incremental_checkpoints_write_the_changed_keys_and_restore_exactly(
     store: CheckpointStore,
 ) -> None:
@@ -85,25 +92,27 @@ def test_incremental_checkpoints_write_the_changed_keys_and_restore_exactly(
     _, delta = checkpoint(store, state, 2, store.load(1))
     assert delta < full / 20, f"delta {delta} B vs full {full} B"
     assert store.completed() == [1, 2]
-    assert restored(store, store.load(2), AggregateState("sum", G, pa.int64())) == state.items()
-    assert restored(store, first, AggregateState("sum", G, pa.int64())) != state.items()
+    assert restored(store, store.load(2), new_state("sum")) == state.items()
+    assert restored(store, first, new_state("sum")) != state.items()
 
 
+@pytest.mark.usefixtures("backend")
 def test_deleted_keys_leave_tombstones_and_stay_deleted(store: CheckpointStore) -> None:
     def keep_positive(state: Any, record: dict[str, Any]) -> tuple[Any, Any]:
         total = (state or 0) + record["value"]
         return (total if total > 0 else None), None
 
-    state = ProcessState(keep_positive, G, pa.int64())
+    state = new_process_state(keep_positive, pa.int64())
     state.apply(make_batch(list(range(100)), [5.0] * 100), "key")
     checkpoint(store, state, 1, None)
     state.apply(make_batch([3, 4, 200], [-10.0, 1.0, 2.0], first_seq=100), "key")
     meta, _ = checkpoint(store, state, 2, store.load(1))
-    rebuilt = restored(store, meta, ProcessState(keep_positive, G, pa.int64()))
+    rebuilt = restored(store, meta, new_process_state(keep_positive, pa.int64()))
     assert 3 not in rebuilt and rebuilt[4] == 6.0 and rebuilt[200] == 2.0
     assert rebuilt == state.items()
 
 
+@pytest.mark.usefixtures("backend")
 def test_a_group_gets_a_base_after_a_migration_a_failed_checkpoint_or_a_long_chain(
     tmp_path: Path,
 ) -> None:
@@ -122,7 +131,7 @@ def test_a_group_gets_a_base_after_a_migration_a_failed_checkpoint_or_a_long_cha
     meta, _ = checkpoint(store, state, 4, meta, max_chain=3)
     assert len(meta.groups[group].files) == 1
     # Keys arriving by migration: their group's next checkpoint is a base.
-    other = AggregateState("sum", G, pa.int64())
+    other = new_state("sum")
     other.restore(state.snapshot_groups([group]))
     written = write_groups(store, 5, "keyed-1", other, [group], {group: meta.groups[group]}, True)
     assert (written.base_groups, written.delta_groups) == (1, 0)
@@ -131,6 +140,7 @@ def test_a_group_gets_a_base_after_a_migration_a_failed_checkpoint_or_a_long_cha
     assert written.base_groups == G
 
 
+@pytest.mark.usefixtures("backend")
 def test_a_corrupt_or_partial_checkpoint_is_skipped_for_the_previous_one(
     store: CheckpointStore, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -150,6 +160,7 @@ def test_a_corrupt_or_partial_checkpoint_is_skipped_for_the_previous_one(
     assert store.latest_valid() is None
 
 
+@pytest.mark.usefixtures("backend")
 def test_retention_keeps_the_newest_checkpoints_and_the_files_they_name(
     store: CheckpointStore,
 ) -> None:
@@ -168,9 +179,7 @@ def test_retention_keeps_the_newest_checkpoints_and_the_files_they_name(
     # The base of checkpoint 1 is still named by checkpoint 5's chains: it stays.
     kept = store.load(5).files() | store.load(4).files()
     assert all(store.fs.exists(f"{store.root}/{path}") for path in kept)
-    assert restored(store, store.latest_valid() or meta, AggregateState("sum", G, pa.int64())) == (
-        state.items()
-    )
+    assert restored(store, store.latest_valid() or meta, new_state("sum")) == (state.items())
 
 
 def test_unusable_storage_is_a_clear_error(tmp_path: Path) -> None:

@@ -30,7 +30,7 @@ from keyshift.runtime.generator import instance_total
 from keyshift.runtime.ingest_client import IngestClient, IngestError
 from keyshift.runtime.output_log import OutputLogReader
 from keyshift.runtime.transport import JsonClient, TransportError
-from tests.conftest import children_of, cli, wait_for
+from tests.conftest import STATE_BACKENDS, children_of, cli, state_settings, wait_for
 from tests.prometheus_server import free_port
 from tests.test_autoscaling_live import Output
 from tests.test_rescale import SERVICE, applied_once, check_output, tracked_job
@@ -85,9 +85,10 @@ def start_run(tmp_path: Path, job: dict[str, Any]) -> tuple[Any, int]:
     return cli(args), port
 
 
-def run_and_crash(tmp_path: Path, crash: Any, **job: Any) -> None:
+def run_and_crash(tmp_path: Path, crash: Any, backend: str = "memory", **job: Any) -> None:
     out = tmp_path / "out"
-    context, port = start_run(tmp_path, {**tracked_job(out, SOURCE, keyed=2), **job})
+    state = state_settings(backend, tmp_path)
+    context, port = start_run(tmp_path, {**tracked_job(out, SOURCE, 2, state=state), **job})
     with context as proc:
         output = Output(proc)
         run = Run(proc, f"127.0.0.1:{port}")
@@ -104,13 +105,16 @@ def run_and_crash(tmp_path: Path, crash: Any, **job: Any) -> None:
     check_output(out, SOURCE, emitted)
 
 
-def test_a_killed_keyed_instance_recovers_from_the_last_checkpoint(tmp_path: Path) -> None:
+@pytest.mark.parametrize("backend", STATE_BACKENDS)
+def test_a_killed_keyed_instance_recovers_from_the_last_checkpoint(
+    tmp_path: Path, backend: str
+) -> None:
     def crash(run: Run) -> None:
         done = run.completed()
         wait_for(lambda: run.completed() > done + random.randint(0, 2), 30, "a checkpoint")
         os.kill(run.pid_of("track", random.randint(0, 1)), signal.SIGKILL)
 
-    run_and_crash(tmp_path, crash)
+    run_and_crash(tmp_path, crash, backend)
 
 
 def test_a_hung_instance_is_lost_by_its_silence_and_the_job_recovers(tmp_path: Path) -> None:
@@ -137,7 +141,8 @@ def test_a_killed_coordinator_recovers_from_the_checkpoint_metadata(tmp_path: Pa
     run_and_crash(tmp_path, crash)
 
 
-def test_a_kill_during_a_hot_first_migration_recovers(tmp_path: Path) -> None:
+@pytest.mark.parametrize("backend", STATE_BACKENDS)
+def test_a_kill_during_a_hot_first_migration_recovers(tmp_path: Path, backend: str) -> None:
     def crash(run: Run) -> None:
         # A slow trickle: the push of the ~700 moving keys lasts seconds, however busy the
         # machine, so the kill lands in the middle of it.
@@ -152,7 +157,7 @@ def test_a_kill_during_a_hot_first_migration_recovers(tmp_path: Path) -> None:
         wait_for(moving, 60, "the rescale to move state")
         os.kill(run.pid_of("track", 0), signal.SIGKILL)  # the old owner, mid-move
 
-    run_and_crash(tmp_path, crash)
+    run_and_crash(tmp_path, crash, backend)
 
 
 def coordinator_metrics(tmp_path: Path) -> str:

@@ -23,19 +23,33 @@ from keyshift.runtime.metrics import MetricName
 from keyshift.runtime.output_log import OutputLogReader
 from keyshift.runtime.rescale import STRATEGIES
 from keyshift.runtime.transport import JsonClient, TransportError
-from tests.conftest import count_job, latest_by_version, running_job, wait_for
+from tests.conftest import (
+    STATE_BACKENDS,
+    count_job,
+    latest_by_version,
+    running_job,
+    state_settings,
+    wait_for,
+)
 from tests.test_metrics import scrape
 
 SERVICE = "keyshift.Coordinator"
 
 
-def tracked_job(out: Path, source: dict[str, Any], keyed: int, sources: int = 2) -> dict[str, Any]:
+def tracked_job(
+    out: Path,
+    source: dict[str, Any],
+    keyed: int,
+    sources: int = 2,
+    state: dict[str, Any] | None = None,
+) -> dict[str, Any]:
     return count_job(
         source={"parallelism": sources, "config": source},
         keyed={
             "name": "track",
             "parallelism": keyed,
             "operator": {"kind": "process", "function": "tests.job_fns:track"},
+            "state": state or {"backend": "memory"},
         },
         sink={"parallelism": 2, "config": {"kind": "log", "path": str(out), "format": "jsonl"}},
         batching={"max_records": 1024},
@@ -160,13 +174,15 @@ def rescale_via(
     return result
 
 
+@pytest.mark.parametrize("backend", STATE_BACKENDS)
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_scale_out_and_in_under_load_keeps_exactly_once_and_order(
-    tmp_path: Path, strategy: str
+    tmp_path: Path, strategy: str, backend: str
 ) -> None:
     source = {"kind": "generator", "keys": 3000, "distribution": "zipf", "seed": 21,
               "profile": {"rate": 10_000}}  # fmt: skip
-    results = run_with_rescales(tmp_path, source, 1, [(3, strategy), (2, strategy)])
+    job = tracked_job(tmp_path / "out", source, 1, state=state_settings(backend, tmp_path))
+    results = run_with_rescales(tmp_path, source, 1, [(3, strategy), (2, strategy)], job)
     for result in results:
         assert result["groups_moved"] == result["groups_to_move"] > 0
         moved = result["progress"].get("keys_in", 0) + result["progress"].get("keys_fetched", 0)
@@ -185,12 +201,13 @@ def test_hot_keys_move_while_hot(tmp_path: Path) -> None:
     assert result["progress"]["records_parked"] > 0
 
 
-def test_count_aggregate_through_rescales_equals_truth(tmp_path: Path) -> None:
+@pytest.mark.parametrize("backend", STATE_BACKENDS)
+def test_count_aggregate_through_rescales_equals_truth(tmp_path: Path, backend: str) -> None:
     source = {"kind": "generator", "keys": 20_000, "distribution": "zipf", "seed": 8,
               "profile": {"rate": 20_000}}  # fmt: skip
     job = count_job(
         source={"parallelism": 2, "config": source},
-        keyed={"name": "track", "parallelism": 2},
+        keyed={"name": "track", "parallelism": 2, "state": state_settings(backend, tmp_path)},
         sink={
             "parallelism": 2,
             "config": {"kind": "log", "path": str(tmp_path / "out"), "format": "parquet"},

@@ -10,6 +10,7 @@ import random
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -20,7 +21,21 @@ from hypothesis import strategies as st
 
 from keyshift.runtime.keyspace import key_groups
 from keyshift.runtime.records import record_schema
-from keyshift.runtime.state import GROUP_COL, HITS_COL, KEY_COL, AggregateState, ProcessState
+from keyshift.runtime.rocksdb_state import (
+    RocksAggregateState,
+    RocksProcessState,
+    open_database,
+    prepare_directory,
+)
+from keyshift.runtime.state import (
+    GROUP_COL,
+    HITS_COL,
+    KEY_COL,
+    AggregateState,
+    ProcessFunction,
+    ProcessState,
+)
+from keyshift.runtime.state_values import ValueCodec
 
 FUNCTIONS = ["count", "sum", "min", "max", "mean"]
 G = 64  # key groups in these tests: small, so groups hold several keys each
@@ -108,14 +123,46 @@ def value_field(function: str) -> str | None:
     return None if function == "count" else "value"
 
 
-def new_state(function: str, key_type: pa.DataType | None = None) -> AggregateState:
-    return AggregateState(function, G, key_type or pa.int64())
+AggregateStore = AggregateState | RocksAggregateState
+ProcessStore = ProcessState | RocksProcessState
+# The backend `new_state` makes: the `backend` fixture runs each aggregate test on each one.
+_backend: dict[str, Path] = {}
+
+
+@pytest.fixture(params=["memory", "rocksdb"])
+def backend(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Any:
+    if request.param == "rocksdb":
+        _backend["rocksdb"] = tmp_path_factory.mktemp("rocksdb")
+    yield request.param
+    _backend.clear()
+
+
+def _new_database() -> Any:
+    root = _backend["rocksdb"]
+    owner = f"keyed-{len(list(root.iterdir()))}"
+    return open_database(
+        prepare_directory(root / owner, owner), block_cache_mb=8, write_buffer_mb=1
+    )
+
+
+def new_state(function: str, key_type: pa.DataType | None = None) -> AggregateStore:
+    if "rocksdb" not in _backend:
+        return AggregateState(function, G, key_type or pa.int64())
+    return RocksAggregateState(function, G, key_type or pa.int64(), _new_database(), True)
+
+
+def new_process_state(function: ProcessFunction, key_type: pa.DataType) -> ProcessStore:
+    codec = ValueCodec(allow_pickle=False)
+    if "rocksdb" not in _backend:
+        return ProcessState(function, G, key_type, codec)
+    return RocksProcessState(function, G, key_type, _new_database(), codec, True)
 
 
 # ------------------------------------------------------------------------------------------
 # AggregateState: values and per-batch updates
 
 
+@pytest.mark.usefixtures("backend")
 @pytest.mark.parametrize("function", FUNCTIONS)
 @pytest.mark.parametrize("key_kind", ["int", "str"])
 def test_aggregate_matches_dict_truth_over_batches(function: str, key_kind: str) -> None:
@@ -170,6 +217,7 @@ def test_aggregate_matches_dict_truth_over_batches(function: str, key_kind: str)
     assert hits.tolist() == per_group.tolist()
 
 
+@pytest.mark.usefixtures("backend")
 def test_count_with_a_field_still_counts() -> None:
     state = new_state("count")
     state.apply(make_batch([1, 1, 2], [5.0, 6.0, 7.0]), "key", "value")
@@ -177,6 +225,7 @@ def test_count_with_a_field_still_counts() -> None:
     assert isinstance(state.get(1), int)
 
 
+@pytest.mark.usefixtures("backend")
 def test_integer_value_field_is_aggregated_as_float() -> None:
     keys, values = [3, 3, 4], [10, -2, 7]
     batch = pa.RecordBatch.from_arrays(
@@ -197,6 +246,7 @@ def test_integer_value_field_is_aggregated_as_float() -> None:
         assert out.schema.field("value").type == pa.float64()
 
 
+@pytest.mark.usefixtures("backend")
 def test_empty_batch_changes_nothing() -> None:
     state = new_state("sum")
     state.apply(make_batch([1, 2], [1.0, 2.0]), "key", "value")
@@ -208,6 +258,7 @@ def test_empty_batch_changes_nothing() -> None:
     assert int(state.group_hits().sum()) == 2
 
 
+@pytest.mark.usefixtures("backend")
 def test_many_keys_grow_the_columns() -> None:
     rng = random.Random(3)
     state = new_state("max")
@@ -223,6 +274,7 @@ def test_many_keys_grow_the_columns() -> None:
     assert state.bytes_estimate() > 0
 
 
+@pytest.mark.usefixtures("backend")
 @settings(max_examples=40, deadline=None)
 @given(
     function=st.sampled_from(FUNCTIONS),
@@ -256,7 +308,7 @@ def test_any_split_into_batches_gives_the_dict_truth(
 # AggregateState: snapshot, restore, drop
 
 
-def filled(function: str, seed: int, key_kind: str = "int") -> tuple[AggregateState, Truth]:
+def filled(function: str, seed: int, key_kind: str = "int") -> tuple[AggregateStore, Truth]:
     rng = random.Random(seed)
     state = new_state(function, pa.int64() if key_kind == "int" else pa.string())
     truth = Truth()
@@ -269,6 +321,7 @@ def filled(function: str, seed: int, key_kind: str = "int") -> tuple[AggregateSt
     return state, truth
 
 
+@pytest.mark.usefixtures("backend")
 @pytest.mark.parametrize("function", FUNCTIONS)
 @pytest.mark.parametrize("key_kind", ["int", "str"])
 def test_snapshot_restore_drop_moves_groups(function: str, key_kind: str) -> None:
@@ -331,6 +384,7 @@ def test_snapshot_restore_drop_moves_groups(function: str, key_kind: str) -> Non
     assert int(old.group_hits().sum() + new.group_hits().sum()) == 1100
 
 
+@pytest.mark.usefixtures("backend")
 def test_restore_of_present_key_raises_and_changes_nothing() -> None:
     a, _ = filled("sum", seed=1)
     b = new_state("sum")
@@ -350,6 +404,7 @@ def test_restore_of_present_key_raises_and_changes_nothing() -> None:
         c.restore(snap)
 
 
+@pytest.mark.usefixtures("backend")
 def test_snapshot_keys_takes_present_keys_only() -> None:
     state, truth = filled("mean", seed=5)
     present = sorted(truth.count)[:5]
@@ -363,6 +418,7 @@ def test_snapshot_keys_takes_present_keys_only() -> None:
     assert state.items() == truth.values("mean")
 
 
+@pytest.mark.usefixtures("backend")
 def test_restore_then_apply_continues_from_snapshot() -> None:
     a = new_state("min")
     a.apply(make_batch([1, 1, 2], [5.0, 3.0, 9.0]), "key", "value")
@@ -374,6 +430,7 @@ def test_restore_then_apply_continues_from_snapshot() -> None:
     assert b.items() == {1: 3.0, 2: 8.0}
 
 
+@pytest.mark.usefixtures("backend")
 @pytest.mark.parametrize("function", FUNCTIONS)
 def test_slots_are_reused_cleanly_after_drop(function: str) -> None:
     state, truth = filled(function, seed=21)
@@ -436,11 +493,12 @@ def process_truth(
     return outputs
 
 
+@pytest.mark.usefixtures("backend")
 @pytest.mark.parametrize("key_kind", ["int", "str"])
 def test_process_state_outputs_in_order_and_state_matches(key_kind: str) -> None:
     rng = random.Random(key_kind)
     key_type = pa.int64() if key_kind == "int" else pa.string()
-    state = ProcessState(running_seqs, G, key_type)
+    state = new_process_state(running_seqs, key_type)
     truth: dict[Any, list[int]] = {}
     seq = 0
     for size in [5, 60, 0, 33]:
@@ -465,8 +523,9 @@ def test_process_state_outputs_in_order_and_state_matches(key_kind: str) -> None
     assert state.bytes_estimate() > 0
 
 
+@pytest.mark.usefixtures("backend")
 def test_process_state_none_deletes_key() -> None:
-    state = ProcessState(running_seqs, G, pa.int64())
+    state = new_process_state(running_seqs, pa.int64())
     state.apply(make_batch([4, 4, 9], [1.0, 1.0, 1.0]), "key")
     assert state.get(4) == [0, 1]
     outputs, _ = state.apply(make_batch([4], [-1.0], first_seq=3), "key")
@@ -482,19 +541,21 @@ def test_process_state_none_deletes_key() -> None:
     assert [(r[KEY_COL], r[HITS_COL]) for r in snap] == [(4, 1)]
 
 
+@pytest.mark.usefixtures("backend")
 def test_process_state_none_output_emits_nothing() -> None:
-    state = ProcessState(quiet_when_even, G, pa.int64())
+    state = new_process_state(quiet_when_even, pa.int64())
     outputs, n = state.apply(make_batch([1, 1, 1, 2], [0.0] * 4), "key")
     assert n == 4
     assert [(o["key"], o["value"]) for o in outputs] == [(1, 1), (1, 3), (2, 1)]
     assert state.items() == {1: 3, 2: 1}
 
 
+@pytest.mark.usefixtures("backend")
 @pytest.mark.parametrize("key_kind", ["int", "str"])
 def test_process_state_snapshot_restore_roundtrip(key_kind: str) -> None:
     rng = random.Random(7)
     key_type = pa.int64() if key_kind == "int" else pa.string()
-    old = ProcessState(running_seqs, G, key_type)
+    old = new_process_state(running_seqs, key_type)
     keys = int_keys(rng, 400, 60) if key_kind == "int" else str_keys(rng, 400, 60)
     values = [1.0] * 400
     old.apply(make_batch(keys, values), "key")
@@ -510,7 +571,7 @@ def test_process_state_snapshot_restore_roundtrip(key_kind: str) -> None:
     assert {(r[KEY_COL], r[GROUP_COL], r[HITS_COL]) for r in snap.to_pylist()} == {
         (k, group_of(k), hits[k]) for k in moving_keys
     }
-    new = ProcessState(running_seqs, G, key_type)
+    new = new_process_state(running_seqs, key_type)
     new.restore(snap)
     assert old.drop_groups(moving) == len(moving_keys)
 
@@ -536,8 +597,9 @@ def test_process_state_snapshot_restore_roundtrip(key_kind: str) -> None:
     assert by_key.num_rows == 1
 
 
+@pytest.mark.usefixtures("backend")
 def test_process_state_group_hits_zero_after_dropping_group_with_cleared_keys() -> None:
-    state = ProcessState(running_seqs, G, pa.int64())
+    state = new_process_state(running_seqs, pa.int64())
     state.apply(make_batch([8, 8, 8], [1.0, -1.0, 1.0]), "key")
     group = group_of(8)
     assert state.drop_groups([group]) == 1

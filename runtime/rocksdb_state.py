@@ -1,0 +1,522 @@
+"""Keyed state in an embedded RocksDB (through rocksdict): state larger than memory.
+
+Layout: a key is its key group (4 bytes, big-endian) followed by the key's bytes (an integer as
+8 big-endian bytes with the sign bit flipped, so the order holds; a string as UTF-8), so each
+key group is one contiguous range that moves and checkpoints read in one scan. A value starts
+with the key's hits (8 bytes), then holds an aggregate's count, sum, min and max, or a process
+function's value as `keyshift.runtime.state_values` encodes it. What stays in memory is small
+and per group: hits (hot-first ordering needs them), key counts, and, with checkpoints on, the
+keys changed since the last checkpoint. Each batch costs one multi-get and one write batch for
+its distinct keys (an aggregate's batch is pre-aggregated per key first), not a call per record.
+Snapshots have the memory backends' columns, so migration chunks and checkpoint shards are the
+same whichever backend wrote them.
+
+The database is a cache of the job's state, never its record: an instance starts on an empty
+one and gets its groups from a checkpoint or a migration, so the write-ahead log is off and a
+database left by a crashed incarnation of the same instance is wiped at start. A directory that
+is not such a database is refused, never reused. Used by the keyed stage when its
+`state.backend` is `rocksdb` (`keyshift.runtime.keyed_stage`).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from abc import ABC, abstractmethod
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import rocksdict
+
+from keyshift.runtime.keyspace import key_groups
+from keyshift.runtime.records import GROUP
+from keyshift.runtime.state import (
+    GROUP_COL,
+    HITS_COL,
+    KEY_COL,
+    BatchAggregate,
+    ProcessFunction,
+    StateChanges,
+    Update,
+    aggregate_output_schema,
+    aggregate_values,
+    empty_update,
+    process_output,
+)
+from keyshift.runtime.state_values import ValueCodec
+
+GROUP_BYTES = 4
+_INT_KEY = np.dtype([("group", ">u4"), ("key", ">u8")])
+_VALUE = np.dtype(
+    [("hits", "<i8"), ("count", "<i8"), ("sum", "<f8"), ("min", "<f8"), ("max", "<f8")]
+)
+_EMPTY = np.array([(0, 0, 0.0, np.inf, -np.inf)], dtype=_VALUE).tobytes()
+HITS_BYTES = 8
+_SIGN = np.uint64(1 << 63)
+MARKER = "keyshift-state.json"
+DATABASE = "db"
+
+
+class RocksStateError(RuntimeError):
+    """A state directory that cannot be used: not writable, or holding something else."""
+
+
+def _multi_get(db: rocksdict.Rdict, keys: list[bytes]) -> list[bytes | None]:
+    """One multi-get: the value of each key, None where absent."""
+    if not keys:
+        return []
+    found: list[bytes | None] = db.get(keys)  # type: ignore[arg-type,assignment]
+    return found
+
+
+def _split(buffer: bytes, width: int) -> list[bytes]:
+    return [buffer[i : i + width] for i in range(0, len(buffer), width)]
+
+
+def _prefix(group: int) -> bytes:
+    return group.to_bytes(GROUP_BYTES, "big")
+
+
+def prepare_directory(path: Path, owner: str) -> Path:
+    """The database directory of `owner` below `path`, empty and marked as keyshift's.
+
+    A database this owner left (a crash, a restart) is wiped: its contents are older than the
+    checkpoint or migration the instance is about to load. Anything else is refused."""
+    marker = path / MARKER
+    try:
+        if path.exists():
+            if marker.exists():
+                try:
+                    found = json.loads(marker.read_text()).get("owner")
+                except ValueError:
+                    found = None
+                if found != owner:
+                    raise RocksStateError(
+                        f"{path} holds the RocksDB state of {found!r}, not of {owner!r}: "
+                        "give each keyed instance its own state path"
+                    )
+                shutil.rmtree(path / DATABASE, ignore_errors=True)
+            elif any(path.iterdir()):
+                raise RocksStateError(
+                    f"{path} is not empty and is not a keyshift state directory "
+                    f"(no {MARKER}); refusing to use or delete it"
+                )
+        path.mkdir(parents=True, exist_ok=True)
+        marker.write_text(json.dumps({"owner": owner}))
+    except OSError as exc:
+        raise RocksStateError(f"cannot use {path} for RocksDB state: {exc}") from exc
+    return path / DATABASE
+
+
+def open_database(directory: Path, block_cache_mb: int, write_buffer_mb: int) -> rocksdict.Rdict:
+    """A fresh database whose memory is bounded by its block cache and write buffers."""
+    options = rocksdict.Options(raw_mode=True)
+    options.create_if_missing(True)
+    table = rocksdict.BlockBasedOptions()
+    table.set_block_cache(rocksdict.Cache(block_cache_mb << 20))
+    # Index and filter blocks count against the cache instead of growing beside it.
+    table.set_cache_index_and_filter_blocks(True)
+    table.set_bloom_filter(10, False)
+    options.set_block_based_table_factory(table)
+    options.set_write_buffer_size(write_buffer_mb << 20)
+    options.set_max_write_buffer_number(2)
+    writes = rocksdict.WriteOptions()
+    # A property at run time, though rocksdict's stubs declare a method.
+    writes.disable_wal = True  # type: ignore[method-assign,assignment]
+    try:
+        db = rocksdict.Rdict(str(directory), options)
+    except Exception as exc:  # rocksdict raises plain Exceptions for RocksDB's errors
+        raise RocksStateError(f"cannot open RocksDB state at {directory}: {exc}") from exc
+    db.set_write_options(writes)
+    return db
+
+
+class RocksStore(ABC):
+    """What both RocksDB stores share: the key layout, ranges per group, the in-memory counts
+    per group, and the changes since the last checkpoint."""
+
+    def __init__(
+        self, max_key_groups: int, key_type: pa.DataType, db: rocksdict.Rdict, track_changes: bool
+    ) -> None:
+        self.max_key_groups = max_key_groups
+        self.key_type = key_type
+        self._db = db
+        self._numeric = pa.types.is_integer(key_type)
+        self._key_count = 0
+        self._group_keys = np.zeros(max_key_groups, dtype=np.int64)
+        self._group_hits = np.zeros(max_key_groups, dtype=np.int64)
+        # Without checkpoints nobody asks for changes: keeping them would grow with the keys.
+        self._track = track_changes
+        self._changed: dict[int, set[bytes]] = {}
+        self._deleted: dict[int, set[bytes]] = {}
+        self._restored: set[int] = set()
+
+    # -- keys as bytes ------------------------------------------------------------------------
+
+    def _encode(self, groups: np.ndarray, keys: Any) -> list[bytes]:
+        if self._numeric:
+            packed = np.empty(len(groups), dtype=_INT_KEY)
+            packed["group"] = groups
+            packed["key"] = np.asarray(keys, dtype=np.int64).view(np.uint64) ^ _SIGN
+            return _split(packed.tobytes(), _INT_KEY.itemsize)
+        return [_prefix(g) + k.encode() for g, k in zip(groups.tolist(), keys, strict=True)]
+
+    def _decode(self, dbkeys: list[bytes]) -> tuple[np.ndarray, Any]:
+        if self._numeric:
+            packed = np.frombuffer(b"".join(dbkeys), dtype=_INT_KEY)
+            keys = (packed["key"].astype(np.uint64) ^ _SIGN).view(np.int64)
+            return packed["group"].astype(np.int32), keys
+        groups = np.array([int.from_bytes(k[:GROUP_BYTES], "big") for k in dbkeys], np.int32)
+        return groups, [k[GROUP_BYTES:].decode() for k in dbkeys]
+
+    def _encode_keys(self, keys: Sequence[Any]) -> list[bytes]:
+        """Keys whose groups are not at hand: their groups are computed as the sources do."""
+        groups = key_groups(pa.array(keys, type=self.key_type), self.max_key_groups)
+        return self._encode(groups, list(keys))
+
+    def _present(self, dbkeys: list[bytes]) -> tuple[list[bytes], list[bytes]]:
+        found = _multi_get(self._db, dbkeys)
+        pairs = [(k, v) for k, v in zip(dbkeys, found, strict=True) if v is not None]
+        return [k for k, _ in pairs], [v for _, v in pairs]
+
+    def _scan(self, group: int) -> tuple[list[bytes], list[bytes]]:
+        """Every key and value of one key group: one range of the database."""
+        prefix = _prefix(group)
+        keys: list[bytes] = []
+        values: list[bytes] = []
+        it = self._db.iter()
+        it.seek(prefix)
+        while it.valid():
+            key = it.key()
+            if key[:GROUP_BYTES] != prefix:
+                break
+            keys.append(key)
+            values.append(it.value())
+            it.next()
+        return keys, values
+
+    def _scan_groups(self, groups: Iterable[int]) -> tuple[list[bytes], list[bytes]]:
+        keys: list[bytes] = []
+        values: list[bytes] = []
+        for group in (int(g) for g in groups):
+            if self._group_keys[group]:
+                more_keys, more_values = self._scan(group)
+                keys += more_keys
+                values += more_values
+        return keys, values
+
+    @abstractmethod
+    def _rows(self, dbkeys: list[bytes], values: list[bytes]) -> pa.RecordBatch:
+        """Snapshot rows of these keys and values, in the columns of the store's kind."""
+
+    def _write(self, puts: Iterable[tuple[bytes, bytes]], deletes: Iterable[bytes] = ()) -> None:
+        writes = rocksdict.WriteBatch(raw_mode=True)
+        for key, value in puts:
+            writes.put(key, value)
+        for key in deletes:
+            writes.delete(key)
+        self._db.write(writes)
+
+    def _note(self, table: dict[int, set[bytes]], groups: np.ndarray, keys: list[bytes]) -> None:
+        if self._track:
+            for group, key in zip(groups.tolist(), keys, strict=True):
+                table.setdefault(group, set()).add(key)
+
+    def _restore_rows(self, snapshot: pa.RecordBatch, values: list[bytes]) -> None:
+        """Write a snapshot's keys with their encoded values; a key already here is an
+        ownership error, and nothing is written then."""
+        groups = snapshot.column(GROUP_COL).to_numpy()
+        key_col = snapshot.column(KEY_COL)
+        dbkeys = self._encode(groups, key_col.to_numpy() if self._numeric else key_col.to_pylist())
+        present, _ = self._present(dbkeys)
+        if present:
+            example = self._decode(present[:1])[1][0]
+            raise ValueError(
+                f"restore would duplicate state of {len(present)} keys, e.g. {example!r}"
+            )
+        self._write(zip(dbkeys, values, strict=True))
+        self._key_count += snapshot.num_rows
+        np.add.at(self._group_keys, groups, 1)
+        np.add.at(self._group_hits, groups, snapshot.column(HITS_COL).to_numpy())
+        self._restored.update(np.unique(groups).tolist())
+
+    # -- the KeyedState protocol ------------------------------------------------------------
+
+    @property
+    def key_count(self) -> int:
+        return self._key_count
+
+    def bytes_estimate(self) -> int:
+        live = self._db.property_int_value("rocksdb.estimate-live-data-size") or 0
+        memtables = self._db.property_int_value("rocksdb.cur-size-all-mem-tables") or 0
+        return int(live) + int(memtables)
+
+    def group_hits(self) -> np.ndarray:
+        return self._group_hits
+
+    def group_sizes(self) -> np.ndarray:
+        return self._group_keys.copy()
+
+    def snapshot_groups(self, groups: Iterable[int]) -> pa.RecordBatch:
+        return self._rows(*self._scan_groups(groups))
+
+    def snapshot_keys(self, keys: Sequence[Any]) -> pa.RecordBatch:
+        return self._rows(*self._present(self._encode_keys(keys)) if keys else ([], []))
+
+    def drop_groups(self, groups: Iterable[int]) -> int:
+        writes = rocksdict.WriteBatch(raw_mode=True)
+        dropped = 0
+        for group in (int(g) for g in groups):
+            self._changed.pop(group, None)
+            self._deleted.pop(group, None)
+            if not self._group_keys[group]:
+                continue
+            writes.delete_range(_prefix(group), _prefix(group + 1))
+            dropped += int(self._group_keys[group])
+            self._group_keys[group] = 0
+            self._group_hits[group] = 0
+        if dropped:
+            self._db.write(writes)
+            self._key_count -= dropped
+        return dropped
+
+    def drop_keys(self, keys: Sequence[Any]) -> int:
+        """Keys leaving one at a time (fetched by a new owner): no tombstones, they moved."""
+        present, values = self._present(self._encode_keys(keys)) if keys else ([], [])
+        if not present:
+            return 0
+        groups, _ = self._decode(present)
+        self._write((), present)
+        for group, key in zip(groups.tolist(), present, strict=True):
+            self._changed.get(group, set()).discard(key)
+        self._key_count -= len(present)
+        np.subtract.at(self._group_keys, groups, 1)
+        np.subtract.at(self._group_hits, groups, _hits(values))
+        return len(present)
+
+    def changes(self, groups: Iterable[int]) -> StateChanges:
+        wanted = [int(g) for g in groups]
+        changed = [key for g in wanted for key in sorted(self._changed.get(g, ()))]
+        deleted = {
+            g: list(self._decode(sorted(self._deleted[g]))[1])
+            for g in wanted
+            if self._deleted.get(g)
+        }
+        return StateChanges(self._rows(*self._present(changed)), deleted, set(self._restored))
+
+    def clear_changes(self) -> None:
+        self._changed.clear()
+        self._deleted.clear()
+        self._restored.clear()
+
+    def close(self) -> None:
+        self._db.close()
+
+
+def _hits(values: list[bytes]) -> np.ndarray:
+    return np.array([int.from_bytes(v[:HITS_BYTES], "little") for v in values], dtype=np.int64)
+
+
+class RocksAggregateState(RocksStore):
+    """Running aggregates per key in RocksDB, updated a batch at a time."""
+
+    def __init__(
+        self,
+        function: str,
+        max_key_groups: int,
+        key_type: pa.DataType,
+        db: rocksdict.Rdict,
+        track_changes: bool,
+    ) -> None:
+        super().__init__(max_key_groups, key_type, db, track_changes)
+        self.function = function
+
+    def _rows(self, dbkeys: list[bytes], values: list[bytes]) -> pa.RecordBatch:
+        groups, keys = self._decode(dbkeys)
+        cols = np.frombuffer(b"".join(values), dtype=_VALUE)
+        return pa.RecordBatch.from_arrays(
+            [
+                pa.array(groups, type=pa.int32()),
+                pa.array(keys, type=self.key_type),
+                pa.array(cols["hits"]),
+                pa.array(cols["count"]),
+                pa.array(cols["sum"]),
+                pa.array(cols["min"]),
+                pa.array(cols["max"]),
+            ],
+            names=[GROUP_COL, KEY_COL, HITS_COL, "count", "sum", "min", "max"],
+        )
+
+    def output_schema(self) -> pa.Schema:
+        return aggregate_output_schema(self.function, self.key_type)
+
+    def apply(self, batch: pa.RecordBatch, key_field: str, value_field: str | None) -> Update:
+        """Apply every record of `batch`: one multi-get and one write batch for its keys."""
+        if batch.num_rows == 0:
+            return empty_update(self.output_schema())
+        field = None if self.function == "count" else value_field
+        part = BatchAggregate.of(batch, key_field, field, self._numeric)
+        dbkeys = self._encode(part.groups, part.keys)
+        found = _multi_get(self._db, dbkeys)
+        new = np.array([v is None for v in found], dtype=bool)
+        cols = np.frombuffer(
+            b"".join(_EMPTY if v is None else v for v in found), dtype=_VALUE
+        ).copy()
+        cols["count"] += part.counts
+        cols["hits"] += part.counts
+        if part.reduced is not None:
+            cols["sum"] += part.reduced.sums
+            cols["min"] = np.minimum(cols["min"], part.reduced.mins)
+            cols["max"] = np.maximum(cols["max"], part.reduced.maxs)
+        self._write(zip(dbkeys, _split(cols.tobytes(), _VALUE.itemsize), strict=True))
+        self._key_count += int(new.sum())
+        np.add.at(self._group_keys, part.groups[new], 1)
+        np.add.at(self._group_hits, part.groups, part.counts)
+        self._note(self._changed, part.groups, dbkeys)
+        values = aggregate_values(
+            self.function, cols["count"], cols["sum"], cols["min"], cols["max"]
+        )
+        return part.update(self.output_schema(), values, cols["hits"], part.groups)
+
+    def restore(self, snapshot: pa.RecordBatch) -> None:
+        """Add the keys of a snapshot; a key already present is an ownership error."""
+        if snapshot.num_rows == 0:
+            return
+        cols = np.empty(snapshot.num_rows, dtype=_VALUE)
+        for name in (HITS_COL, "count", "sum", "min", "max"):
+            cols[name] = snapshot.column(name).to_numpy()
+        self._restore_rows(snapshot, _split(cols.tobytes(), _VALUE.itemsize))
+
+    def _values(self, rows: pa.RecordBatch) -> np.ndarray:
+        columns = (rows.column(name).to_numpy() for name in ("count", "sum", "min", "max"))
+        return aggregate_values(self.function, *columns)
+
+    def get(self, key: Any) -> float | int | None:
+        rows = self.snapshot_keys([key])
+        return self._values(rows).tolist()[0] if rows.num_rows else None
+
+    def items(self) -> dict[Any, float | int]:
+        rows = self.snapshot_groups(range(self.max_key_groups))
+        return dict(zip(rows.column(KEY_COL).to_pylist(), self._values(rows).tolist(), strict=True))
+
+
+class RocksProcessState(RocksStore):
+    """One value per key in RocksDB, updated record by record by a user's function; each batch
+    reads its distinct keys once and writes them back once."""
+
+    def __init__(
+        self,
+        function: ProcessFunction,
+        max_key_groups: int,
+        key_type: pa.DataType,
+        db: rocksdict.Rdict,
+        codec: ValueCodec,
+        track_changes: bool,
+    ) -> None:
+        super().__init__(max_key_groups, key_type, db, track_changes)
+        self.function = function
+        self.codec = codec
+
+    def _rows(self, dbkeys: list[bytes], values: list[bytes]) -> pa.RecordBatch:
+        groups, keys = self._decode(dbkeys)
+        return pa.RecordBatch.from_arrays(
+            [
+                pa.array(groups, type=pa.int32()),
+                pa.array(keys, type=self.key_type),
+                pa.array(_hits(values)),
+                pa.array([v[HITS_BYTES:] for v in values], type=pa.binary()),
+            ],
+            names=[GROUP_COL, KEY_COL, HITS_COL, "state"],
+        )
+
+    def apply(self, batch: pa.RecordBatch, key_field: str) -> tuple[list[dict[str, Any]], int]:
+        """Run the function over each record in order; return its outputs with their metadata.
+        Returning None as the state deletes the key's state, as in ProcessState."""
+        records = batch.to_pylist()
+        firsts: dict[Any, int] = {}
+        for record in records:
+            firsts.setdefault(record[key_field], record[GROUP])
+        keys = list(firsts)
+        dbkeys = self._encode(np.fromiter(firsts.values(), np.int64, len(keys)), keys)
+        found = _multi_get(self._db, dbkeys)
+        # key -> [state, hits]; a key with no state has None there.
+        current: dict[Any, list[Any]] = {
+            key: [None, 0]
+            if blob is None
+            else [self.codec.decode(blob[HITS_BYTES:]), _hits([blob])[0]]
+            for key, blob in zip(keys, found, strict=True)
+        }
+        existed = {key: blob is not None for key, blob in zip(keys, found, strict=True)}
+        deleted: set[Any] = set()
+        outputs: list[dict[str, Any]] = []
+        for record in records:
+            key = record[key_field]
+            entry = current[key]
+            state, out = self.function(entry[0], record)
+            if state is None:
+                if entry[0] is not None:
+                    deleted.add(key)
+                self._group_hits[record[GROUP]] -= entry[1]
+                entry[0], entry[1] = None, 0
+            else:
+                entry[0] = state
+                entry[1] += 1
+                self._group_hits[record[GROUP]] += 1
+                deleted.discard(key)
+            if out is not None:
+                outputs.append(process_output(key, out, record))
+        puts = []
+        removes = []
+        for key, dbkey in zip(keys, dbkeys, strict=True):
+            state, hits = current[key]
+            if state is not None:
+                puts.append(
+                    (dbkey, int(hits).to_bytes(HITS_BYTES, "little") + self.codec.encode(state))
+                )
+            elif existed[key]:
+                removes.append(dbkey)
+        self._write(puts, removes)
+        groups = np.fromiter(firsts.values(), np.int64, len(keys))
+        now = np.array([current[k][0] is not None for k in keys], dtype=bool)
+        before = np.array([existed[k] for k in keys], dtype=bool)
+        self._key_count += int(now.sum()) - int(before.sum())
+        np.add.at(self._group_keys, groups, now.astype(np.int64) - before.astype(np.int64))
+        if self._track:
+            for group, key, dbkey in zip(groups.tolist(), keys, dbkeys, strict=True):
+                if current[key][0] is not None:
+                    self._changed.setdefault(group, set()).add(dbkey)
+                    self._deleted.get(group, set()).discard(dbkey)
+                elif key in deleted:
+                    self._deleted.setdefault(group, set()).add(dbkey)
+                    self._changed.get(group, set()).discard(dbkey)
+        return outputs, batch.num_rows
+
+    def restore(self, snapshot: pa.RecordBatch) -> None:
+        """Add the keys of a snapshot; a key already present is an ownership error. Values
+        this job's codec would refuse to decode are refused here, before they are stored."""
+        if snapshot.num_rows == 0:
+            return
+        blobs = snapshot.column("state").to_pylist()
+        self.codec.check(blobs)
+        hits = snapshot.column(HITS_COL).to_numpy()
+        values = [
+            int(h).to_bytes(HITS_BYTES, "little") + b
+            for h, b in zip(hits.tolist(), blobs, strict=True)
+        ]
+        self._restore_rows(snapshot, values)
+
+    def get(self, key: Any) -> Any:
+        rows = self.snapshot_keys([key])
+        return self.codec.decode(rows.column("state")[0].as_py()) if rows.num_rows else None
+
+    def items(self) -> dict[Any, Any]:
+        rows = self.snapshot_groups(range(self.max_key_groups))
+        return {
+            key: self.codec.decode(blob)
+            for key, blob in zip(
+                rows.column(KEY_COL).to_pylist(), rows.column("state").to_pylist(), strict=True
+            )
+        }

@@ -1,0 +1,85 @@
+"""The RocksDB state backend's own cases (keyshift.runtime.rocksdb_state): its directories, and
+a job whose state path cannot be used. The behaviour it shares with the memory backend (values,
+snapshots, migration, checkpoints, live rescales and recovery) is tested by running those
+suites on both backends (tests/test_state.py, test_checkpoints.py, test_rescale.py,
+test_recovery.py).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pyarrow as pa
+import pytest
+import yaml
+
+from keyshift.runtime.job import JobError, parse_job
+from keyshift.runtime.rocksdb_state import (
+    MARKER,
+    RocksAggregateState,
+    RocksStateError,
+    open_database,
+    prepare_directory,
+)
+from tests.conftest import cli
+from tests.test_state import G, make_batch
+
+
+def counts(path: Path, owner: str = "keyed-0") -> RocksAggregateState:
+    db = open_database(prepare_directory(path, owner), block_cache_mb=8, write_buffer_mb=1)
+    return RocksAggregateState("count", G, pa.int64(), db, track_changes=False)
+
+
+def test_a_restarted_instance_starts_from_an_empty_database(tmp_path: Path) -> None:
+    """What a crashed incarnation left is older than the checkpoint the instance loads."""
+    state = counts(tmp_path / "keyed-0")
+    state.apply(make_batch([1, 2, 2], [0.0] * 3), "key", None)
+    assert state.items() == {1: 1, 2: 2}
+    state.close()
+    again = counts(tmp_path / "keyed-0")
+    assert again.items() == {} and again.key_count == 0
+
+
+def test_a_directory_that_is_not_this_instances_state_is_refused(tmp_path: Path) -> None:
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    (foreign / "precious.txt").write_text("not ours")
+    with pytest.raises(RocksStateError, match="not a keyshift state directory"):
+        counts(foreign)
+    assert (foreign / "precious.txt").read_text() == "not ours"
+
+    counts(tmp_path / "shared", owner="keyed-0").close()
+    with pytest.raises(RocksStateError, match="give each keyed instance its own state path"):
+        counts(tmp_path / "shared", owner="keyed-1")
+    assert (tmp_path / "shared" / MARKER).exists()
+
+    blocked = tmp_path / "a-file"
+    blocked.write_text("")
+    with pytest.raises(RocksStateError, match=r"cannot use .* for RocksDB state"):
+        counts(blocked / "below")
+
+
+def test_state_settings_are_checked_with_the_job(tmp_path: Path) -> None:
+    job = {"name": "j", "keyed": {"state": {"backend": "rocksdb", "block_cache_mb": 1}}}
+    with pytest.raises(JobError, match="block_cache_mb"):
+        parse_job(job)
+    with pytest.raises(JobError, match="backend"):
+        parse_job({"name": "j", "keyed": {"state": {"backend": "leveldb"}}})
+    spec = parse_job({"name": "j", "keyed": {"state": {"backend": "rocksdb"}}})
+    assert spec.keyed.state.path == "state" and spec.keyed.state.backend == "rocksdb"
+    assert parse_job({"name": "j"}).keyed.state.backend == "memory"
+
+
+def test_a_job_whose_state_path_cannot_be_used_fails_at_start_naming_it(tmp_path: Path) -> None:
+    (tmp_path / "a-file").write_text("")
+    job = {
+        "name": "unusable",
+        "source": {"config": {"kind": "generator", "keys": 100, "total": 1000}},
+        "keyed": {"state": {"backend": "rocksdb", "path": str(tmp_path / "a-file" / "state")}},
+        "sink": {"config": {"kind": "log", "path": str(tmp_path / "out"), "format": "jsonl"}},
+    }
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(job))
+    with cli(["run", str(tmp_path / "job.yaml"), "--no-view", "--log-dir", str(tmp_path)]) as proc:
+        out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 1, out
+    assert "RocksStateError" in out and "for RocksDB state" in out, out
