@@ -3,7 +3,8 @@
 1,000,000 distinct keys, Zipf 1.0, one generator instance -> one keyed instance -> a discarding
 sink, as fast as the pipeline takes. Prints records/s through the keyed instance over a steady
 window, and, measured in the same run, a plain single-process Python dict loop over the same
-records, with the ratio of the two. Run: `make bench` or `.venv/bin/python bench/throughput.py`.
+records, with the ratio of the two. `--state-backend rocksdb` keeps the keyed state in RocksDB
+instead of memory. Run: `make bench` or `.venv/bin/python bench/throughput.py`.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from keyshift.runtime.job import GeneratorSource, parse_job
 TARGET = 1_500_000
 
 
-def job(batch: int) -> dict[str, Any]:
+def job(batch: int, state: dict[str, Any]) -> dict[str, Any]:
     return {
         "name": "bench-throughput",
         "source": {
@@ -33,7 +34,8 @@ def job(batch: int) -> dict[str, Any]:
             "config": {"kind": "generator", "keys": 1_000_000, "distribution": "zipf",
                        "zipf_exponent": 1.0, "seed": 1},
         },
-        "keyed": {"name": "counts", "parallelism": 1, "operator": {"function": "count"}},
+        "keyed": {"name": "counts", "parallelism": 1, "operator": {"function": "count"},
+                  "state": state},
         "sink": {"config": {"kind": "log", "format": "none"}},
         "batching": {"max_records": batch, "linger_ms": 20, "credits": 4},
     }  # fmt: skip
@@ -58,9 +60,10 @@ def start_flowing(local: LocalJob) -> None:
         time.sleep(0.2)
 
 
-def measure_pipeline(batch: int, warmup: float, window: float) -> dict[str, float]:
+def measure_pipeline(batch: int, warmup: float, window: float, backend: str) -> dict[str, float]:
     with tempfile.TemporaryDirectory() as tmp:
-        spec_data = job(batch)
+        state = {"backend": backend} if backend == "memory" else {"backend": backend, "path": tmp}
+        spec_data = job(batch, state)
         path = Path(tmp) / "job.yaml"
         path.write_text(yaml.safe_dump(spec_data))
         with LocalJob(parse_job(spec_data), path, log_dir=Path(tmp) / "logs") as local:
@@ -97,8 +100,9 @@ def main() -> int:
     parser.add_argument("--warmup", type=float, default=10.0, help="seconds before measuring")
     parser.add_argument("--window", type=float, default=20.0, help="seconds measured")
     parser.add_argument("--json", type=Path, help="also write the results here")
+    parser.add_argument("--state-backend", choices=["memory", "rocksdb"], default="memory")
     args = parser.parse_args()
-    pipeline = measure_pipeline(args.batch, args.warmup, args.window)
+    pipeline = measure_pipeline(args.batch, args.warmup, args.window, args.state_backend)
     baseline = measure_dict_loop(5_000_000)
     result = {
         "keyed_records_per_s": round(pipeline["records_per_s"]),
@@ -113,6 +117,7 @@ def main() -> int:
         "state_keys": pipeline["state_keys"],
         "batch": args.batch,
         "window_s": args.window,
+        "state_backend": args.state_backend,
     }
     print(json.dumps(result, indent=2))
     if args.json:

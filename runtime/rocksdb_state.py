@@ -360,6 +360,10 @@ class RocksAggregateState(RocksStore):
         field = None if self.function == "count" else value_field
         part = BatchAggregate.of(batch, key_field, field, self._numeric)
         dbkeys = self._encode(part.groups, part.keys)
+        # In the database's own order, lookups and inserts walk its memtable and files forward.
+        order = np.array(sorted(range(len(dbkeys)), key=dbkeys.__getitem__), dtype=np.int64)
+        part = part.take(order)
+        dbkeys = [dbkeys[i] for i in order.tolist()]
         found = _multi_get(self._db, dbkeys)
         new = np.array([v is None for v in found], dtype=bool)
         cols = np.frombuffer(

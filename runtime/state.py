@@ -169,6 +169,22 @@ class BatchAggregate:
             ingest=np.minimum.reduceat(batch.column(INGEST_TIME).to_numpy()[order], starts),
         )
 
+    def take(self, order: np.ndarray) -> BatchAggregate:
+        """The same keys in another order."""
+        keys = (
+            self.keys[order]
+            if isinstance(self.keys, np.ndarray)
+            else [self.keys[i] for i in order.tolist()]
+        )
+        reduced = None
+        if self.reduced is not None:
+            r = self.reduced
+            reduced = Reduced(r.sums[order], r.mins[order], r.maxs[order])
+        return BatchAggregate(
+            keys, self.groups[order], self.counts[order], reduced, self.event[order],
+            self.ingest[order],
+        )  # fmt: skip
+
     def update(
         self, schema: pa.Schema, values: np.ndarray, versions: np.ndarray, groups: np.ndarray
     ) -> Update:
