@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib
 import json
 import logging
 import os
@@ -272,15 +273,16 @@ class InstanceContext:
 
 
 def run_stage(ctx: InstanceContext) -> None:
-    from keyshift.runtime import keyed_stage, sink_stage, source_stage
-
+    # Only this instance's stage is imported: the others' modules (the output log's Parquet and
+    # JSON writers, the ingest endpoint, ...) would cost every instance memory and start time.
     spec = ctx.spec
-    runner = {
-        spec.source.name: source_stage.run,
-        spec.keyed.name: keyed_stage.run,
-        spec.sink.name: sink_stage.run,
+    module = {
+        spec.source.name: "source_stage",
+        spec.keyed.name: "keyed_stage",
+        spec.sink.name: "sink_stage",
     }[ctx.stage]
-    runner(ctx)
+    stage = importlib.import_module(f"keyshift.runtime.{module}")
+    stage.run(ctx)
 
 
 def _index(text: str) -> int:
