@@ -26,13 +26,8 @@ WIDE = 80  # keyed instances: with the source and the sink, 82, more than the ol
 
 def test_a_call_beyond_the_servers_size_is_refused_at_once_not_left_to_hang() -> None:
     held = threading.Event()
-    streams = 0
-    lock = threading.Lock()
 
     def hold(body: dict[str, Any], context: grpc.ServicerContext) -> Iterator[dict[str, Any]]:
-        nonlocal streams
-        with lock:
-            streams += 1
         yield {"held": True}
         while not held.wait(0.05) and context.is_active():
             pass
@@ -50,7 +45,6 @@ def test_a_call_beyond_the_servers_size_is_refused_at_once_not_left_to_hang() ->
         assert time.monotonic() - started < 10.0, "refused only at the deadline"
         held.set()  # the streams end: their threads serve calls again
         wait_for(lambda: _answers(clients[2]), 10, "the server to answer once the streams ended")
-        assert streams == 2
     finally:
         held.set()
         for client in clients:
