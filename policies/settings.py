@@ -11,14 +11,23 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+# The most instances one stage may have: a job file's parallelism, a rescale (the coordinator
+# refuses one above it), the autoscaler's bounds and the StreamingJob CRD's schema all take it
+# from here; the coordinator's and the instances' gRPC servers are sized for it.
+MAX_PARALLELISM = 256
+
 
 class _Model(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
 class StageBounds(_Model):
-    min_parallelism: int = Field(default=1, ge=1, le=256, description="never scale below this")
-    max_parallelism: int = Field(default=8, ge=1, le=256, description="never scale above this")
+    min_parallelism: int = Field(
+        default=1, ge=1, le=MAX_PARALLELISM, description="never scale below this"
+    )
+    max_parallelism: int = Field(
+        default=8, ge=1, le=MAX_PARALLELISM, description="never scale above this"
+    )
 
     @model_validator(mode="after")
     def _ordered(self) -> StageBounds:

@@ -36,7 +36,7 @@ from keyshift.runtime.checkpointing import (
     acked,
     open_store,
 )
-from keyshift.runtime.job import JobError, JobSpec, load_job
+from keyshift.runtime.job import MAX_PARALLELISM, JobError, JobSpec, load_job
 from keyshift.runtime.keyspace import Assignment
 from keyshift.runtime.lifecycle import allow_user_code, die_with_parent
 from keyshift.runtime.metrics import CoordinatorMetrics
@@ -46,6 +46,7 @@ from keyshift.runtime.transport import ControlError, PortInUseError, json_handle
 log = logging.getLogger("keyshift.coordinator")
 SERVICE = "keyshift.Coordinator"
 RESTART_EXIT_CODE = 75  # "start me again with --restore": an instance was lost
+CLIENT_CALLS = 16  # calls at once from hosts, the operator, the autoscaler and the CLI
 
 
 @dataclass
@@ -391,10 +392,12 @@ class Coordinator:
                                    grpc.StatusCode.NOT_FOUND)  # fmt: skip
             parallelism = body.get("parallelism")
             groups = self.spec.max_key_groups
-            if not isinstance(parallelism, int) or not 1 <= parallelism <= groups:
+            most = min(groups, MAX_PARALLELISM)
+            if not isinstance(parallelism, int) or not 1 <= parallelism <= most:
                 raise ControlError(
-                    f"parallelism must be an integer from 1 to max_key_groups ({groups}), "
-                    f"got {parallelism!r}",
+                    f"parallelism must be an integer from 1 to {most} (the maximum parallelism "
+                    f"is {MAX_PARALLELISM}, and a stage cannot have more instances than its "
+                    f"max_key_groups, {groups}), got {parallelism!r}",
                     grpc.StatusCode.INVALID_ARGUMENT,
                 )
             strategy = str(body.get("strategy") or "hot-first")
@@ -715,6 +718,14 @@ class GroupRates:
         return total
 
 
+def max_calls(spec: JobSpec) -> int:
+    """The most calls the coordinator serves at once: per instance its command stream and two
+    reports (the periodic one and a protocol step's), with the keyed stage at the most a
+    rescale may take it to; and a few for the hosts' and the CLI's calls."""
+    instances = spec.source.parallelism + spec.sink.parallelism + MAX_PARALLELISM
+    return 3 * instances + CLIENT_CALLS
+
+
 def _write_ready(path: Path, data: dict[str, Any]) -> None:
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(data))
@@ -765,7 +776,9 @@ def main(argv: list[str] | None = None) -> int:
             log.info("restoring from checkpoint %s", restore.id if restore else "(none)")
     coordinator = Coordinator(spec, args.register_timeout, restore, store)
     try:
-        server, port = start_server(f"{args.host}:{args.port}", [coordinator.handler()])
+        server, port = start_server(
+            f"{args.host}:{args.port}", [coordinator.handler()], max_calls=max_calls(spec)
+        )
         metrics_port = coordinator.metrics.serve(args.host, args.metrics_port)
     except (PortInUseError, OSError) as exc:
         print(f"coordinator: {exc}", file=sys.stderr)

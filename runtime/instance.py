@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib
 import json
 import logging
 import os
@@ -28,7 +29,7 @@ import numpy as np
 
 from keyshift.runtime.checkpoint_store import CheckpointError, CheckpointMeta
 from keyshift.runtime.checkpointing import open_store
-from keyshift.runtime.job import JobSpec, parse_job
+from keyshift.runtime.job import MAX_PARALLELISM, JobSpec, parse_job
 from keyshift.runtime.keyspace import Assignment
 from keyshift.runtime.lifecycle import allow_user_code, die_with_parent
 from keyshift.runtime.metrics import InstanceMetrics, MetricName
@@ -50,6 +51,11 @@ SAMPLE_LOG_INTERVAL = 10.0
 GROUP_REPORT_EVERY = 2  # reports; per-group loads feed the coordinator's assignment planner
 MIGRATE_SERVICE = "keyshift.Migrate"
 FETCH_TIMEOUT = 30.0
+# An instance starts its server before it learns the job's shape (its Register call carries the
+# server's address), so the server is sized for the widest job: a data stream from every
+# instance of the stage upstream and from every keyed peer (a rescale's moves), a state fetch
+# from every peer, and a few more.
+MAX_CALLS = 3 * MAX_PARALLELISM + 16
 
 
 @dataclass
@@ -267,15 +273,16 @@ class InstanceContext:
 
 
 def run_stage(ctx: InstanceContext) -> None:
-    from keyshift.runtime import keyed_stage, sink_stage, source_stage
-
+    # Only this instance's stage is imported: the others' modules (the output log's Parquet and
+    # JSON writers, the ingest endpoint, ...) would cost every instance memory and start time.
     spec = ctx.spec
-    runner = {
-        spec.source.name: source_stage.run,
-        spec.keyed.name: keyed_stage.run,
-        spec.sink.name: sink_stage.run,
+    module = {
+        spec.source.name: "source_stage",
+        spec.keyed.name: "keyed_stage",
+        spec.sink.name: "sink_stage",
     }[ctx.stage]
-    runner(ctx)
+    stage = importlib.import_module(f"keyshift.runtime.{module}")
+    stage.run(ctx)
 
 
 def _index(text: str) -> int:
@@ -329,7 +336,7 @@ def main(argv: list[str] | None = None) -> int:
     holder: list[InstanceContext] = []
     try:
         server, port = start_server(
-            f"{args.host}:{args.port}", [inbox.handler(), migrate_handler(holder)]
+            f"{args.host}:{args.port}", [inbox.handler(), migrate_handler(holder)], MAX_CALLS
         )
         # The spec comes from the coordinator, so every process runs the same definition.
         reply = control.call(

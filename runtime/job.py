@@ -26,6 +26,7 @@ from pydantic import (
     model_validator,
 )
 
+from keyshift.policies.settings import MAX_PARALLELISM as MAX_PARALLELISM
 from keyshift.policies.settings import AutoscalerSettings
 from keyshift.runtime.records import READER_NAME, RESERVED_FIELDS
 
@@ -272,7 +273,7 @@ OperatorConfig = Annotated[
 
 class Stage(_Model):
     name: str = Field(pattern=STAGE_NAME_PATTERN)
-    parallelism: int = Field(default=1, ge=1, le=256)
+    parallelism: int = Field(default=1, ge=1, le=MAX_PARALLELISM)
 
 
 class SourceStage(Stage):

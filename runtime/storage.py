@@ -13,9 +13,6 @@ import uuid
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
-import fsspec
-from fsspec.implementations.local import LocalFileSystem
-
 
 class StorageError(RuntimeError):
     """Storage that cannot be used as asked (unreachable, full, misused)."""
@@ -28,12 +25,18 @@ class Storage:
     what: ClassVar[str] = "storage"
 
     def __init__(self, url: str, storage_options: Mapping[str, Any] | None = None) -> None:
+        # Imported here, not with the module: most instances never store a file, and fsspec
+        # would cost each of them memory and start time (see bench/README.md, wide jobs).
+        import fsspec
+        from fsspec.implementations.local import LocalFileSystem
+
         try:
             self.fs, root = fsspec.core.url_to_fs(url, **dict(storage_options or {}))
         except (ImportError, ValueError) as exc:
             raise self.error(f"cannot use {self.what} {url!r}: {exc}") from None
         self.url = url
         self.root = root.rstrip("/")
+        self._local = isinstance(self.fs, LocalFileSystem)
 
     def _path(self, *parts: str) -> str:
         return "/".join([self.root, *parts])
@@ -43,7 +46,7 @@ class Storage:
         an object store's object in one PUT; never a half-written file under the final name."""
         path = self._path(relative)
         try:
-            if isinstance(self.fs, LocalFileSystem):
+            if self._local:
                 self.fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
                 tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
                 with open(tmp, "wb") as f:

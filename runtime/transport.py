@@ -61,13 +61,20 @@ class NoCredit(TransportError):
 
 
 def start_server(
-    address: str, handlers: list[grpc.GenericRpcHandler[Any, Any]], max_workers: int = 64
+    address: str, handlers: list[grpc.GenericRpcHandler[Any, Any]], max_calls: int = 64
 ) -> tuple[grpc.Server, int]:
-    """Start a gRPC server on host:port (port 0 = any free one); return it and its port."""
+    """Start a gRPC server on host:port (port 0 = any free one); return it and its port.
+
+    The server runs each call, a stream for its whole life, on a thread of its own, so
+    `max_calls` (the caller's bound on calls at once, from the job's shape; the default suits
+    servers of short calls, such as the ingest endpoint) sizes its pool, and a call beyond it
+    is refused at once with RESOURCE_EXHAUSTED: queued for a thread, it would hang until its
+    deadline. Threads start only as calls need them."""
     server = grpc.server(
-        futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grpc"),
+        futures.ThreadPoolExecutor(max_workers=max_calls, thread_name_prefix="grpc"),
         handlers=handlers,
         options=GRPC_OPTIONS,
+        maximum_concurrent_rpcs=max_calls,
     )
     try:
         port = server.add_insecure_port(address)
@@ -163,6 +170,11 @@ def _describe(exc: grpc.RpcError, address: str, method: str) -> str:
     details = exc.details() if isinstance(exc, grpc.Call) else str(exc)
     if code == grpc.StatusCode.UNAVAILABLE:
         return f"{address} is unreachable ({method}): {details}"
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+        return (
+            f"{method} at {address} was refused: it serves as many calls at once as it is "
+            f"sized for ({details})"
+        )
     return f"{method} at {address} failed: {details}"
 
 

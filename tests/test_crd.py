@@ -27,6 +27,7 @@ from keyshift.operator.crd import (
     structural_schema,
 )
 from keyshift.operator.streamingjob import StreamingJob
+from keyshift.runtime.job import MAX_PARALLELISM
 from keyshift.runtime.rescale import STRATEGIES
 from tests.conftest import KEYSHIFT, REPO
 
@@ -173,6 +174,20 @@ def test_enums_follow_the_runtime() -> None:
     assert tuple(spec["migration"]["properties"]["strategy"]["enum"]) == STRATEGIES
     autoscaler = spec["job"]["properties"]["autoscaler"]["properties"]
     assert tuple(autoscaler["strategy"]["enum"]) == STRATEGIES
+
+
+def test_parallelism_maximum_is_the_runtimes() -> None:
+    """The StreamingJob's schema bounds every stage's parallelism and the autoscaler's bounds
+    with the maximum the coordinator enforces on a rescale (one constant)."""
+    job = openapi()["properties"]["spec"]["properties"]["job"]["properties"]
+    for stage in ("source", "keyed", "sink"):
+        assert job[stage]["properties"]["parallelism"]["maximum"] == MAX_PARALLELISM
+    bounds = job["autoscaler"]["properties"]["bounds"]["properties"]
+    assert bounds["min_parallelism"]["maximum"] == MAX_PARALLELISM
+    assert bounds["max_parallelism"]["maximum"] == MAX_PARALLELISM
+    wide = {**example(), "spec": {**example()["spec"]}}
+    wide["spec"]["job"] = {**wide["spec"]["job"], "keyed": {"parallelism": MAX_PARALLELISM + 1}}
+    assert any("keyed.parallelism" in e for e in schema_errors(wide))
 
 
 # --- (c) the schema is structural ----------------------------------------------------------

@@ -262,9 +262,10 @@ def test_bad_rescale_requests_are_refused_and_change_nothing(tmp_path: Path) -> 
         client = JsonClient(local.address, SERVICE)
         wait_for(lambda: local.status()["phase"] == "running", 30, "the job to run")
         cases = [
-            ({"stage": "track", "parallelism": 0}, "from 1 to max_key_groups (4096)"),
-            ({"stage": "track", "parallelism": 5000}, "from 1 to max_key_groups (4096)"),
-            ({"stage": "track", "parallelism": "2"}, "from 1 to max_key_groups"),
+            ({"stage": "track", "parallelism": 0}, "from 1 to 256 (the maximum parallelism"),
+            ({"stage": "track", "parallelism": 257}, "from 1 to 256 (the maximum parallelism"),
+            ({"stage": "track", "parallelism": 5000}, "its max_key_groups, 4096), got 5000"),
+            ({"stage": "track", "parallelism": "2"}, "must be an integer from 1 to 256"),
             ({"stage": "source", "parallelism": 2}, "stage 'source' has no keyed state"),
             ({"stage": "nope", "parallelism": 2}, "has no stage 'nope'"),
             ({"stage": "track", "parallelism": 2, "strategy": "teleport"}, "unknown strategy"),
