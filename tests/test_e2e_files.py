@@ -88,11 +88,15 @@ def prometheus_objects() -> dict[str, dict[str, Any]]:
     return {d["kind"]: d for d in docs(PROMETHEUS)}
 
 
-def test_prometheus_scrapes_annotated_pods_every_2s_keeping_their_labels(tmp_path: Path) -> None:
+def test_prometheus_scrapes_annotated_pods_every_2s_with_their_namespace(tmp_path: Path) -> None:
     config = yaml.safe_load(prometheus_objects()["ConfigMap"]["data"]["prometheus.yml"])
     assert config["global"]["scrape_interval"] == "2s"
     (scrape,) = config["scrape_configs"]
-    assert scrape["honor_labels"] is True
+    # keyshift's labels never collide with the target labels: Prometheus keeps its own, and
+    # the namespace the autoscaler selects a job by is one of them.
+    assert "honor_labels" not in scrape
+    namespace = [r for r in scrape["relabel_configs"] if r.get("target_label") == "namespace"]
+    assert namespace and namespace[0]["source_labels"] == ["__meta_kubernetes_namespace"]
     assert scrape["kubernetes_sd_configs"] == [{"role": "pod"}]
     keep = scrape["relabel_configs"][0]
     assert keep["action"] == "keep" and keep["regex"] == "true"
