@@ -10,6 +10,7 @@ Docker or kind.
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -294,6 +295,48 @@ def check_output(table: pa.Table, source: GeneratorSource, total: int) -> Output
         if disorder:
             report.problems.append(f"{disorder} records were applied out of their source's order")
     return report
+
+
+def committed_spark_files(batches: Iterable[str]) -> list[str]:
+    """The names of the files a Spark streaming file sink committed, from the texts of its
+    `_spark_metadata` batch files in batch order: a version line, then one JSON entry per file
+    (`action` add or delete; a `.compact` batch repeats the earlier ones). Files of a batch that
+    failed before its commit are in no entry: readers that skip them see each batch once."""
+    committed: dict[str, None] = {}
+    for text in batches:
+        lines = text.splitlines()
+        if not lines or not lines[0].startswith("v"):
+            raise ValueError(f"not a Spark file sink metadata batch: {text[:40]!r}")
+        for line in lines[1:]:
+            entry = json.loads(line)
+            name = str(entry["path"]).rstrip("/").rsplit("/", 1)[-1]
+            if entry.get("action", "add") == "add":
+                committed[name] = None
+            else:
+                committed.pop(name, None)
+    return list(committed)
+
+
+def same_records(read: pa.Table, log: pa.Table) -> list[str]:
+    """What differs between the rows a Spark query read (`partition`, `offset` first) and the
+    output log's (`read_all(with_partition=True)`): each (partition, offset) once, all of them,
+    with the log's values."""
+    problems = []
+    if read.num_rows != log.num_rows:
+        problems.append(f"the query read {read.num_rows} records, the log holds {log.num_rows}")
+    order = [("partition", "ascending"), ("offset", "ascending")]
+    read, log = read.sort_by(order), log.sort_by(order)
+    pairs = np.stack([read.column(c).to_numpy() for c in ("partition", "offset")], axis=1)
+    twice = len(pairs) - len(np.unique(pairs, axis=0))
+    if twice:
+        problems.append(f"{twice} records read more than once")
+    if not problems:
+        for column in log.column_names:
+            if not read.column(column).equals(
+                log.column(column).cast(read.schema.field(column).type)
+            ):
+                problems.append(f"column {column} differs between the query and the log")
+    return problems
 
 
 # -- after uninstall ---------------------------------------------------------------------------

@@ -35,6 +35,7 @@ KIND_CONFIG = E2E / "kind-config.yaml"
 PROMETHEUS = E2E / "prometheus.yaml"
 STREAMING_JOB = E2E / "streamingjob.yaml"
 SPARK_SMOKE = E2E / "spark-smoke.yaml"
+OUTPUT_CLAIM = E2E / "output-claim.yaml"
 CHART = REPO / "helm" / "keyshift"
 DOCKERFILE = REPO / "Dockerfile"
 SPARK_DOCKERFILE = REPO / "docker" / "spark.Dockerfile"
@@ -47,8 +48,10 @@ RELEASE = "keyshift"
 OPERATOR_NAMESPACE = "keyshift"
 JOB_NAMESPACE = "keyshift-e2e"
 MONITORING_NAMESPACE = "monitoring"
-# The hostPath that e2e/streamingjob.yaml mounts at the sink's output directory.
+# The node directory behind the job's output claim (e2e/output-claim.yaml), and where in it the
+# job's Spark sink writes what it read (its --output in e2e/streamingjob.yaml).
 OUTPUT_ON_NODE = "/var/local/keyshift-e2e"
+SPARK_OUTPUT_ON_NODE = f"{OUTPUT_ON_NODE}/spark"
 # What the chart and the operator label their objects with (checked gone after uninstall).
 LEFTOVER_SELECTORS = (
     "app.kubernetes.io/managed-by=keyshift-operator",
@@ -261,6 +264,7 @@ def install_chart(kube: Kube) -> None:
 
 def apply_job(kube: Kube) -> None:
     kube.kubectl("create", "namespace", JOB_NAMESPACE)
+    kube.kubectl("apply", "--filename", str(OUTPUT_CLAIM))
     kube.kubectl("apply", "--namespace", JOB_NAMESPACE, "--filename", str(STREAMING_JOB))
 
 
@@ -277,6 +281,16 @@ def copy_output(kube: Kube, dest: Path) -> Path:
             f"expected the output log on one node, found it on {len(found)}: {found}", pytrace=False
         )
     return found[0]
+
+
+def copy_spark_output(kube: Kube, dest: Path) -> Path | None:
+    """What the job's Spark sink wrote so far, copied off the node (None before it wrote)."""
+    for node in kube.nodes():
+        listing = kube.run("docker", "exec", node, "ls", "-A", SPARK_OUTPUT_ON_NODE, check=False)
+        if "_spark_metadata" in listing.stdout.split():
+            kube.run("docker", "cp", f"{node}:{SPARK_OUTPUT_ON_NODE}", str(dest), timeout=600)
+            return dest
+    return None
 
 
 # -- watching the job ---------------------------------------------------------------------------

@@ -10,8 +10,10 @@ Prometheus and the chart; then these tests, in order, follow one StreamingJob
 4. the CR's status and its Events explain each decision (DS2's true rates), and the status's
    rescale history shows both rescales done;
 5. it finishes, and its output holds every record exactly once, in order, with the right keys;
-6. the Spark image runs a PySpark app as the operator runs Spark sources and sinks;
-7. deleting the job and `helm uninstall` leave nothing of keyshift behind.
+6. its Spark sink, a PySpark query the operator runs in the cluster, reads that output from the
+   job's output claim exactly once;
+7. the Spark image runs a PySpark app as the operator runs Spark sources and sinks;
+8. deleting the job and `helm uninstall` leave nothing of keyshift behind.
 
 Every wait polls `kubectl get -o json` against a deadline. Run it with `pytest e2e -m e2e -v`
 (see e2e/README.md); without docker, kind, helm, kubectl or a Docker engine it skips itself with
@@ -25,6 +27,8 @@ import os
 import time
 from pathlib import Path
 
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 
 from e2e import checks
@@ -42,6 +46,7 @@ from e2e.cluster import (
     JobWatch,
     Kube,
     copy_output,
+    copy_spark_output,
     wait_until,
 )
 from keyshift.runtime.job import GeneratorSource
@@ -61,6 +66,7 @@ SCALE_OUT_TIMEOUT = 360.0  # the step comes 45 s into the job
 SCALE_IN_TIMEOUT = 420.0  # the drop comes 75 s after the step
 FINISH_TIMEOUT = 600.0  # the last record comes 240 s into the job
 SMOKE_TIMEOUT = 420.0
+SPARK_SINK_TIMEOUT = 600.0  # the Spark sink reads the last records after the job finished
 UNINSTALL_TIMEOUT = 300.0
 
 
@@ -136,6 +142,42 @@ def test_job_finishes_with_every_record_exactly_once(
     report = checks.check_output(OutputLogReader(out).read_all(), source, source.total)
     assert not report.problems, "\n".join(report.problems)
     assert report.records == source.total and report.keys > 1
+
+
+def test_a_spark_query_in_the_cluster_reads_the_output_exactly_once(
+    kube: Kube, job: JobWatch, tmp_path: Path
+) -> None:
+    """The job's Spark sink (spec.sinks `count`, examples/spark/sink_job.py) runs in its own
+    Deployment with the job's output claim mounted where the sink stage writes the log, reads
+    it with `spark.readStream.format("keyshift")` and writes what it read as Parquet on the same
+    claim. Once the job has finished, the committed Parquet files hold every record of the log
+    once. Needs the kind cluster: it runs in the GitHub e2e workflow only."""
+    source = JOB.source.config
+    assert isinstance(source, GeneratorSource) and source.total is not None
+    job.wait_for(checks.finished, FINISH_TIMEOUT, "the job to finish (phase Finished)")
+    (tmp_path / "log").mkdir()
+    log = OutputLogReader(copy_output(kube, tmp_path / "log")).read_all(with_partition=True)
+    polls = iter(range(1_000_000))
+
+    def read_everything() -> pa.Table | None:
+        copied = copy_spark_output(kube, tmp_path / f"spark-{next(polls)}")
+        if copied is None:
+            return None
+        metadata = sorted(
+            (copied / "_spark_metadata").iterdir(), key=lambda p: int(p.name.split(".")[0])
+        )
+        names = checks.committed_spark_files(p.read_text() for p in metadata)
+        if not names:
+            return None
+        table = pa.concat_tables([pq.read_table(copied / name) for name in names])
+        return table if table.num_rows >= log.num_rows else None
+
+    what = "the Spark sink to read the whole log"
+    read = wait_until(read_everything, SPARK_SINK_TIMEOUT, what, every=15.0)
+    problems = checks.same_records(read, log)
+    assert not problems, "\n".join(problems)
+    report = checks.check_output(read, source, source.total)
+    assert not report.problems, "\n".join(report.problems)
 
 
 def test_spark_image_runs_a_pyspark_app_as_the_operator_would(kube: Kube) -> None:

@@ -314,7 +314,7 @@ def cmd_run(args: argparse.Namespace, console: Console) -> int:
                 )
                 if spec.autoscaler is not None:
                     autoscaler = start_autoscaler(spec, spec.autoscaler, job, console, view)
-                targets = _targets_file(args.prometheus_targets, spec.name, job, autoscaler)
+                targets = _targets_file(args.prometheus_targets, job, autoscaler)
 
                 def on_status(status: dict[str, Any]) -> None:
                     now = time.monotonic()
@@ -395,14 +395,14 @@ def start_autoscaler(
 
 
 def _targets_file(
-    path: Path | None, job_name: str, job: LocalJob, autoscaler: LocalAutoscaler | None
+    path: Path | None, job: LocalJob, autoscaler: LocalAutoscaler | None
 ) -> TargetsFile | None:
     if path is None:
         return None
     extra = [f"{job.host}:{job.coordinator_metrics_port}"]
     if autoscaler is not None:
         extra.append(f"{job.host}:{autoscaler.metrics_port}")
-    return TargetsFile(path, job_name, extra)
+    return TargetsFile(path, extra)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,13 +1,14 @@
 """keyshift's Grafana dashboards, built in code next to the metric names they query.
 
-Three dashboards (Grafana dashboard JSON, schemaVersion 39, one `${datasource}` Prometheus
-variable each): the job overview (rates, busy ratio, DS2's true processing rate against the
-target rate, parallelism current and recommended, latency, backpressure, state, backlog, with
-the autoscaler's decisions and the rescales as annotations), the migration view (what a live
-rescale moves, on-demand fetches, parked records, latency during the move) and the operator
-view (reconciles, jobs by phase, autoscaler decisions and errors). Every PromQL string is built
-from `keyshift.runtime.metrics.MetricName`, so a dashboard cannot name a metric the runtime does
-not define.
+Three dashboards (Grafana dashboard JSON, schemaVersion 39, in each a `${datasource}`
+Prometheus variable and a `$namespace` one every query filters by): the job overview (rates,
+busy ratio, DS2's true processing rate against the target rate, parallelism current and
+recommended, latency, backpressure, state, backlog, with the autoscaler's decisions and the
+rescales as annotations), the migration view (what a live rescale moves, on-demand fetches,
+parked records, latency during the move) and the operator view (reconciles, jobs by phase,
+autoscaler decisions and errors). Every PromQL string is built from
+`keyshift.runtime.metrics.MetricName` and its label names, so a dashboard cannot name a metric
+the runtime does not define.
 
 `keyshift dashboards` (keyshift.operator.cli) writes them to helm/keyshift/dashboards/, which the
 Helm chart ships as ConfigMaps for Grafana's dashboard sidecar; `--check` (and
@@ -25,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from keyshift.runtime.metrics import MetricName
+from keyshift.runtime.metrics import INSTANCE_LABEL, JOB_LABEL, NAMESPACE_LABEL, MetricName
 
 Json = dict[str, Any]
 
@@ -39,18 +40,18 @@ RATE = "$__rate_interval"
 # How far back an annotation or a "per minute" panel counts events.
 EVENT_WINDOW = "1m"
 
-JOB = 'job="$job"'
-JOBS = 'job=~"$job"'
+# Every query names the namespace. A job's own series have it as the target label Prometheus'
+# Kubernetes discovery adds (`namespace`; none in a local run, which the variable's "All", `.*`,
+# matches); the series the operator exports per StreamingJob (its autoscalers', its own) come
+# from the operator's pod, so they name the job's namespace in their own label.
+NAMESPACE = 'namespace=~"$namespace"'
+OWNER_NAMESPACE = f'{NAMESPACE_LABEL}=~"$namespace"'
+JOB = f'{NAMESPACE}, {JOB_LABEL}="$job"'
+AUTOSCALED_JOB = f'{OWNER_NAMESPACE}, {JOB_LABEL}="$job"'
+OPERATED_JOBS = f'{OWNER_NAMESPACE}, {JOB_LABEL}=~"$job"'
 STAGE = 'stage=~"$stage"'
 SOURCE = 'stage="$source"'
-NAMESPACE = 'namespace=~"$namespace"'
-
-# Label values of keyshift_migration_total's `kind` (keyshift.runtime.migration).
-GROUP_KINDS = "groups_in|groups_out|groups_pushed"
-KEY_KINDS = "keys_in|keys_out"
-BYTE_KINDS = "bytes_in|bytes_out"
-FETCH_KINDS = "fetch_requests|fetches|keys_fetched"
-RECORD_KINDS = "records_parked|records_forwarded"
+INSTANCE = INSTANCE_LABEL
 
 
 # --- PromQL -------------------------------------------------------------------------------
@@ -306,11 +307,19 @@ def label_values(name: MetricName, label: str, *matchers: str) -> str:
 
 
 def job_variables(*, source: bool = True) -> list[Json]:
-    """datasource, job and stage (every stage, or some); `source`: the source stage's name,
-    which no metric tells apart from the others (a job file's default is `source`)."""
+    """datasource, namespace, job and stage (every stage, or some); `source`: the source
+    stage's name, which no metric tells apart from the others (a job file's default is
+    `source`)."""
     variables = [
         datasource_variable(),
-        query_variable("job", "Job", label_values(MetricName.RECORDS_IN, "job")),
+        query_variable(
+            "namespace",
+            "Namespace",
+            label_values(MetricName.RECORDS_IN, "namespace"),
+            multi=True,
+            include_all=True,
+        ),
+        query_variable("job", "Job", label_values(MetricName.RECORDS_IN, JOB_LABEL, NAMESPACE)),
         query_variable(
             "stage",
             "Stage",
@@ -354,7 +363,7 @@ def builtin_annotation() -> Json:
 
 def job_annotations() -> list[Json]:
     """The autoscaler's rescale decisions and the rescales that finished."""
-    decisions = recent(MetricName.AUTOSCALER_DECISIONS, JOB, 'action!="hold"')
+    decisions = recent(MetricName.AUTOSCALER_DECISIONS, AUTOSCALED_JOB, 'action!="hold"')
     rescales = recent(MetricName.RESCALES, JOB)
     return [
         builtin_annotation(),
@@ -500,7 +509,10 @@ def overview_dashboard() -> Json:
             "one instance could do at 100% busy); against the sources' target rate. A stage "
             "needs about target / (true rate x target utilization) instances.",
             [
-                (by("sum", "stage, instance", true_rate), "{{stage}}/{{instance}} true rate"),
+                (
+                    by("sum", f"stage, {INSTANCE}", true_rate),
+                    f"{{{{stage}}}}/{{{{{INSTANCE}}}}} true rate",
+                ),
                 (target_rate, "target rate"),
             ],
             "recps",
@@ -514,11 +526,11 @@ def overview_dashboard() -> Json:
             [
                 (by("max", "stage", series(M.JOB_PARALLELISM, JOB, STAGE)), "{{stage}} current"),
                 (
-                    by("max", "stage", series(M.AUTOSCALER_PARALLELISM, JOB, STAGE)),
+                    by("max", "stage", series(M.AUTOSCALER_PARALLELISM, AUTOSCALED_JOB, STAGE)),
                     "{{stage}} seen by the autoscaler",
                 ),
                 (
-                    by("max", "stage", series(M.AUTOSCALER_RECOMMENDED, JOB, STAGE)),
+                    by("max", "stage", series(M.AUTOSCALER_RECOMMENDED, AUTOSCALED_JOB, STAGE)),
                     "{{stage}} recommended",
                 ),
             ],
@@ -565,8 +577,8 @@ def overview_dashboard() -> Json:
             "Records that arrived (or fell due) but a source instance has not taken in yet.",
             [
                 (
-                    by("sum", "instance", series(M.SOURCE_BACKLOG, JOB, SOURCE)),
-                    "$source/{{instance}}",
+                    by("sum", INSTANCE, series(M.SOURCE_BACKLOG, JOB, SOURCE)),
+                    f"$source/{{{{{INSTANCE}}}}}",
                 )
             ],
             "short",
@@ -603,7 +615,7 @@ def overview_dashboard() -> Json:
 
 def migration_dashboard() -> Json:
     """What live rescales move and what they cost while they run."""
-    moved = by("sum", "kind", series(M.MIGRATION, JOB, STAGE, f'kind=~"{GROUP_KINDS}"'))
+    moved = by("sum", "kind", series(M.MIGRATION_KEY_GROUPS, JOB, STAGE))
     panels = [
         stat(
             "Rescale in progress",
@@ -650,13 +662,9 @@ def migration_dashboard() -> Json:
         ),
         timeseries(
             "Keys moved",
-            "Keys whose state moved in and out, cumulative per live instance.",
-            [
-                (
-                    by("sum", "kind", series(M.MIGRATION, JOB, STAGE, f'kind=~"{KEY_KINDS}"')),
-                    "{{kind}}",
-                )
-            ],
+            "Keys whose state moved in and out (in bulk, and fetched on demand), cumulative per "
+            "live instance.",
+            [(by("sum", "kind", series(M.MIGRATION_KEYS, JOB, STAGE)), "{{kind}}")],
             "short",
             step=True,
         ),
@@ -665,14 +673,8 @@ def migration_dashboard() -> Json:
             "Bytes of state moved in and out, cumulative (left), and the move's throughput "
             "(right).",
             [
-                (
-                    by("sum", "kind", series(M.MIGRATION, JOB, STAGE, f'kind=~"{BYTE_KINDS}"')),
-                    "{{kind}}",
-                ),
-                (
-                    by("sum", "kind", rate(M.MIGRATION, JOB, STAGE, f'kind=~"{BYTE_KINDS}"')),
-                    "{{kind}} per second",
-                ),
+                (by("sum", "kind", series(M.MIGRATION_BYTES, JOB, STAGE)), "{{kind}}"),
+                (by("sum", "kind", rate(M.MIGRATION_BYTES, JOB, STAGE)), "{{kind}} per second"),
             ],
             "bytes",
             overrides=[right_axis("B", "Bps")],
@@ -680,13 +682,8 @@ def migration_dashboard() -> Json:
         timeseries(
             "On-demand fetches",
             "State fetched on demand when a record for a key not yet moved arrives: fetch "
-            "requests sent by new owners, fetches served by old owners, keys fetched; cumulative.",
-            [
-                (
-                    by("sum", "kind", series(M.MIGRATION, JOB, STAGE, f'kind=~"{FETCH_KINDS}"')),
-                    "{{kind}}",
-                )
-            ],
+            "requests sent by new owners and served by old owners; cumulative.",
+            [(by("sum", "kind", series(M.MIGRATION_FETCHES, JOB, STAGE)), "{{kind}}")],
             "short",
             step=True,
         ),
@@ -696,13 +693,10 @@ def migration_dashboard() -> Json:
             "parked and forwarded to a new owner so far (cumulative).",
             [
                 (
-                    by("sum", "instance", series(M.PARKED_NOW, JOB, STAGE)),
-                    "parked now {{instance}}",
+                    by("sum", INSTANCE, series(M.PARKED_NOW, JOB, STAGE)),
+                    f"parked now {{{{{INSTANCE}}}}}",
                 ),
-                (
-                    by("sum", "kind", series(M.MIGRATION, JOB, STAGE, f'kind=~"{RECORD_KINDS}"')),
-                    "{{kind}}",
-                ),
+                (by("sum", "kind", series(M.MIGRATION_RECORDS, JOB, STAGE)), "{{kind}}"),
             ],
             "short",
         ),
@@ -811,14 +805,15 @@ def migration_dashboard() -> Json:
 
 def operator_dashboard() -> Json:
     """The Kubernetes operator: reconciles, the jobs it manages, the autoscalers it runs."""
-    reconciles_recent = recent(M.OPERATOR_RECONCILES, NAMESPACE, JOBS)
-    decisions = recent(M.AUTOSCALER_DECISIONS, JOBS)
-    errors = recent(M.AUTOSCALER_ERRORS, JOBS)
+    reconciles_recent = recent(M.OPERATOR_RECONCILES, OPERATED_JOBS)
+    decisions = recent(M.AUTOSCALER_DECISIONS, OPERATED_JOBS)
+    errors = recent(M.AUTOSCALER_ERRORS, OPERATED_JOBS)
+    job_stage = f"{JOB_LABEL}, stage"
     jobs = [
         stat(
             "Jobs managed",
             "StreamingJobs the operator manages.",
-            [(by("sum", "", series(M.OPERATOR_JOBS, NAMESPACE, JOBS)), "jobs")],
+            [(by("sum", "", series(M.OPERATOR_JOBS, OPERATED_JOBS)), "jobs")],
             "none",
             decimals=0,
         ),
@@ -830,7 +825,7 @@ def operator_dashboard() -> Json:
                     by(
                         "sum",
                         "",
-                        series(M.OPERATOR_JOBS, NAMESPACE, JOBS, 'phase=~"Degraded|Failed"'),
+                        series(M.OPERATOR_JOBS, OPERATED_JOBS, 'phase=~"Degraded|Failed"'),
                     ),
                     "jobs",
                 )
@@ -843,8 +838,8 @@ def operator_dashboard() -> Json:
             "Each StreamingJob's phase.",
             [
                 (
-                    f"{series(M.OPERATOR_JOBS, NAMESPACE, JOBS)} == 1",
-                    "{{namespace}}/{{job}}: {{phase}}",
+                    f"{series(M.OPERATOR_JOBS, OPERATED_JOBS)} == 1",
+                    f"{{{{{NAMESPACE_LABEL}}}}}/{{{{{JOB_LABEL}}}}}: {{{{phase}}}}",
                 )
             ],
             "none",
@@ -863,7 +858,7 @@ def operator_dashboard() -> Json:
         timeseries(
             "Jobs by phase",
             "StreamingJobs per phase.",
-            [(by("sum", "phase", series(M.OPERATOR_JOBS, NAMESPACE, JOBS)), "{{phase}}")],
+            [(by("sum", "phase", series(M.OPERATOR_JOBS, OPERATED_JOBS)), "{{phase}}")],
             "none",
             decimals=0,
             step=True,
@@ -873,14 +868,19 @@ def operator_dashboard() -> Json:
         timeseries(
             "Autoscaler decisions by action",
             f"Decisions per {EVENT_WINDOW}, by job, stage and action (scale_up, scale_down, hold).",
-            [(by("sum", "job, stage, action", decisions), "{{job}} {{stage}}: {{action}}")],
+            [
+                (
+                    by("sum", f"{job_stage}, action", decisions),
+                    f"{{{{{JOB_LABEL}}}}} {{{{stage}}}}: {{{{action}}}}",
+                )
+            ],
             "short",
         ),
         timeseries(
             "Autoscaler errors by reason",
             f"Ticks without a decision (metrics) and failed rescales (rescale) per "
             f"{EVENT_WINDOW}, by job.",
-            [(by("sum", "job, reason", errors), "{{job}}: {{reason}}")],
+            [(by("sum", f"{JOB_LABEL}, reason", errors), f"{{{{{JOB_LABEL}}}}}: {{{{reason}}}}")],
             "short",
         ),
         timeseries(
@@ -889,12 +889,12 @@ def operator_dashboard() -> Json:
             "recommendation.",
             [
                 (
-                    by("max", "job, stage", series(M.AUTOSCALER_PARALLELISM, JOBS)),
-                    "{{job}} {{stage}} current",
+                    by("max", job_stage, series(M.AUTOSCALER_PARALLELISM, OPERATED_JOBS)),
+                    f"{{{{{JOB_LABEL}}}}} {{{{stage}}}} current",
                 ),
                 (
-                    by("max", "job, stage", series(M.AUTOSCALER_RECOMMENDED, JOBS)),
-                    "{{job}} {{stage}} recommended",
+                    by("max", job_stage, series(M.AUTOSCALER_RECOMMENDED, OPERATED_JOBS)),
+                    f"{{{{{JOB_LABEL}}}}} {{{{stage}}}} recommended",
                 ),
             ],
             "none",
@@ -908,14 +908,14 @@ def operator_dashboard() -> Json:
         query_variable(
             "namespace",
             "Namespace",
-            label_values(M.OPERATOR_JOBS, "namespace"),
+            label_values(M.OPERATOR_JOBS, NAMESPACE_LABEL),
             multi=True,
             include_all=True,
         ),
         query_variable(
             "job",
             "Job",
-            label_values(M.OPERATOR_JOBS, "job", NAMESPACE),
+            label_values(M.OPERATOR_JOBS, JOB_LABEL, OWNER_NAMESPACE),
             multi=True,
             include_all=True,
         ),

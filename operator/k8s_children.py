@@ -16,13 +16,15 @@ What a job becomes, in creation order:
   instance index) and register their pod IP with the coordinator;
 - per entry of `spec.sources` and `spec.sinks`: a Deployment `<job>-<source|sink>-<app>` (one
   replica, Recreate) running the PySpark script with `spark-submit --master local[*]`. The app
-  finds the job through its environment: KEYSHIFT_JOB (the job's name), KEYSHIFT_COORDINATOR
+  finds the job through its environment and the job file (mounted at JOB_MOUNT/JOB_FILE, as in
+  the coordinator): KEYSHIFT_JOB (the job's name), KEYSHIFT_COORDINATOR
   (host:port of the coordinator), KEYSHIFT_ROLE (`source` or `sink`) and, for sources when the
   job's source is `kind: ingest` with a fixed port, KEYSHIFT_INGEST (host:port of the source
   stage's headless Service, which resolves to the source pods; a gRPC client picks one):
   examples/spark/source_job.py takes $KEYSHIFT_INGEST as its endpoint. A Spark sink reads the
-  output log's files, which on Kubernetes live in the sink pods' emptyDir: a volume both can
-  mount is not wired yet.
+  output log where the sink stage writes it: `spec.output.claim`, a ReadWriteMany
+  PersistentVolumeClaim mounted at the log's directory in the sink stage's pods and in every
+  sink app, whose KEYSHIFT_OUTPUT names that directory.
 
 Every pod runs as user 10001 with a read-only root filesystem, no privilege escalation, no
 capabilities and the RuntimeDefault seccomp profile; /tmp is an emptyDir and HOME points there.
@@ -30,8 +32,9 @@ No service account token is mounted (the pods do not talk to the Kubernetes API;
 can set `automountServiceAccountToken`). keyshift containers run in APP_DIR (`/app`, where
 keyshift images keep the job's code: the runtime imports users' `module:function` references
 from its working directory), so a `log` sink with a relative path writes below `/app`, and the
-sink stage gets an emptyDir mounted at its output directory. The output therefore lives as long
-as the pod; a PersistentVolumeClaim template for it is future work. Checkpoints (and an ingest
+sink stage gets a volume mounted at its output directory: `spec.output.claim`, or else an
+emptyDir, which lives as long as the pod (the operator refuses Spark sinks without the claim,
+since they could not read it). Checkpoints (and an ingest
 source's log beside them) must outlive every pod and be shared by all of them: in an object
 store (`s3://...`), or in a local directory on `spec.checkpointClaim`, a ReadWriteMany
 PersistentVolumeClaim mounted there in the coordinator and every stage pod.
@@ -55,7 +58,7 @@ from typing import Any, Literal
 
 import yaml
 
-from keyshift.operator.streamingjob import Resources, SparkApp, StreamingJobSpec
+from keyshift.operator.streamingjob import OutputLocation, Resources, SparkApp, StreamingJobSpec
 from keyshift.runtime.job import IngestSource, JobSpec, LogSink
 
 Manifest = dict[str, Any]
@@ -194,6 +197,7 @@ def child_problems(name: str, spec: StreamingJobSpec, job: JobSpec) -> list[str]
     if clashes:
         found.append(f"two Services would be named {clashes} (is a stage named 'coordinator'?)")
     found += _checkpoint_problems(spec, job)
+    found += _output_problems(spec, job)
     source = job.source.config
     if spec.sources and isinstance(source, IngestSource) and source.port == 0:
         found.append(
@@ -219,6 +223,39 @@ def _checkpoint_problems(spec: StreamingJobSpec, job: JobSpec) -> list[str]:
             f"go, but the job has {'no checkpoints' if storage is None else storage!r}"
         ]
     return []
+
+
+def _local_output_dir(job: JobSpec) -> str | None:
+    """The directory a `log` sink writes files to, as an absolute path in the container (None
+    when the sink writes no files, or not to a local directory)."""
+    config = job.sink.config
+    if not isinstance(config, LogSink) or config.format == "none" or "://" in config.path:
+        return None
+    return posixpath.normpath(posixpath.join(APP_DIR, config.path))
+
+
+def _output_problems(spec: StreamingJobSpec, job: JobSpec) -> list[str]:
+    local = _local_output_dir(job)
+    if spec.output is not None and local is None:
+        return [
+            f"spec.output.claim {spec.output.claim!r} is mounted where the output log goes, but "
+            "the job's sink writes no output log files to a local directory (job.sink.config: "
+            "kind log, a relative or absolute path, format jsonl or parquet)"
+        ]
+    if spec.sinks and spec.output is None and local is not None:
+        return [
+            f"spec.sinks read the output log in {local}, which lives in the sink pods' emptyDir "
+            "where no other pod can read it: give spec.output.claim (a ReadWriteMany "
+            "PersistentVolumeClaim, mounted there in the sink pods and the Spark sinks)"
+        ]
+    return []
+
+
+def _output_volume(output: OutputLocation | None) -> Manifest:
+    """The sink's output log volume: the shared claim, else an emptyDir of the pod's own."""
+    if output is None:
+        return {"name": _OUTPUT_VOLUME, "emptyDir": {}}
+    return {"name": _OUTPUT_VOLUME, "persistentVolumeClaim": {"claimName": output.claim}}
 
 
 def _checkpoint_volume(spec: StreamingJobSpec, job: JobSpec) -> tuple[Manifest, Manifest] | None:
@@ -518,10 +555,7 @@ def _stage_ports(job: JobSpec, stage: str) -> list[tuple[str, int]]:
 
 def _output_dir(job: JobSpec, stage: str) -> str | None:
     """Where the sink stage writes its output log, as an absolute path in the container."""
-    config = job.sink.config
-    if stage != job.sink.name or not isinstance(config, LogSink):
-        return None
-    return posixpath.normpath(posixpath.join(APP_DIR, config.path))
+    return _local_output_dir(job) if stage == job.sink.name else None
 
 
 def stage_service(name: str, namespace: str, job: JobSpec, stage: str) -> Manifest:
@@ -553,7 +587,7 @@ def stage_stateful_set(
     output = _output_dir(job, stage)
     if output is not None:
         mounts.append({"name": _OUTPUT_VOLUME, "mountPath": output})
-        volumes.append({"name": _OUTPUT_VOLUME, "emptyDir": {}})
+        volumes.append(_output_volume(spec.output))
     checkpoints = _checkpoint_volume(spec, job)
     if checkpoints is not None:
         volumes.append(checkpoints[0])
@@ -625,14 +659,23 @@ def spark_deployment(
     ingest = _ingest_port(job, job.source.name)
     if role == "source" and ingest is not None:
         env["KEYSHIFT_INGEST"] = f"{stage_set_name(name, job.source.name)}.{namespace}.svc:{ingest}"
+    output = _local_output_dir(job)
+    # The job file, for a reader's schema (the `job` option of the keyshift Spark source).
+    volumes, mounts = [_job_volume(name)], [_job_mount()]
+    if role == "sink" and spec.output is not None and output is not None:
+        env["KEYSHIFT_OUTPUT"] = output
+        volumes.append(_output_volume(spec.output))
+        # Read-write: a query that names a `reader` commits its progress in the log.
+        mounts.append({"name": _OUTPUT_VOLUME, "mountPath": output})
     container: Manifest = {
         "image": app.image or spec.image,
         "command": ["spark-submit", "--master", "local[*]", app.script, *app.args],
         "env": _env(env),
         "resources": _resources(app.resources),
+        "volumeMounts": mounts,
     }
     template = _pod_template(
-        spec=spec, labels=labels, annotations={}, container=container, volumes=[]
+        spec=spec, labels=labels, annotations={}, container=container, volumes=volumes
     )
     return {
         "apiVersion": "apps/v1",

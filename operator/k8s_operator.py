@@ -57,10 +57,11 @@ class OperatorConfig:
     exported: dict[str, AutoscalerMetrics] = field(default_factory=dict)
     metrics: OperatorMetrics = field(default_factory=OperatorMetrics)
 
-    def metrics_for(self, job: str) -> AutoscalerMetrics:
-        if job not in self.exported:
-            self.exported[job] = AutoscalerMetrics(job)
-        return self.exported[job]
+    def metrics_for(self, namespace: str, job: str) -> AutoscalerMetrics:
+        key = f"{namespace}/{job}"
+        if key not in self.exported:
+            self.exported[key] = AutoscalerMetrics(job, namespace)
+        return self.exported[key]
 
 
 def _invalid(spec: Mapping[str, Any]) -> tuple[StreamingJobSpec | None, list[str]]:
@@ -199,7 +200,7 @@ def build_registry(config: OperatorConfig) -> kopf.OperatorRegistry:
             old.close()
         memo["job"] = kube_job(
             name, namespace, job, config.coordinator_address(name, namespace),
-            config.metrics_for(f"{namespace}/{name}"),
+            config.metrics_for(namespace, name),
         )  # fmt: skip
         memo["spec"] = parsed
         patch.status["observedGeneration"] = generation

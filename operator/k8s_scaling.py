@@ -147,7 +147,7 @@ def kube_job(
     if settings is None:
         return KubeJob(client, latest, pool, executor, events, None, None)
     clock = WallClock()
-    source, scrape = metrics_source(job, settings.prometheus_url, latest, clock)
+    source, scrape = metrics_source(job, settings.prometheus_url, latest, clock, namespace)
     loop = AutoscalingLoop(
         settings, source, make_policy(settings), executor, events, clock, exported
     )

@@ -66,9 +66,8 @@ class TargetsFile:
     """A Prometheus file_sd list of the job's metrics endpoints, rewritten (atomically) when
     instances come and go."""
 
-    def __init__(self, path: Path, job: str, extra: Sequence[str] = ()) -> None:
+    def __init__(self, path: Path, extra: Sequence[str] = ()) -> None:
         self.path = path
-        self.job = job
         self.extra = list(extra)
         self._written: list[str] | None = None
 
@@ -78,7 +77,8 @@ class TargetsFile:
         )
         if addresses == self._written:
             return
-        body = [{"targets": addresses, "labels": {"keyshift_job": self.job}}]
+        # No target labels: the series carry their own `keyshift_job`.
+        body = [{"targets": addresses, "labels": {}}]
         tmp = self.path.with_name(self.path.name + ".tmp")
         tmp.write_text(json.dumps(body))
         os.replace(tmp, self.path)

@@ -27,7 +27,7 @@ from urllib3.util.retry import Retry
 from keyshift.operator.autoscaler import Clock, MetricsUnavailable
 from keyshift.policies.model import InstanceRates, ScalingInput, StageRates
 from keyshift.runtime.job import JobSpec
-from keyshift.runtime.metrics import MetricName
+from keyshift.runtime.metrics import INSTANCE_LABEL, JOB_LABEL, MetricName
 
 COUNTERS = (MetricName.RECORDS_IN, MetricName.RECORDS_OUT, MetricName.BUSY_SECONDS)
 GAUGES = (MetricName.SOURCE_TARGET_RATE, MetricName.SOURCE_BACKLOG)
@@ -98,8 +98,9 @@ def _numeric(label: str) -> tuple[int, str]:
 
 
 class PrometheusSource:
-    """Rates from a Prometheus server that scrapes the job (with honor_labels, so the series
-    keep the job and instance labels the instances give them)."""
+    """Rates from a Prometheus server that scrapes the job, selected by the `keyshift_job` and
+    `keyshift_instance` labels the instances give their series (and `namespace`, the target
+    label Prometheus' Kubernetes discovery adds, when the job runs in one)."""
 
     def __init__(
         self,
@@ -108,9 +109,11 @@ class PrometheusSource:
         graph: Graph,
         members: Callable[[], Members],
         timeout: int = 5,
+        namespace: str = "",
     ) -> None:
         self.url = url
         self.job = job
+        self.namespace = namespace
         self.graph = graph
         self.members = members
         self.timeout = timeout
@@ -119,15 +122,17 @@ class PrometheusSource:
         self._client = PrometheusConnect(url=url, disable_ssl=True, retry=retry, timeout=timeout)
 
     def collect(self, window: float, now: float) -> ScalingInput:
-        selector = f'{{job="{self.job}"}}'
+        matchers = [f'{JOB_LABEL}="{self.job}"']
+        if self.namespace:
+            matchers.append(f'namespace="{self.namespace}"')
+        selector = "{" + ", ".join(matchers) + "}"
         span = f"[{max(round(window), 2)}s]"
+        per = f"stage, {INSTANCE_LABEL}"
         series: Series = {}
         for name in COUNTERS:
-            self._query(
-                f"sum by (stage, instance) (rate({name}{selector}{span}))", name, now, series
-            )
+            self._query(f"sum by ({per}) (rate({name}{selector}{span}))", name, now, series)
         for name in GAUGES:
-            self._query(f"sum by (stage, instance) ({name}{selector})", name, now, series)
+            self._query(f"sum by ({per}) ({name}{selector})", name, now, series)
         return assemble(self.graph, self.members(), series, now, window)
 
     def _query(self, query: str, name: str, now: float, series: Series) -> None:
@@ -141,7 +146,7 @@ class PrometheusSource:
             raise MetricsUnavailable(f"Prometheus has no {name} for job {self.job} yet")
         for item in result:
             labels = item["metric"]
-            key = (labels.get("stage", ""), labels.get("instance", ""))
+            key = (labels.get("stage", ""), labels.get(INSTANCE_LABEL, ""))
             series.setdefault(key, {})[name] = float(item["value"][1])
 
 
@@ -242,16 +247,21 @@ def _scrape(address: str, timeout: float) -> dict[str, float] | None:
 
 
 def metrics_source(
-    job: JobSpec, prometheus_url: str | None, status: Callable[[], Mapping[str, Any]], clock: Clock
+    job: JobSpec,
+    prometheus_url: str | None,
+    status: Callable[[], Mapping[str, Any]],
+    clock: Clock,
+    namespace: str = "",
 ) -> tuple[PrometheusSource | ScrapeSource, ScrapeSource | None]:
-    """The source a job's settings ask for: Prometheus when they name one, else scraping the
-    live instances found in the coordinator's `status` (started here; the caller closes it)."""
+    """The source a job's settings ask for: Prometheus when they name one (its series selected
+    by the job's name and, on Kubernetes, its `namespace`), else scraping the live instances
+    found in the coordinator's `status` (started here; the caller closes it)."""
 
     def members() -> Members:
         return members_of(status())
 
     graph = job_graph(job)
     if prometheus_url:
-        return PrometheusSource(prometheus_url, job.name, graph, members), None
+        return PrometheusSource(prometheus_url, job.name, graph, members, namespace=namespace), None
     scrape = ScrapeSource(graph, members, clock).start()
     return scrape, scrape

@@ -68,6 +68,17 @@ class SparkApp(_Model):
     resources: Resources = Field(default_factory=Resources)
 
 
+class OutputLocation(_Model):
+    """Where the job's output log (a `log` sink) lives, so that its Spark sinks can read it."""
+
+    claim: str = Field(
+        pattern=r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$",
+        description="a PersistentVolumeClaim (ReadWriteMany) mounted at the log sink's output "
+        "directory (job.sink.config.path) in the sink stage's pods and every spec.sinks app: "
+        "the output outlives the pods and the Spark sinks read it there",
+    )
+
+
 class StreamingJobSpec(_Model):
     """What to run (image and job) and how it scales and moves its state."""
 
@@ -96,6 +107,12 @@ class StreamingJobSpec(_Model):
         description="a PersistentVolumeClaim (ReadWriteMany) mounted at the job's checkpoint "
         "directory in the coordinator and every stage pod: needed when job.checkpoints.storage "
         "is a local path (checkpoints, and an ingest source's log, live there)",
+    )
+
+    output: OutputLocation | None = Field(
+        default=None,
+        description="where the output log lives; without it, in the sink pods' emptyDir (gone "
+        "with the pods, and no Spark sink can read it)",
     )
 
     @field_validator("job")
@@ -215,6 +232,7 @@ __all__ = [
     "Condition",
     "DecisionStatus",
     "Migration",
+    "OutputLocation",
     "RescaleStatus",
     "Resources",
     "SparkApp",

@@ -1,9 +1,16 @@
 """Every Prometheus metric keyshift exports, defined in one place, and the per-process registry.
 
-Each coordinator and stage instance serves its own registry over HTTP. Names are `keyshift_*`;
-labels are job, stage and instance. The sink's latency histogram takes whole batches of
-observations (numpy), because one `observe` call per record would cost more than the record.
-Used by the stage instances, the coordinator, and the tests that check what is exported.
+Each coordinator and stage instance serves its own registry over HTTP. Names are `keyshift_*`
+and end in their unit as Prometheus' naming asks (`_total` for counters, after the unit:
+`_records_total`, `_seconds_total`, `_bytes_total`; gauges in `_seconds`, `_bytes`, `_records`,
+`_instances`...; only the 0/1 state gauges `keyshift_job_phase` and
+`keyshift_rescale_in_progress` have none). Rates are not exported: PromQL computes them from the
+counters. keyshift's own labels are `keyshift_job`, `stage` and `keyshift_instance` (and
+`keyshift_namespace` for the operator's per-StreamingJob series), so they never collide with the
+`job`, `instance` and `namespace` target labels Prometheus attaches: scrape without
+honor_labels. The sink's latency histogram takes whole batches of observations (numpy), because
+one `observe` call per record would cost more than the record. Used by the stage instances, the
+coordinator, the autoscaler and operator, and the tests that check what is exported.
 """
 
 from __future__ import annotations
@@ -20,15 +27,18 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_serv
 from prometheus_client.core import HistogramMetricFamily
 from prometheus_client.registry import Collector
 
-LABELS = ("job", "stage", "instance")
+JOB_LABEL = "keyshift_job"
+INSTANCE_LABEL = "keyshift_instance"
+NAMESPACE_LABEL = "keyshift_namespace"
+LABELS = (JOB_LABEL, "stage", INSTANCE_LABEL)
 LATENCY_BUCKETS: tuple[float, ...] = (
     0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0,
 )  # fmt: skip
 
 
 class MetricName(StrEnum):
-    RECORDS_IN = "keyshift_records_in_total"
-    RECORDS_OUT = "keyshift_records_out_total"
+    RECORDS_IN = "keyshift_input_records_total"
+    RECORDS_OUT = "keyshift_output_records_total"
     BUSY_SECONDS = "keyshift_busy_seconds_total"
     IDLE_SECONDS = "keyshift_idle_seconds_total"
     BACKPRESSURED_SECONDS = "keyshift_backpressured_seconds_total"
@@ -36,18 +46,22 @@ class MetricName(StrEnum):
     LATENCY = "keyshift_end_to_end_latency_seconds"
     STATE_KEYS = "keyshift_state_keys"
     STATE_BYTES = "keyshift_state_bytes"
-    PARALLELISM = "keyshift_stage_parallelism"
+    PARALLELISM = "keyshift_stage_instances"
     INVALID_RECORDS = "keyshift_invalid_records_total"
-    SOURCE_TARGET_RATE = "keyshift_source_target_rate"
+    SOURCE_TARGET_RATE = "keyshift_source_target_records_per_second"
     SOURCE_BACKLOG = "keyshift_source_backlog_records"
-    JOB_PARALLELISM = "keyshift_job_stage_parallelism"
+    JOB_PARALLELISM = "keyshift_job_stage_instances"
     JOB_PHASE = "keyshift_job_phase"
-    MIGRATION = "keyshift_migration_total"
+    MIGRATION_KEY_GROUPS = "keyshift_migration_key_groups_total"
+    MIGRATION_KEYS = "keyshift_migration_keys_total"
+    MIGRATION_BYTES = "keyshift_migration_bytes_total"
+    MIGRATION_FETCHES = "keyshift_migration_fetches_total"
+    MIGRATION_RECORDS = "keyshift_migration_records_total"
     PARKED_NOW = "keyshift_migration_parked_records"
     RESCALE_RUNNING = "keyshift_rescale_in_progress"
     RESCALES = "keyshift_rescales_total"
-    AUTOSCALER_PARALLELISM = "keyshift_autoscaler_parallelism"
-    AUTOSCALER_RECOMMENDED = "keyshift_autoscaler_recommended_parallelism"
+    AUTOSCALER_PARALLELISM = "keyshift_autoscaler_current_instances"
+    AUTOSCALER_RECOMMENDED = "keyshift_autoscaler_recommended_instances"
     AUTOSCALER_DECISIONS = "keyshift_autoscaler_decisions_total"
     AUTOSCALER_ERRORS = "keyshift_autoscaler_errors_total"
     OPERATOR_RECONCILES = "keyshift_operator_reconciles_total"
@@ -78,20 +92,28 @@ HELP: dict[MetricName, str] = {
     MetricName.LATENCY: "Ingest-to-sink latency of records, in seconds.",
     MetricName.STATE_KEYS: "Keys held in this instance's keyed state.",
     MetricName.STATE_BYTES: "Estimated bytes of this instance's keyed state.",
-    MetricName.PARALLELISM: "Current parallelism of this instance's stage.",
+    MetricName.PARALLELISM: "Instances of this instance's stage (its parallelism).",
     MetricName.INVALID_RECORDS: "Records rejected because they do not fit the job's schema.",
     MetricName.SOURCE_TARGET_RATE: "Records per second the source's load profile asks for now.",
     MetricName.SOURCE_BACKLOG: "Records that arrived (or fell due) but the source has not "
     "taken in yet.",
-    MetricName.JOB_PARALLELISM: "Parallelism of each stage, as the coordinator assigns it.",
+    MetricName.JOB_PARALLELISM: "Instances of each stage (its parallelism), as the coordinator "
+    "assigns them.",
     MetricName.JOB_PHASE: "1 for the job's current phase, 0 for the others.",
-    MetricName.MIGRATION: "Live-migration work by kind (groups/keys/bytes in and out, fetches, "
-    "records parked and forwarded).",
+    MetricName.MIGRATION_KEY_GROUPS: "Key groups a live migration moved, by kind (in, out, "
+    "pushed in the background).",
+    MetricName.MIGRATION_KEYS: "Keys whose state a live migration moved, by kind (in, out, "
+    "fetched on demand, fetched_out: served on demand).",
+    MetricName.MIGRATION_BYTES: "Bytes of state a live migration moved, by kind (in, out).",
+    MetricName.MIGRATION_FETCHES: "On-demand state fetches, by kind (requested by a new owner, "
+    "served by an old one).",
+    MetricName.MIGRATION_RECORDS: "Records a live migration held up, by kind (parked waiting "
+    "for their key's state, forwarded to the key's new owner).",
     MetricName.PARKED_NOW: "Records parked at this instance, waiting for their key's state.",
     MetricName.RESCALE_RUNNING: "1 while a rescale of the stage runs.",
     MetricName.RESCALES: "Finished rescales by strategy and result (done or failed).",
-    MetricName.AUTOSCALER_PARALLELISM: "Parallelism of each stage when the autoscaler last looked.",
-    MetricName.AUTOSCALER_RECOMMENDED: "Parallelism the autoscaler's policy recommends per stage.",
+    MetricName.AUTOSCALER_PARALLELISM: "Instances of each stage when the autoscaler last looked.",
+    MetricName.AUTOSCALER_RECOMMENDED: "Instances the autoscaler's policy recommends per stage.",
     MetricName.AUTOSCALER_DECISIONS: "Autoscaler decisions by stage and action (scale_up, "
     "scale_down, hold).",
     MetricName.AUTOSCALER_ERRORS: "Ticks without a decision or failed rescales, by reason "
@@ -163,19 +185,41 @@ def gauge(name: MetricName, labels: Sequence[str], registry: CollectorRegistry) 
     return Gauge(name, HELP[name], labels, registry=registry)
 
 
-class MigrationStats(collections.Counter[str]):
-    """One move's counters (sent to the coordinator when it ends), mirrored to Prometheus."""
+# A move's counters (keyshift.runtime.migration) by name -> the metric of their unit and its
+# `kind` label: one metric per unit, so that no sum mixes bytes with keys.
+MIGRATION_KINDS: dict[str, tuple[MetricName, str]] = {
+    "groups_in": (MetricName.MIGRATION_KEY_GROUPS, "in"),
+    "groups_out": (MetricName.MIGRATION_KEY_GROUPS, "out"),
+    "groups_pushed": (MetricName.MIGRATION_KEY_GROUPS, "pushed"),
+    "keys_in": (MetricName.MIGRATION_KEYS, "in"),
+    "keys_out": (MetricName.MIGRATION_KEYS, "out"),
+    "keys_fetched": (MetricName.MIGRATION_KEYS, "fetched"),
+    "keys_fetched_out": (MetricName.MIGRATION_KEYS, "fetched_out"),
+    "bytes_in": (MetricName.MIGRATION_BYTES, "in"),
+    "bytes_out": (MetricName.MIGRATION_BYTES, "out"),
+    "fetch_requests": (MetricName.MIGRATION_FETCHES, "requested"),
+    "fetches": (MetricName.MIGRATION_FETCHES, "served"),
+    "records_parked": (MetricName.MIGRATION_RECORDS, "parked"),
+    "records_forwarded": (MetricName.MIGRATION_RECORDS, "forwarded"),
+}
+MIGRATION_METRICS = tuple(dict.fromkeys(metric for metric, _ in MIGRATION_KINDS.values()))
 
-    def __init__(self, family: Any, labels: list[str]) -> None:
+
+class MigrationStats(collections.Counter[str]):
+    """One move's counters (sent to the coordinator when it ends), mirrored to Prometheus:
+    each to the metric of its unit (MIGRATION_KINDS)."""
+
+    def __init__(self, families: dict[MetricName, Any], labels: list[str]) -> None:
         super().__init__()
-        self._family = family
+        self._families = families
         self._labels = labels
 
     def __setitem__(self, kind: str, value: int) -> None:
+        metric, label = MIGRATION_KINDS[kind]  # a kind no metric counts is a KeyError
         delta = value - self.get(kind, 0)
         super().__setitem__(kind, value)
         if delta > 0:
-            self._family.labels(*self._labels, kind).inc(delta)
+            self._families[metric].labels(*self._labels, label).inc(delta)
 
 
 class InstanceMetrics:
@@ -183,7 +227,7 @@ class InstanceMetrics:
 
     def __init__(self, job: str, stage: str, instance: str) -> None:
         self.registry = CollectorRegistry()
-        self.labels = {"job": job, "stage": stage, "instance": instance}
+        self.labels = {JOB_LABEL: job, "stage": stage, INSTANCE_LABEL: instance}
         values = list(self.labels.values())
 
         def own(name: MetricName) -> Any:
@@ -202,7 +246,9 @@ class InstanceMetrics:
         self.parallelism = own(MetricName.PARALLELISM)
         self.source_target_rate = own(MetricName.SOURCE_TARGET_RATE)
         self.source_backlog = own(MetricName.SOURCE_BACKLOG)
-        self._migration = counter(MetricName.MIGRATION, (*LABELS, "kind"), self.registry)
+        self._migration = {
+            name: counter(name, (*LABELS, "kind"), self.registry) for name in MIGRATION_METRICS
+        }
         self.parked_now = own(MetricName.PARKED_NOW)
         self.latency = BatchHistogram(
             MetricName.LATENCY, HELP[MetricName.LATENCY], LATENCY_BUCKETS, self.labels
@@ -262,20 +308,24 @@ class CoordinatorMetrics:
     def __init__(self, job: str) -> None:
         self.registry = CollectorRegistry()
         self.job = job
-        self._parallelism = gauge(MetricName.JOB_PARALLELISM, ("job", "stage"), self.registry)
-        self._phase = gauge(MetricName.JOB_PHASE, ("job", "phase"), self.registry)
-        self._rescale_running = gauge(MetricName.RESCALE_RUNNING, ("job", "stage"), self.registry)
+        self._parallelism = gauge(MetricName.JOB_PARALLELISM, (JOB_LABEL, "stage"), self.registry)
+        self._phase = gauge(MetricName.JOB_PHASE, (JOB_LABEL, "phase"), self.registry)
+        self._rescale_running = gauge(
+            MetricName.RESCALE_RUNNING, (JOB_LABEL, "stage"), self.registry
+        )
         self._rescales = counter(
-            MetricName.RESCALES, ("job", "stage", "strategy", "result"), self.registry
+            MetricName.RESCALES, (JOB_LABEL, "stage", "strategy", "result"), self.registry
         )
-        self._checkpoints = counter(MetricName.CHECKPOINTS, ("job", "result"), self.registry)
-        self._checkpoint_seconds = gauge(MetricName.CHECKPOINT_SECONDS, ("job",), self.registry)
-        self._checkpoint_bytes = gauge(MetricName.CHECKPOINT_BYTES, ("job", "kind"), self.registry)
+        self._checkpoints = counter(MetricName.CHECKPOINTS, (JOB_LABEL, "result"), self.registry)
+        self._checkpoint_seconds = gauge(MetricName.CHECKPOINT_SECONDS, (JOB_LABEL,), self.registry)
+        self._checkpoint_bytes = gauge(
+            MetricName.CHECKPOINT_BYTES, (JOB_LABEL, "kind"), self.registry
+        )
         self._checkpoint_completed = gauge(
-            MetricName.CHECKPOINT_COMPLETED_TIME, ("job",), self.registry
+            MetricName.CHECKPOINT_COMPLETED_TIME, (JOB_LABEL,), self.registry
         )
-        self._recoveries = counter(MetricName.RECOVERIES, ("job",), self.registry)
-        self._recovery_seconds = gauge(MetricName.RECOVERY_SECONDS, ("job",), self.registry)
+        self._recoveries = counter(MetricName.RECOVERIES, (JOB_LABEL,), self.registry)
+        self._recovery_seconds = gauge(MetricName.RECOVERY_SECONDS, (JOB_LABEL,), self.registry)
         self._recoveries_counted = 0
 
     def set_parallelism(self, stage: str, parallelism: int) -> None:
@@ -312,27 +362,30 @@ class CoordinatorMetrics:
 
 
 class AutoscalerMetrics:
-    """The autoscaling loop's view, served by whichever host runs the loop."""
+    """The autoscaling loop's view, served by whichever host runs the loop. The Kubernetes
+    operator runs the loops of all its StreamingJobs, so their series carry the job's namespace
+    too (empty, hence no label, for a local run)."""
 
-    def __init__(self, job: str) -> None:
+    def __init__(self, job: str, namespace: str = "") -> None:
         self.registry = CollectorRegistry()
-        self.job = job
-        self._current = gauge(MetricName.AUTOSCALER_PARALLELISM, ("job", "stage"), self.registry)
+        self.owner = [namespace, job]
+        owner = (NAMESPACE_LABEL, JOB_LABEL)
+        self._current = gauge(MetricName.AUTOSCALER_PARALLELISM, (*owner, "stage"), self.registry)
         self._recommended = gauge(
-            MetricName.AUTOSCALER_RECOMMENDED, ("job", "stage"), self.registry
+            MetricName.AUTOSCALER_RECOMMENDED, (*owner, "stage"), self.registry
         )
         self._decisions = counter(
-            MetricName.AUTOSCALER_DECISIONS, ("job", "stage", "action"), self.registry
+            MetricName.AUTOSCALER_DECISIONS, (*owner, "stage", "action"), self.registry
         )
-        self._errors = counter(MetricName.AUTOSCALER_ERRORS, ("job", "reason"), self.registry)
+        self._errors = counter(MetricName.AUTOSCALER_ERRORS, (*owner, "reason"), self.registry)
 
     def decided(self, stage: str, current: int, recommended: int, action: str) -> None:
-        self._current.labels(self.job, stage).set(current)
-        self._recommended.labels(self.job, stage).set(recommended)
-        self._decisions.labels(self.job, stage, action).inc()
+        self._current.labels(*self.owner, stage).set(current)
+        self._recommended.labels(*self.owner, stage).set(recommended)
+        self._decisions.labels(*self.owner, stage, action).inc()
 
     def error(self, reason: str) -> None:
-        self._errors.labels(self.job, reason).inc()
+        self._errors.labels(*self.owner, reason).inc()
 
     def serve(self, host: str, port: int) -> int:
         return serve_registry(self.registry, host, port)
@@ -347,9 +400,11 @@ class OperatorMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         self._reconciles = counter(
-            MetricName.OPERATOR_RECONCILES, ("namespace", "job", "result"), self.registry
+            MetricName.OPERATOR_RECONCILES, (NAMESPACE_LABEL, JOB_LABEL, "result"), self.registry
         )
-        self._jobs = gauge(MetricName.OPERATOR_JOBS, ("namespace", "job", "phase"), self.registry)
+        self._jobs = gauge(
+            MetricName.OPERATOR_JOBS, (NAMESPACE_LABEL, JOB_LABEL, "phase"), self.registry
+        )
 
     def reconciled(self, namespace: str, job: str, result: str) -> None:
         self._reconciles.labels(namespace, job, result).inc()

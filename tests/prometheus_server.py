@@ -4,8 +4,9 @@ Tests that check what Prometheus sees of keyshift's metrics use it through the `
 fixture in tests/conftest.py. It runs Debian's /usr/bin/prometheus (`make test` installs the
 package) with a throwaway config and storage: scrape and evaluation every second, one scrape job
 `keyshift` whose targets come from a file_sd JSON file (`targets_file`, written with
-`write_targets`). The job has `honor_labels: true`, so the `job` and `instance` labels our metrics
-carry win over the ones Prometheus would attach. The first scrape of a new target comes a few
+`write_targets`). As in a cluster, the scrape job does not honor the targets' labels: keyshift's
+own are `keyshift_job` and `keyshift_instance`, which never collide with the `job` and `instance`
+Prometheus attaches. The first scrape of a new target comes a few
 seconds after it is written; `wait_for_series` polls the query API until a series shows up.
 """
 
@@ -208,7 +209,6 @@ class PrometheusServer:
             "scrape_configs": [
                 {
                     "job_name": JOB_NAME,
-                    "honor_labels": True,
                     "file_sd_configs": [
                         {"files": [str(self.targets_file)], "refresh_interval": "1s"}
                     ],

@@ -21,7 +21,7 @@ from keyshift.operator.scaling_metrics import _rate
 from keyshift.policies import make_policy
 from keyshift.policies.model import Decision, InstanceRates, ScalingInput, StageRates
 from keyshift.policies.settings import AutoscalerSettings
-from keyshift.runtime.metrics import AutoscalerMetrics
+from keyshift.runtime.metrics import JOB_LABEL, NAMESPACE_LABEL, AutoscalerMetrics, MetricName
 
 SETTINGS = AutoscalerSettings(activation=1, warmup=10, metrics_window=30, failure_backoff=20)
 
@@ -98,8 +98,15 @@ def make_loop(
     return loop, events, exported
 
 
-def exported_text(exported: AutoscalerMetrics) -> str:
-    return generate_latest(exported.registry).decode()
+# A local loop's series: the job's name, and no namespace (an empty label is no label).
+OWNER = {JOB_LABEL: "j", NAMESPACE_LABEL: ""}
+
+
+def exported_value(exported: AutoscalerMetrics, name: MetricName, labels: dict[str, str]) -> float:
+    """A sample of the loop's registry as Prometheus would scrape it (a counter's _total)."""
+    value = exported.registry.get_sample_value(name, labels)
+    assert value is not None, (name, labels, generate_latest(exported.registry).decode())
+    return value
 
 
 def test_an_overloaded_stage_is_scaled_in_one_step_and_the_decision_exported() -> None:
@@ -110,11 +117,10 @@ def test_an_overloaded_stage_is_scaled_in_one_step_and_the_decision_exported() -
     assert (keyed.action, keyed.target) == ("scale_up", 4)  # ceil(30k / (10k x 0.8))
     assert executor.applied == [("keyed", 4, "hot-first")]
     assert "true rate 10k/s per instance, target 30k/s" in keyed.reason
-    text = exported_text(exported)
-    assert 'keyshift_autoscaler_recommended_parallelism{job="j",stage="keyed"} 4.0' in text
-    assert (
-        'keyshift_autoscaler_decisions_total{action="scale_up",job="j",stage="keyed"} 1.0' in text
-    )
+    keyed_stage = {**OWNER, "stage": "keyed"}
+    assert exported_value(exported, MetricName.AUTOSCALER_RECOMMENDED, keyed_stage) == 4
+    scaled_up = {**keyed_stage, "action": "scale_up"}
+    assert exported_value(exported, MetricName.AUTOSCALER_DECISIONS, scaled_up) == 1
     assert events.decisions == decisions
 
 
@@ -130,9 +136,8 @@ def test_no_metrics_or_nan_rates_mean_no_decision_and_a_recorded_reason() -> Non
         "no decision: stage keyed has a NaN, infinite or negative rate",
     ]
     assert executor.applied == [] and events.decisions == []
-    assert 'keyshift_autoscaler_errors_total{job="j",reason="metrics"} 2.0' in exported_text(
-        exported
-    )
+    errors = {**OWNER, "reason": "metrics"}
+    assert exported_value(exported, MetricName.AUTOSCALER_ERRORS, errors) == 2
 
 
 def test_a_refused_rescale_backs_off_instead_of_retrying_every_tick() -> None:

@@ -25,6 +25,7 @@ from keyshift.operator.scaling_metrics import (
     members_of,
 )
 from keyshift.runtime.job import parse_job
+from keyshift.runtime.metrics import MetricName
 from tests.conftest import KEYSHIFT, REPO, cli, count_job, running_job, wait_for, write_job
 from tests.prometheus_server import PrometheusServer, free_port
 from tests.test_rescale import applied_once, check_output
@@ -234,5 +235,5 @@ def test_a_query_that_finds_nothing_is_a_reason_not_a_crash(
 ) -> None:
     spec = parse_job(count_job())
     source = PrometheusSource(prometheus.url, spec.name, job_graph(spec), lambda: {})
-    with pytest.raises(MetricsUnavailable, match="Prometheus has no keyshift_records_in_total"):
+    with pytest.raises(MetricsUnavailable, match=f"Prometheus has no {MetricName.RECORDS_IN}"):
         source.collect(10, time.time())

@@ -27,6 +27,7 @@ from keyshift.runtime.checkpointing import (
 )
 from keyshift.runtime.coordinator import Coordinator
 from keyshift.runtime.job import parse_job
+from keyshift.runtime.metrics import JOB_LABEL, MetricName
 from tests.conftest import count_job
 
 STAGES = {"source": 2, "counts": 1, "sink": 1}
@@ -183,16 +184,14 @@ def test_a_restarted_coordinator_records_its_recovery(tmp_path: Path) -> None:
     status = second.coordinator.status({})
     assert status["recoveries"] == {"total": 1, "last": entry}
     exported = second.coordinator.metrics.registry.get_sample_value(
-        "keyshift_recoveries_total", {"job": "t"}
+        MetricName.RECOVERIES, {JOB_LABEL: "t"}
     )
     assert exported == 1.0
     second.coordinator.record_recovery()  # once
     assert len(store.recoveries()) == 1
     third = Job(tmp_path, store)  # a later coordinator counts the job's recoveries
     assert (
-        third.coordinator.metrics.registry.get_sample_value(
-            "keyshift_recoveries_total", {"job": "t"}
-        )
+        third.coordinator.metrics.registry.get_sample_value(MetricName.RECOVERIES, {JOB_LABEL: "t"})
         == 1.0
     )
 

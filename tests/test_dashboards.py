@@ -36,7 +36,13 @@ from keyshift.operator.dashboards import (
     queries,
     stale_dashboards,
 )
-from keyshift.runtime.metrics import MetricName, OperatorMetrics
+from keyshift.runtime.metrics import (
+    INSTANCE_LABEL,
+    JOB_LABEL,
+    NAMESPACE_LABEL,
+    MetricName,
+    OperatorMetrics,
+)
 from tests.conftest import KEYSHIFT, REPO, cli, write_job
 from tests.prometheus_server import PrometheusError, PrometheusServer
 from tests.test_autoscaling_live import Output, slow_job
@@ -52,11 +58,12 @@ METRIC = re.compile(r"\bkeyshift_\w+")
 HISTOGRAM_SERIES = re.compile(r"^(?P<base>\w+)_(?:bucket|sum|count)$")
 VARIABLE = re.compile(r"\$(?:\{(\w+)\}|(\w+))")
 GRAFANA_BUILTINS = {"__rate_interval", "__interval", "__range"}
+OUR_LABELS = {JOB_LABEL, INSTANCE_LABEL, NAMESPACE_LABEL}  # keyshift_* names that are labels
 
 # Metrics no dashboard shows, and why; a new metric must go on a dashboard or in this list.
 NOT_ON_A_DASHBOARD = {
     MetricName.IDLE_SECONDS: "idle = 1 - busy - backpressured, which the overview shows",
-    MetricName.PARALLELISM: "each instance's copy of keyshift_job_stage_parallelism",
+    MetricName.PARALLELISM: "each instance's copy of keyshift_job_stage_instances",
 }
 
 
@@ -65,6 +72,8 @@ def unknown_metrics(expr: str) -> list[str]:
     _count series count as its own; counters' names carry their _total already)."""
     unknown = []
     for name in METRIC.findall(expr):
+        if name in OUR_LABELS:
+            continue
         histogram = HISTOGRAM_SERIES.match(name)
         if name in EXPORTED or (histogram is not None and histogram["base"] in HISTOGRAMS):
             continue
@@ -172,8 +181,23 @@ def test_every_metric_name_in_every_query_is_exported() -> None:
     assert not missing, f"on no dashboard: {sorted(missing)}; add them or to NOT_ON_A_DASHBOARD"
 
 
+def test_every_query_filters_by_namespace() -> None:
+    """Each query names `$namespace`, by the target label or (for the series the operator
+    exports per StreamingJob) keyshift's own, and the variable offers "All"."""
+    for board in dashboards():
+        for query in queries(board):
+            if query.where == "variable namespace":
+                continue
+            assert re.search(r'namespace=~"\$namespace"', query.expr), (
+                query.dashboard,
+                query.where,
+            )
+        (namespace,) = [v for v in board["templating"]["list"] if v["name"] == "namespace"]
+        assert namespace["includeAll"] and namespace["allValue"] == ".*"
+
+
 def test_the_static_check_catches_what_it_should() -> None:
-    assert unknown_metrics("rate(keyshift_records_in_total[1m])") == []
+    assert unknown_metrics(f'rate({MetricName.RECORDS_IN}{{{JOB_LABEL}="j"}}[1m])') == []
     assert unknown_metrics("keyshift_end_to_end_latency_seconds_bucket{le='1'}") == []
     assert unknown_metrics("keyshift_records_total + keyshift_state_keys_bucket") == [
         "keyshift_records_total",
@@ -203,7 +227,8 @@ OPERATOR_NAMESPACE = "default"
 VALUES = {
     "job": JOB,
     "source": "source",
-    "namespace": OPERATOR_NAMESPACE,
+    # The variable's "All" (a local run has no namespace: its series match only that).
+    "namespace": ".*",
     "datasource": "n/a",
     "__rate_interval": "30s",
 }
@@ -316,13 +341,14 @@ def test_every_query_runs_against_a_real_prometheus_scraping_a_running_job(
 
         # Coordinator, instances and autoscaler are scraped; then DS2 scales the stage out.
         # Starting the instances alone has taken 30 s beside another job on a busy machine.
-        wait(f'{MetricName.RECORDS_IN}{{job="{JOB}"}}', 90)
-        wait(f'{MetricName.AUTOSCALER_DECISIONS}{{job="{JOB}"}}', 20)
-        wait(f'{MetricName.RESCALES}{{job="{JOB}", result="done"}}', 45)
-        wait(f'{MetricName.CHECKPOINTS}{{job="{JOB}", result="completed"}}', 30)
+        ours = f'{JOB_LABEL}="{JOB}"'
+        wait(f"{MetricName.RECORDS_IN}{{{ours}}}", 90)
+        wait(f"{MetricName.AUTOSCALER_DECISIONS}{{{ours}}}", 20)
+        wait(f'{MetricName.RESCALES}{{{ours}, result="done"}}', 45)
+        wait(f'{MetricName.CHECKPOINTS}{{{ours}, result="completed"}}', 30)
         rescaled = time.time()
         add_target(prometheus, operator_address)
-        wait(f'{MetricName.OPERATOR_JOBS}{{job="{JOB}"}}', 15)
+        wait(f"{MetricName.OPERATOR_JOBS}{{{ours}}}", 15)
         time.sleep(max(0.0, rescaled + AFTER_RESCALE - time.time()))
         deadline = time.monotonic() + 15
         while True:

@@ -32,12 +32,19 @@ from e2e.cluster import (
     IMAGE,
     JOB_MANIFEST,
     KIND_CONFIG,
+    OUTPUT_CLAIM,
     OUTPUT_ON_NODE,
     PROMETHEUS,
     SPARK_IMAGE,
     SPARK_SMOKE,
 )
-from keyshift.operator.k8s_children import APP_DIR, USER_ID, children, stage_set_name
+from keyshift.operator.k8s_children import (
+    APP_DIR,
+    USER_ID,
+    child_problems,
+    children,
+    stage_set_name,
+)
 from keyshift.operator.streamingjob import StreamingJob
 from keyshift.runtime.generator import KeyGenerator, records_due
 from keyshift.runtime.job import GeneratorSource, LogSink, PointsProfile
@@ -78,7 +85,7 @@ def test_kind_config_has_a_control_plane_and_a_worker_on_a_pinned_node_image() -
     assert len(images) == 1 and all(pinned.match(i) for i in images), images
 
 
-@pytest.mark.parametrize("path", [PROMETHEUS, SPARK_SMOKE], ids=lambda p: p.name)
+@pytest.mark.parametrize("path", [PROMETHEUS, SPARK_SMOKE, OUTPUT_CLAIM], ids=lambda p: p.name)
 def test_manifests_are_valid_kubernetes_objects(path: Path) -> None:
     for doc in docs(path):
         kubernetes_validate.validate(doc, KUBE_VERSION, strict=True)
@@ -88,11 +95,15 @@ def prometheus_objects() -> dict[str, dict[str, Any]]:
     return {d["kind"]: d for d in docs(PROMETHEUS)}
 
 
-def test_prometheus_scrapes_annotated_pods_every_2s_keeping_their_labels(tmp_path: Path) -> None:
+def test_prometheus_scrapes_annotated_pods_every_2s_with_their_namespace(tmp_path: Path) -> None:
     config = yaml.safe_load(prometheus_objects()["ConfigMap"]["data"]["prometheus.yml"])
     assert config["global"]["scrape_interval"] == "2s"
     (scrape,) = config["scrape_configs"]
-    assert scrape["honor_labels"] is True
+    # keyshift's labels never collide with the target labels: Prometheus keeps its own, and
+    # the namespace the autoscaler selects a job by is one of them.
+    assert "honor_labels" not in scrape
+    namespace = [r for r in scrape["relabel_configs"] if r.get("target_label") == "namespace"]
+    assert namespace and namespace[0]["source_labels"] == ["__meta_kubernetes_namespace"]
     assert scrape["kubernetes_sd_configs"] == [{"role": "pod"}]
     keep = scrape["relabel_configs"][0]
     assert keep["action"] == "keep" and keep["regex"] == "true"
@@ -164,24 +175,68 @@ def test_e2e_load_steps_up_then_down_and_the_job_ends_after_the_drop() -> None:
     assert source.total - due >= 60 * rates[2]
 
 
-def test_e2e_job_children_are_valid_and_write_the_output_on_the_node() -> None:
+def test_e2e_job_children_are_valid_and_share_the_output_claim_on_the_node() -> None:
+    """The sink stage and the Spark sink mount the output claim where the log is written, the
+    claim is bound to the node directory the suite copies out, and the Spark sink reads that
+    directory with the job file the operator mounts and writes where the suite looks."""
     parsed = StreamingJob.model_validate(JOB_MANIFEST)
     job = parsed.spec.job_spec()
     name = JOB_MANIFEST["metadata"]["name"]
+    assert child_problems(name, parsed.spec, job) == []
     manifests = children(name, "keyshift-e2e", parsed.spec, job)
     for manifest in manifests:
         kubernetes_validate.validate(manifest, KUBE_VERSION, strict=True)
-    (sink,) = [
-        m
-        for m in manifests
-        if m["kind"] == "StatefulSet" and m["metadata"]["name"] == stage_set_name(name, "sink")
-    ]
-    pod = sink["spec"]["template"]["spec"]
     assert isinstance(job.sink.config, LogSink)
     output_dir = f"{APP_DIR}/{job.sink.config.path}"
-    (mount,) = [m for m in pod["containers"][0]["volumeMounts"] if m["mountPath"] == output_dir]
-    (volume,) = [v for v in pod["volumes"] if v["name"] == mount["name"]]
-    assert volume["hostPath"] == {"path": OUTPUT_ON_NODE, "type": "Directory"}
+    readers = {stage_set_name(name, "sink"), f"{name}-sink-count"}
+    claims = set()
+    for m in manifests:
+        if m["metadata"]["name"] not in readers or m["kind"] not in ("StatefulSet", "Deployment"):
+            continue
+        pod = m["spec"]["template"]["spec"]
+        mounts = pod["containers"][0]["volumeMounts"]
+        (mount,) = [m for m in mounts if m["mountPath"] == output_dir]
+        (volume,) = [v for v in pod["volumes"] if v["name"] == mount["name"]]
+        claims.add(volume["persistentVolumeClaim"]["claimName"])
+    assert len(claims) == 1
+    volume, claim = (next(d for d in docs(OUTPUT_CLAIM) if d["kind"] == k)
+                     for k in ("PersistentVolume", "PersistentVolumeClaim"))  # fmt: skip
+    assert claim["metadata"]["name"] in claims and claim["metadata"]["namespace"] == "keyshift-e2e"
+    assert "ReadWriteMany" in claim["spec"]["accessModes"]
+    assert volume["spec"]["claimRef"] == {"namespace": "keyshift-e2e", "name": "e2e-output"}
+    assert volume["spec"]["hostPath"]["path"] == OUTPUT_ON_NODE
+    (app,) = parsed.spec.sinks
+    args = dict(zip(app.args[::2], app.args[1::2], strict=True))
+    assert args["--log"] == output_dir and args["--job"] == "/etc/keyshift/job.yaml"
+    assert args["--output"] == f"{output_dir}/spark"
+
+
+def test_committed_spark_files_are_those_of_committed_batches() -> None:
+    batch = 'v1\n{"path":"file:///o/spark/part-0.parquet","action":"add"}\n'
+    later = 'v1\n{"path":"file:///o/spark/part-1.parquet","action":"add"}\n'
+    compact = (
+        'v1\n{"path":"file:///o/spark/part-0.parquet","action":"add"}\n'
+        '{"path":"file:///o/spark/part-1.parquet","action":"add"}\n'
+        '{"path":"file:///o/spark/part-0.parquet","action":"delete"}\n'
+    )
+    assert checks.committed_spark_files([batch, later]) == ["part-0.parquet", "part-1.parquet"]
+    assert checks.committed_spark_files([batch, later, compact]) == ["part-1.parquet"]
+    assert checks.committed_spark_files([]) == []
+    with pytest.raises(ValueError, match="not a Spark file sink metadata batch"):
+        checks.committed_spark_files(["{}"])
+
+
+def test_same_records_finds_a_repeat_a_loss_and_a_changed_value() -> None:
+    log = pa.table({"offset": [0, 1, 0], "partition": pa.array([0, 0, 1], pa.int32()),
+                    "key": [5, 6, 7]})  # fmt: skip
+    read = log.select(["partition", "offset", "key"])
+    assert checks.same_records(read, log) == []
+    # As many records as the log, but one read twice and one never.
+    assert checks.same_records(read.take([0, 0, 2]), log) == ["1 records read more than once"]
+    lost = checks.same_records(read.slice(1), log)
+    assert lost == ["the query read 2 records, the log holds 3"]
+    changed = read.set_column(2, "key", pa.array([5, 6, 8]))
+    assert checks.same_records(changed, log) == ["column key differs between the query and the log"]
 
 
 def test_spark_smoke_pod_runs_as_the_operator_runs_spark_apps() -> None:

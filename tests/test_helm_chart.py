@@ -36,7 +36,7 @@ from helm_python.errors import HelmValuesError
 from keyshift.operator.crd import CRD_FILE
 from keyshift.operator.k8s_children import children
 from keyshift.operator.streamingjob import StreamingJob
-from keyshift.runtime.metrics import MetricName
+from keyshift.runtime.metrics import INSTANCE_LABEL, JOB_LABEL, NAMESPACE_LABEL, MetricName
 
 REPO = Path(__file__).resolve().parent.parent
 CHART = REPO / "helm" / "keyshift"
@@ -49,6 +49,7 @@ OLDEST = "1.27.0"
 NEWEST = kubernetes_validate.utils.latest_version()
 VERSIONS = (OLDEST, NEWEST)
 MONITORING = "monitoring.coreos.com/v1"
+OUR_LABELS = {JOB_LABEL, INSTANCE_LABEL, NAMESPACE_LABEL}  # keyshift_* names that are labels
 
 COMBINATIONS: dict[str, dict[str, Any]] = {
     "default": {},
@@ -67,6 +68,9 @@ COMBINATIONS: dict[str, dict[str, Any]] = {
         "serviceMonitor": {"enabled": True},
         "podMonitor": {"enabled": True},
         "prometheusRule": {"enabled": True},
+    },
+    "runbook-mirror": {
+        "prometheusRule": {"enabled": True, "runbookBaseUrl": "https://docs.example/rb.md"}
     },
     "no-dashboards": {"dashboards": {"enabled": False}},
     "custom": {
@@ -215,8 +219,10 @@ def validate_monitoring(doc: dict[str, Any]) -> None:
     else:
         raise AssertionError(f"unexpected kind {doc['kind']}")
     for endpoint in spec.get("endpoints", []) + spec.get("podMetricsEndpoints", []):
-        assert set(endpoint) == {"port", "path", "interval", "honorLabels"}
-        assert endpoint["port"] == "metrics" and endpoint["honorLabels"] is True
+        # No honorLabels: keyshift's labels (keyshift_job, keyshift_instance) never collide with
+        # the target labels, which stay Prometheus' own.
+        assert set(endpoint) == {"port", "path", "interval"}
+        assert endpoint["port"] == "metrics"
 
 
 @pytest.mark.parametrize("combination", sorted(COMBINATIONS))
@@ -275,6 +281,11 @@ BAD_VALUES = [
     ),
     ({"prometheusRule": {"latencyThresholdSeconds": "5"}}, "got string, want number"),
     ({"serviceMonitor": {"interval": "often"}}, "at '/serviceMonitor/interval'"),
+    ({"prometheusRule": {"runbookBaseUrl": "docs/runbook.md"}}, "/prometheusRule/runbookBaseUrl"),
+    (
+        {"prometheusRule": {"runbookBaseUrl": "https://x.example/runbook.md#top"}},
+        "/prometheusRule/runbookBaseUrl",
+    ),
     ({"resources": {"requests": {"gpu": 1}}}, "additional properties 'gpu' not allowed"),
     ({"image": {"registry": "x"}}, "additional properties 'registry' not allowed"),
 ]
@@ -535,7 +546,7 @@ def test_service_monitor_scrapes_the_metrics_service() -> None:
     )
     assert monitor["spec"]["namespaceSelector"] == {"matchNames": [NAMESPACE]}
     assert monitor["spec"]["endpoints"] == [
-        {"port": "metrics", "path": "/metrics", "interval": "30s", "honorLabels": True}
+        {"port": "metrics", "path": "/metrics", "interval": "30s"}
     ]
 
 
@@ -546,7 +557,7 @@ def test_pod_monitor_selects_the_job_pods_and_not_the_operator() -> None:
     assert selector["app.kubernetes.io/name"] == "keyshift"
     assert monitor["spec"]["namespaceSelector"] == {"any": True}
     assert monitor["spec"]["podMetricsEndpoints"] == [
-        {"port": "metrics", "path": "/metrics", "interval": "10s", "honorLabels": True}
+        {"port": "metrics", "path": "/metrics", "interval": "10s"}
     ]
     scraped = 0
     for manifest in example_children():
@@ -580,7 +591,7 @@ def test_alerts_use_only_metrics_the_runtime_exports() -> None:
     exported = {m.value for m in MetricName}
     histograms = {MetricName.LATENCY.value}
     for rule in by_name.values():
-        for name in re.findall(r"keyshift_[a-z0-9_]+", rule["expr"]):
+        for name in set(re.findall(r"keyshift_[a-z0-9_]+", rule["expr"])) - OUR_LABELS:
             base = re.sub(r"_(bucket|sum|count)$", "", name)
             assert name in exported or base in histograms, f"{rule['alert']}: {name}"
         assert rule["labels"] == {"severity": "warning", "team": "data"}
@@ -590,7 +601,38 @@ def test_alerts_use_only_metrics_the_runtime_exports() -> None:
     assert latency["for"] == "10m" and latency["expr"].endswith("> 2.5")
     assert "histogram_quantile(0.99," in latency["expr"]
     # Prometheus' own templates reach Prometheus, not Helm.
-    assert "{{ $labels.job }}" in by_name["KeyshiftJobDegraded"]["annotations"]["summary"]
+    degraded = by_name["KeyshiftJobDegraded"]["annotations"]["summary"]
+    assert "{{ $labels.keyshift_job }}" in degraded
+    # Alerts select and name jobs by keyshift's labels, never by Prometheus' job/instance.
+    for rule in by_name.values():
+        assert not re.search(r"\b(job|instance)\b", rule["expr"]), rule["alert"]
+        assert "$labels.job " not in str(rule["annotations"]), rule["alert"]
+
+
+RUNBOOK = REPO / "docs" / "runbook.md"
+RUNBOOK_BASE = "https://github.com/keyshift/keyshift/blob/main/docs/runbook.md"  # the default
+
+
+def github_anchor(heading: str) -> str:
+    """The anchor GitHub gives a Markdown heading."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def test_every_alert_links_its_section_of_the_runbook() -> None:
+    sections = {
+        github_anchor(line.removeprefix("## "))
+        for line in RUNBOOK.read_text(encoding="utf-8").splitlines()
+        if line.startswith("## ")
+    }
+    rules = alert_rules("monitoring")
+    for rule in rules:
+        url = rule["annotations"]["runbook_url"]
+        assert url == f"{RUNBOOK_BASE}#{github_anchor(rule['alert'])}", rule["alert"]
+        assert url.partition("#")[2] in sections, f"docs/runbook.md has no section {url}"
+    assert len(sections) == len(rules)  # one section per alert, none for a removed one
+    mirror = one(render("runbook-mirror"), "PrometheusRule")
+    urls = [r["annotations"]["runbook_url"] for g in mirror["spec"]["groups"] for r in g["rules"]]
+    assert urls and all(u.startswith("https://docs.example/rb.md#keyshift") for u in urls)
 
 
 PROMTOOL = shutil.which("promtool")
@@ -606,7 +648,11 @@ def alert(at: str, name: str, *firing: tuple[dict[str, str], str, str]) -> dict[
     expected = [
         {
             "exp_labels": {"severity": "warning", "team": "data", **labels},
-            "exp_annotations": {"summary": summary, "description": description},
+            "exp_annotations": {
+                "summary": summary,
+                "description": description,
+                "runbook_url": f"{RUNBOOK_BASE}#{name.lower()}",
+            },
         }
         for labels, summary, description in firing
     ]
@@ -617,8 +663,10 @@ JOBS = MetricName.OPERATOR_JOBS.value
 RESCALES = MetricName.RESCALES.value
 BACKPRESSURED = MetricName.BACKPRESSURED_SECONDS.value
 BUCKET = f"{MetricName.LATENCY.value}_bucket"
-SINK = {"stage": "sink", "instance": "0"}
-RESCALE = {"job": "j", "stage": "enrich", "strategy": "hot-first"}
+# A job pod's series as Prometheus stores them: keyshift's labels and the target's namespace.
+SINK = {"namespace": "ns", "stage": "sink", "keyshift_instance": "0"}
+RESCALE = {"namespace": "ns", "keyshift_job": "j", "stage": "enrich", "strategy": "hot-first"}
+JOB_POD = {"namespace": "ns", "keyshift_instance": "0"}
 
 # `promtool test rules`: one of each problem, and their healthy twins.
 RULE_TESTS: dict[str, Any] = {
@@ -628,19 +676,19 @@ RULE_TESTS: dict[str, Any] = {
         {
             "interval": "1m",
             "input_series": [
-                series(JOBS, "1x20", namespace="ns", job="bad", phase="Degraded"),
-                series(JOBS, "0x20", namespace="ns", job="ok", phase="Degraded"),
+                series(JOBS, "1x20", keyshift_namespace="ns", keyshift_job="bad", phase="Degraded"),
+                series(JOBS, "0x20", keyshift_namespace="ns", keyshift_job="ok", phase="Degraded"),
                 series(RESCALES, "0 0 0 1 1 1 1 1 1 1 1", **RESCALE, result="failed"),
                 series(RESCALES, "0+1x10", **RESCALE, result="done"),
-                series(BACKPRESSURED, "0+48x30", job="j", stage="src", instance="0"),
-                series(BACKPRESSURED, "0+6x30", job="j", stage="enrich", instance="0"),
+                series(BACKPRESSURED, "0+48x30", keyshift_job="j", stage="src", **JOB_POD),
+                series(BACKPRESSURED, "0+6x30", keyshift_job="j", stage="enrich", **JOB_POD),
                 # p99 of `slow` is near 10 s, of `fast` under 1 s.
-                series(BUCKET, "0+10x30", job="slow", **SINK, le="1"),
-                series(BUCKET, "0+1000x30", job="slow", **SINK, le="10"),
-                series(BUCKET, "0+1000x30", job="slow", **SINK, le="+Inf"),
-                series(BUCKET, "0+1000x30", job="fast", **SINK, le="1"),
-                series(BUCKET, "0+1000x30", job="fast", **SINK, le="10"),
-                series(BUCKET, "0+1000x30", job="fast", **SINK, le="+Inf"),
+                series(BUCKET, "0+10x30", keyshift_job="slow", **SINK, le="1"),
+                series(BUCKET, "0+1000x30", keyshift_job="slow", **SINK, le="10"),
+                series(BUCKET, "0+1000x30", keyshift_job="slow", **SINK, le="+Inf"),
+                series(BUCKET, "0+1000x30", keyshift_job="fast", **SINK, le="1"),
+                series(BUCKET, "0+1000x30", keyshift_job="fast", **SINK, le="10"),
+                series(BUCKET, "0+1000x30", keyshift_job="fast", **SINK, le="+Inf"),
             ],
             "alert_rule_test": [
                 alert("4m", "KeyshiftJobDegraded"),
@@ -648,7 +696,7 @@ RULE_TESTS: dict[str, Any] = {
                     "6m",
                     "KeyshiftJobDegraded",
                     (
-                        {"namespace": "ns", "job": "bad", "phase": "Degraded"},
+                        {"keyshift_namespace": "ns", "keyshift_job": "bad", "phase": "Degraded"},
                         "StreamingJob ns/bad is Degraded",
                         "The operator cannot run the job as specified (kubectl describe sj bad "
                         "-n ns shows the reason: an invalid spec or a failed job).",
@@ -659,7 +707,7 @@ RULE_TESTS: dict[str, Any] = {
                     "KeyshiftRescaleFailing",
                     (
                         {**RESCALE, "result": "failed"},
-                        "Rescales of j/enrich are failing",
+                        "Rescales of ns/j/enrich are failing",
                         "1 rescale(s) of stage enrich (strategy hot-first) failed in the last "
                         "15 minutes; the autoscaler backs off after each failure.",
                     ),
@@ -671,8 +719,8 @@ RULE_TESTS: dict[str, Any] = {
                     "16m",
                     "KeyshiftSustainedBackpressure",
                     (
-                        {"job": "j", "stage": "src"},
-                        "j/src is backpressured",
+                        {"namespace": "ns", "keyshift_job": "j", "stage": "src"},
+                        "ns/j/src is backpressured",
                         "Instances of stage src spent 80% of the last 5 minutes waiting for "
                         "downstream credit, for 10 minutes: a downstream stage or the sink is "
                         "too slow (at its max_parallelism?).",
@@ -683,8 +731,8 @@ RULE_TESTS: dict[str, Any] = {
                     "12m",
                     "KeyshiftHighLatency",
                     (
-                        {"job": "slow"},
-                        "p99 end-to-end latency of slow is high",
+                        {"namespace": "ns", "keyshift_job": "slow"},
+                        "p99 end-to-end latency of ns/slow is high",
                         "The p99 ingest-to-sink latency of slow is 9.909s, above 2.5s for 10 "
                         "minutes.",
                     ),

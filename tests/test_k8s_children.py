@@ -384,6 +384,64 @@ def test_local_checkpoints_live_on_a_claim_every_pod_mounts() -> None:
         assert "is mounted where local checkpoints go, but the job has" in problem
 
 
+def test_the_output_log_lives_on_a_claim_the_sink_pods_and_spark_sinks_mount() -> None:
+    """With spec.output.claim the sink stage writes its log on a ReadWriteMany claim and every
+    Spark sink mounts the same claim at the same path (named in KEYSHIFT_OUTPUT), so a query
+    reads what the job wrote; no other pod mounts it."""
+    sinks = [{"name": "report", "script": "/app/examples/spark/sink_job.py"}]
+    spec = StreamingJobSpec.model_validate(spec_data(sinks=sinks, output={"claim": "clicks-out"}))
+    assert child_problems(NAME, spec, spec.job_spec()) == []
+    _, manifests = build(sinks=sinks, output={"claim": "clicks-out"})
+    for m in manifests:
+        kubernetes_validate.validate(m, "1.30", strict=True)
+    claim = {"name": "output", "persistentVolumeClaim": {"claimName": "clicks-out"}}
+    mount = {"name": "output", "mountPath": "/app/out/clicks"}
+    mounted = {}
+    for name, template in pod_templates(manifests):
+        pod = template["spec"]
+        (container,) = pod["containers"]
+        mounted[name] = claim in pod["volumes"] and mount in container["volumeMounts"]
+        env = {e["name"]: e.get("value") for e in container["env"]}
+        assert (env.get("KEYSHIFT_OUTPUT") == "/app/out/clicks") == (name == "clicks-sink-report")
+    assert {name for name, yes in mounted.items() if yes} == {"clicks-sink", "clicks-sink-report"}
+    # The app has the job file too, for the reader's schema (the `job` option).
+    report = by_kind(manifests, "Deployment")["clicks-sink-report"]["spec"]["template"]["spec"]
+    job_mount = {"name": "job", "mountPath": JOB_MOUNT, "readOnly": True}
+    assert job_mount in report["containers"][0]["volumeMounts"]
+    assert {"name": "job", "configMap": {"name": config_map_name(NAME)}} in report["volumes"]
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        # Spark sinks could not read a log in the sink pods' emptyDir.
+        ({}, "lives in the sink pods' emptyDir where no other pod can read it"),
+        # A claim where no output log files go.
+        ({"output": {"claim": "x"}, "format": "none"}, "writes no output log files"),
+        ({"output": {"claim": "x"}, "path": "s3://bucket/out"}, "writes no output log files"),
+    ],
+    ids=["spark-sinks-without-a-claim", "format-none", "object-store-path"],
+)
+def test_an_output_claim_is_required_where_spark_sinks_read_and_refused_where_unused(
+    changes: dict[str, Any], message: str
+) -> None:
+    job = spec_data()["job"]
+    for field in ("format", "path"):
+        if field in changes:
+            job["sink"]["config"][field] = changes.pop(field)
+    sinks = [{"name": "report", "script": "report.py"}]
+    spec = StreamingJobSpec.model_validate(spec_data(job=job, sinks=sinks, **changes))
+    (problem,) = child_problems(NAME, spec, spec.job_spec())
+    assert message in problem and "spec.output.claim" in problem
+
+
+def test_without_spark_sinks_or_a_claim_the_output_stays_in_the_pods_emptydir() -> None:
+    spec = StreamingJobSpec.model_validate(spec_data())
+    assert child_problems(NAME, spec, spec.job_spec()) == []
+    with pytest.raises(ValueError, match="claim"):
+        StreamingJobSpec.model_validate(spec_data(output={"claim": "Not A Name"}))
+
+
 def test_spark_apps_run_spark_submit_with_the_job_in_their_environment() -> None:
     _, manifests = build()
     spark = by_kind(manifests, "Deployment")["clicks-source-events"]

@@ -1,13 +1,25 @@
-"""A running job exports every metric the runtime promises, with sane values."""
+"""A running job exports every metric the runtime promises, with sane values; the names and
+labels follow Prometheus' conventions."""
 
 from __future__ import annotations
 
 import urllib.request
 from pathlib import Path
 
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from keyshift.runtime.metrics import COUNTERS, MetricName
+from keyshift.runtime.metrics import (
+    COUNTERS,
+    HELP,
+    INSTANCE_LABEL,
+    JOB_LABEL,
+    MIGRATION_KINDS,
+    CoordinatorMetrics,
+    InstanceMetrics,
+    MetricName,
+    OperatorMetrics,
+)
 from tests.conftest import count_job, running_job, wait_for
 
 
@@ -48,10 +60,14 @@ def test_every_instance_exports_its_metrics(tmp_path: Path) -> None:
         for stage_name, stage in by_stage.items():
             for instance in stage["instances"]:
                 samples = scrape(instance["metrics"])
-                labels = (
-                    ("instance", str(instance["index"])),
-                    ("job", "t"),
-                    ("stage", stage_name),
+                labels = tuple(
+                    sorted(
+                        {
+                            INSTANCE_LABEL: str(instance["index"]),
+                            JOB_LABEL: "t",
+                            "stage": stage_name,
+                        }.items()
+                    )
                 )
                 for name in (*COUNTERS, MetricName.QUEUE_DEPTH, MetricName.STATE_KEYS):
                     assert labels in samples[name], (stage_name, name)
@@ -80,5 +96,52 @@ def test_every_instance_exports_its_metrics(tmp_path: Path) -> None:
 
         coordinator = scrape(f"127.0.0.1:{local.coordinator_metrics_port}")
         parallelism = coordinator[MetricName.JOB_PARALLELISM]
-        assert parallelism[(("job", "t"), ("stage", "counts"))] == 2
-        assert coordinator[MetricName.JOB_PHASE][(("job", "t"), ("phase", "running"))] == 1
+        assert parallelism[((JOB_LABEL, "t"), ("stage", "counts"))] == 2
+        assert coordinator[MetricName.JOB_PHASE][((JOB_LABEL, "t"), ("phase", "running"))] == 1
+
+
+# The 0/1 state gauges, a phase (a state set) and a flag, have no unit.
+UNITLESS = {MetricName.JOB_PHASE, MetricName.RESCALE_RUNNING}
+UNITS = ("_seconds", "_bytes", "_records", "_keys", "_key_groups", "_fetches", "_batches",
+         "_instances", "_jobs", "_records_per_second")  # fmt: skip
+TARGET_LABELS = {"job", "instance", "namespace", "pod", "container", "service", "endpoint"}
+
+
+def test_every_name_ends_in_its_unit_and_no_label_collides_with_a_target_label() -> None:
+    assert set(HELP) == set(MetricName)
+    for name in MetricName:
+        # A counter counts events (rescales, decisions) or units (records, bytes): `_total`.
+        if name in UNITLESS or name.endswith("_total"):
+            continue
+        assert name.endswith(UNITS), name
+    # Counters carry _total, the other families do not.
+    registries = [
+        InstanceMetrics("j", "s", "0").registry,
+        CoordinatorMetrics("j").registry,
+        OperatorMetrics().registry,
+    ]
+    for registry in registries:
+        for family in registry.collect():
+            for sample in family.samples:
+                assert not set(sample.labels) & TARGET_LABELS, (sample.name, sample.labels)
+            if family.type == "counter":
+                assert MetricName(f"{family.name}_total") in MetricName
+            else:
+                assert not family.name.endswith("_total"), family.name
+
+
+def test_a_move_counts_each_unit_in_its_own_metric() -> None:
+    metrics = InstanceMetrics("j", "s", "0")
+    stats = metrics.migration_stats()
+    for kind in MIGRATION_KINDS:
+        stats[kind] += 3
+    stats["bytes_in"] += 1000
+    labels = {JOB_LABEL: "j", "stage": "s", INSTANCE_LABEL: "0"}
+    for kind, (metric, label) in MIGRATION_KINDS.items():
+        expected = 1003 if kind == "bytes_in" else 3
+        value = metrics.registry.get_sample_value(metric, {**labels, "kind": label})
+        assert value == expected, (kind, metric, label)
+    assert dict(stats)["bytes_in"] == 1003  # the move's own report keeps its names
+    with pytest.raises(KeyError, match="unknown_kind"):
+        stats["unknown_kind"] += 1
+    assert "unknown_kind" not in stats

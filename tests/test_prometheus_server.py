@@ -1,5 +1,6 @@
 """The test Prometheus server (tests/prometheus_server.py) scrapes the targets it is given, keeps
-the labels our metrics carry, fails clearly when it cannot run, and is always stopped."""
+the labels our metrics carry beside its own target labels, fails clearly when it cannot run, and
+is always stopped."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from pathlib import Path
 import pytest
 from prometheus_client import CollectorRegistry, Gauge, start_http_server
 
+from keyshift.runtime.metrics import INSTANCE_LABEL, JOB_LABEL, LABELS
 from tests.prometheus_server import PrometheusError, PrometheusServer
 
 
@@ -17,7 +19,7 @@ from tests.prometheus_server import PrometheusError, PrometheusServer
 def exporter() -> Iterator[tuple[str, Gauge]]:
     """An in-process /metrics endpoint on a free loopback port, with one labelled gauge."""
     registry = CollectorRegistry()
-    gauge = Gauge("keyshift_test_value", "A test gauge", ["job", "instance"], registry=registry)
+    gauge = Gauge("keyshift_test_value", "A test gauge", LABELS, registry=registry)
     server, thread = start_http_server(0, addr="127.0.0.1", registry=registry)
     try:
         yield f"127.0.0.1:{server.server_address[1]}", gauge
@@ -31,16 +33,16 @@ def test_scrapes_file_sd_targets_and_keeps_their_labels(
     prometheus: PrometheusServer, exporter: tuple[str, Gauge]
 ) -> None:
     address, gauge = exporter
-    gauge.labels(job="x", instance="y").set(42)
+    gauge.labels("x", "s", "y").set(42)
     prometheus.write_targets([{"targets": [address], "labels": {"source": "test"}}])
 
-    series = prometheus.wait_for_series('keyshift_test_value{job="x"}', deadline=30)
+    series = prometheus.wait_for_series(f'keyshift_test_value{{{JOB_LABEL}="x"}}', deadline=30)
 
     assert len(series) == 1
     labels = series[0]["metric"]
-    # honor_labels: the metric's own job and instance win, nothing is renamed to exported_*.
-    assert labels["job"] == "x"
-    assert labels["instance"] == "y"
+    # keyshift's labels and Prometheus' target labels side by side, none renamed to exported_*.
+    assert labels[JOB_LABEL] == "x" and labels["stage"] == "s" and labels[INSTANCE_LABEL] == "y"
+    assert labels["job"] == "keyshift" and labels["instance"] == address
     assert labels["source"] == "test"
     assert not any(name.startswith("exported_") for name in labels)
     assert float(series[0]["value"][1]) == 42

@@ -28,6 +28,7 @@ import yaml
 
 from keyshift.runtime.generator import instance_total
 from keyshift.runtime.ingest_client import IngestClient, IngestError
+from keyshift.runtime.metrics import JOB_LABEL, MetricName
 from keyshift.runtime.output_log import OutputLogReader
 from keyshift.runtime.transport import JsonClient, TransportError
 from tests.conftest import STATE_BACKENDS, children_of, cli, state_settings, wait_for
@@ -255,7 +256,9 @@ def test_a_killed_ingest_source_replays_what_it_acknowledged(tmp_path: Path) -> 
             wait_for(lambda: recoveries().get("total"), 60, "the recovery")
             last = recoveries()["last"]
             assert last["reason"].startswith("instance source/0") and last["seconds"] > 0, last
-            assert 'keyshift_recoveries_total{job="t"} 1.0' in coordinator_metrics(tmp_path)
+            assert f'{MetricName.RECOVERIES}{{{JOB_LABEL}="t"}} 1.0' in coordinator_metrics(
+                tmp_path
+            )
             wait_for(lambda: pusher.acked == 300 or pusher.error, 120, "every batch acked")
             assert pusher.error is None, pusher.error
             os.kill(proc.pid, signal.SIGINT)  # drain

@@ -19,7 +19,7 @@ from keyshift.operator.local_host import LocalJob
 from keyshift.runtime.generator import KeyGenerator
 from keyshift.runtime.job import GeneratorSource
 from keyshift.runtime.keyspace import key_groups
-from keyshift.runtime.metrics import MetricName
+from keyshift.runtime.metrics import JOB_LABEL, MetricName
 from keyshift.runtime.output_log import OutputLogReader
 from keyshift.runtime.rescale import STRATEGIES
 from keyshift.runtime.transport import JsonClient, TransportError
@@ -218,12 +218,14 @@ def test_count_aggregate_through_rescales_equals_truth(tmp_path: Path, backend: 
         """Rescales and the migration work are Prometheus metrics too."""
         coordinator = scrape(f"127.0.0.1:{local.coordinator_metrics_port}")
         done = coordinator[MetricName.RESCALES]
-        key = (("job", "t"), ("result", "done"), ("stage", "track"), ("strategy", "hot-first"))
+        key = ((JOB_LABEL, "t"), ("result", "done"), ("stage", "track"), ("strategy", "hot-first"))
         assert done[key] == 2
         assert max(coordinator[MetricName.RESCALE_RUNNING].values()) == 0
         keyed = scrape(local.status()["stages"][1]["instances"][0]["metrics"])
-        kinds = {dict(labels)["kind"]: v for labels, v in keyed[MetricName.MIGRATION].items()}
-        assert kinds["keys_in"] > 0 and kinds["bytes_in"] > 0 and kinds["groups_in"] > 0
+        for unit in (MetricName.MIGRATION_KEYS, MetricName.MIGRATION_BYTES,
+                     MetricName.MIGRATION_KEY_GROUPS):  # fmt: skip
+            kinds = {dict(labels)["kind"]: v for labels, v in keyed[unit].items()}
+            assert kinds["in"] > 0, unit
 
     run_with_rescales(
         tmp_path, source, 2, [(4, "hot-first"), (1, "hot-first")], job=job, after=exported
