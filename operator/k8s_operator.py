@@ -26,6 +26,7 @@ from kubernetes_asyncio import client as k8s
 from kubernetes_asyncio.client.exceptions import ApiException
 from pydantic import ValidationError
 
+from keyshift.operator.conditions import condition, upsert_conditions
 from keyshift.operator.k8s_children import (
     child_problems,
     children,
@@ -33,7 +34,7 @@ from keyshift.operator.k8s_children import (
     stage_selector,
     stage_set_name,
 )
-from keyshift.operator.k8s_scaling import KubeJob, kube_job, timestamp
+from keyshift.operator.k8s_scaling import KubeJob, kube_job
 from keyshift.operator.streamingjob import GROUP, PLURAL, VERSION, StreamingJobSpec
 from keyshift.runtime.job import JobSpec
 from keyshift.runtime.metrics import AutoscalerMetrics, OperatorMetrics
@@ -71,28 +72,6 @@ def _invalid(spec: Mapping[str, Any]) -> tuple[StreamingJobSpec | None, list[str
             f"spec.{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors()
         ]
     return parsed, parsed.problems()
-
-
-def _condition(kind: str, ok: bool, reason: str, message: str = "") -> dict[str, str]:
-    return {
-        "type": kind,
-        "status": "True" if ok else "False",
-        "reason": reason,
-        "message": message,
-        "lastTransitionTime": timestamp(time.time()),
-    }
-
-
-def _merge_conditions(old: list[dict[str, Any]], new: list[dict[str, str]]) -> list[dict[str, Any]]:
-    """Keep a condition's transition time while its status does not change."""
-    by_type = {c["type"]: c for c in old}
-    merged = []
-    for cond in new:
-        before = by_type.get(cond["type"])
-        if before is not None and before.get("status") == cond["status"]:
-            cond = {**cond, "lastTransitionTime": before.get("lastTransitionTime", "")}
-        merged.append(cond)
-    return merged
 
 
 async def _apply(api: k8s.ApiClient, manifest: dict[str, Any]) -> None:
@@ -173,10 +152,11 @@ def build_registry(config: OperatorConfig) -> kopf.OperatorRegistry:
             patch.status["phase"] = "Degraded"
             patch.status["message"] = message
             patch.status["observedGeneration"] = generation
-            patch.status["conditions"] = _merge_conditions(
+            patch.status["conditions"] = upsert_conditions(
                 old_conditions,
-                [_condition("Degraded", True, "InvalidSpec", message),
-                 _condition("Ready", False, "InvalidSpec")],
+                [condition("Degraded", True, "InvalidSpec", message),
+                 condition("Ready", False, "InvalidSpec")],
+                generation, time.time(),
             )  # fmt: skip
             kopf.warn(body, reason="InvalidSpec", message=message)
             config.metrics.reconciled(namespace, name, "invalid")
@@ -204,8 +184,8 @@ def build_registry(config: OperatorConfig) -> kopf.OperatorRegistry:
         memo["spec"] = parsed
         patch.status["observedGeneration"] = generation
         patch.status["selector"] = stage_selector(name, job.keyed.name)
-        patch.status["conditions"] = _merge_conditions(
-            old_conditions, [_condition("Degraded", False, "SpecValid")]
+        patch.status["conditions"] = upsert_conditions(
+            old_conditions, [condition("Degraded", False, "SpecValid")], generation, time.time()
         )
         if not status.get("phase") or status.get("phase") == "Degraded":
             patch.status["phase"] = "Pending"
@@ -345,14 +325,14 @@ def _write_status(
     phase, problem, errors = observed_phase(current)
     settled = all(s["current"] == s["target"] == s["ready"] for s in stages)
     conditions = [
-        _condition("Ready", phase == "Running" and settled, "Running" if settled else "NotSettled"),
-        _condition(
+        condition("Ready", phase == "Running" and settled, "Running" if settled else "NotSettled"),
+        condition(
             "Rescaling",
             bool(rescaling),
             "Rescaling" if rescaling else "Idle",
             f"{rescaling['stage']} {rescaling['from']}->{rescaling['to']}" if rescaling else "",
         ),
-        _condition("Degraded", problem is not None, problem or "SpecValid", errors),
+        condition("Degraded", problem is not None, problem or "SpecValid", errors),
     ]
     patch.status["phase"] = phase
     patch.status["parallelism"] = _keyed_parallelism(current, job.keyed.name) or 0
@@ -365,7 +345,11 @@ def _write_status(
         }
         for r in current.get("rescales", [])[-10:]
     ]
-    patch.status["conditions"] = _merge_conditions(list(status.get("conditions") or []), conditions)
+    # The children reflect the generation the last reconcile saw, not one it has yet to see.
+    generation = int(status.get("observedGeneration") or 0)
+    patch.status["conditions"] = upsert_conditions(
+        list(status.get("conditions") or []), conditions, generation, time.time()
+    )
     patch.status["message"] = kube.events.last_problem or errors
 
 
