@@ -2,7 +2,7 @@
 
 create / resume / update: validate the spec (the schema's rules are the API server's; what it
 cannot express, `StreamingJobSpec.problems`, becomes a Degraded condition and an Event, and no
-child is created), then create or patch the children (`k8s_children`), owned by the job. A
+child is created), then apply the children (`k8s_children`, server-side: `k8s_apply`). A
 change of the keyed stage's parallelism (an edit or `kubectl scale`) rescales the running job
 live. A timer per job reads the coordinator's status, runs the autoscaling loop
 (`k8s_scaling`), applies replica changes and writes the status; delete releases the job's parts.
@@ -27,6 +27,7 @@ from kubernetes_asyncio.client.exceptions import ApiException
 from pydantic import ValidationError
 
 from keyshift.operator.conditions import condition, upsert_conditions
+from keyshift.operator.k8s_apply import apply, apply_replicas
 from keyshift.operator.k8s_children import (
     child_problems,
     children,
@@ -74,27 +75,6 @@ def _invalid(spec: Mapping[str, Any]) -> tuple[StreamingJobSpec | None, list[str
     return parsed, parsed.problems()
 
 
-async def _apply(api: k8s.ApiClient, manifest: dict[str, Any]) -> None:
-    """Create a child, or patch it if it exists (handlers must be idempotent)."""
-    kind = manifest["kind"]
-    name = manifest["metadata"]["name"]
-    namespace = manifest["metadata"]["namespace"]
-    core, apps = k8s.CoreV1Api(api), k8s.AppsV1Api(api)
-    calls: dict[str, tuple[Any, Any]] = {
-        "ConfigMap": (core.create_namespaced_config_map, core.patch_namespaced_config_map),
-        "Service": (core.create_namespaced_service, core.patch_namespaced_service),
-        "Deployment": (apps.create_namespaced_deployment, apps.patch_namespaced_deployment),
-        "StatefulSet": (apps.create_namespaced_stateful_set, apps.patch_namespaced_stateful_set),
-    }
-    create, patch = calls[kind]
-    try:
-        await create(namespace, manifest)
-    except ApiException as exc:
-        if exc.status != 409:
-            raise
-        await patch(name, namespace, manifest)
-
-
 async def _stateful_sets(
     api: k8s.ApiClient, name: str, namespace: str, job: JobSpec
 ) -> dict[str, Any]:
@@ -110,12 +90,6 @@ async def _stateful_sets(
             if exc.status != 404:
                 raise
     return found
-
-
-async def _replicas(api: k8s.ApiClient, name: str, namespace: str, job: JobSpec) -> dict[str, int]:
-    """The stages' current replicas, so a re-apply does not undo a rescale."""
-    sets = await _stateful_sets(api, name, namespace, job)
-    return {stage: int(s.spec.replicas) for stage, s in sets.items() if s.spec.replicas is not None}
 
 
 async def _ready(api: k8s.ApiClient, name: str, namespace: str, job: JobSpec) -> dict[str, int]:
@@ -164,12 +138,16 @@ def build_registry(config: OperatorConfig) -> kopf.OperatorRegistry:
             return
         job = parsed.job_spec()
         async with await config.api_client() as api:
-            replicas = await _replicas(api, name, namespace, job)
-            manifests = children(name, namespace, parsed, job, replicas)
+            existing = set(await _stateful_sets(api, name, namespace, job))
+            manifests = children(name, namespace, parsed, job, existing)
             kopf.adopt(manifests, owner=body)
             try:
                 for manifest in manifests:
-                    await _apply(api, manifest)
+                    await apply(api, manifest)
+                for stage in job.stages():
+                    if stage.name not in existing:  # created now: the scaler takes its replicas
+                        set_name = stage_set_name(name, stage.name)
+                        await apply_replicas(api, set_name, namespace, stage.parallelism)
             except ApiException:
                 config.metrics.reconciled(namespace, name, "error")
                 raise  # kopf retries with back-off
