@@ -47,8 +47,11 @@ RELEASE = "keyshift"
 OPERATOR_NAMESPACE = "keyshift"
 JOB_NAMESPACE = "keyshift-e2e"
 MONITORING_NAMESPACE = "monitoring"
-# The hostPath that e2e/streamingjob.yaml mounts at the sink's output directory.
+# The node directory behind the claim e2e/streamingjob.yaml mounts at the sink's output directory
+# (a podTemplate may not mount a hostPath itself: the suite, as the cluster's admin, provides a
+# PersistentVolume of the node's directory, and the job claims it).
 OUTPUT_ON_NODE = "/var/local/keyshift-e2e"
+OUTPUT_CLAIM = "e2e-output"
 # What the chart and the operator label their objects with (checked gone after uninstall).
 LEFTOVER_SELECTORS = (
     "app.kubernetes.io/managed-by=keyshift-operator",
@@ -259,8 +262,40 @@ def install_chart(kube: Kube) -> None:
     )
 
 
+def output_volume() -> list[dict[str, Any]]:
+    """The PersistentVolume of OUTPUT_ON_NODE (each node's own directory) and its claim."""
+    size = {"storage": "1Gi"}
+    return [
+        {
+            "apiVersion": "v1",
+            "kind": "PersistentVolume",
+            "metadata": {"name": f"{JOB_NAMESPACE}-{OUTPUT_CLAIM}"},
+            "spec": {
+                "capacity": size,
+                "accessModes": ["ReadWriteMany"],
+                "persistentVolumeReclaimPolicy": "Retain",
+                "storageClassName": "",
+                "hostPath": {"path": OUTPUT_ON_NODE, "type": "Directory"},
+                "claimRef": {"namespace": JOB_NAMESPACE, "name": OUTPUT_CLAIM},
+            },
+        },
+        {
+            "apiVersion": "v1",
+            "kind": "PersistentVolumeClaim",
+            "metadata": {"name": OUTPUT_CLAIM, "namespace": JOB_NAMESPACE},
+            "spec": {
+                "accessModes": ["ReadWriteMany"],
+                "storageClassName": "",
+                "volumeName": f"{JOB_NAMESPACE}-{OUTPUT_CLAIM}",
+                "resources": {"requests": size},
+            },
+        },
+    ]
+
+
 def apply_job(kube: Kube) -> None:
     kube.kubectl("create", "namespace", JOB_NAMESPACE)
+    kube.kubectl("apply", "--filename", "-", stdin=yaml.safe_dump_all(output_volume()))
     kube.kubectl("apply", "--namespace", JOB_NAMESPACE, "--filename", str(STREAMING_JOB))
 
 

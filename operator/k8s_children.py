@@ -42,7 +42,8 @@ them: dicts are merged, lists replaced, except the lists Kubernetes merges by a 
 volumes, env, ports, volume mounts), which are merged by that key, so a sidecar or an extra
 volume does not remove ours. Every container we make is named CONTAINER ("keyshift"); a
 podTemplate container of that name is merged into it. The labels set here always win over the
-podTemplate's, so it can add labels but not move a pod out of its selector.
+podTemplate's, so it can add labels but not move a pod out of its selector. A podTemplate that
+would undo the pods' hardening never gets here (`keyshift.operator.pod_hardening`).
 """
 
 from __future__ import annotations

@@ -129,7 +129,7 @@ class Emulator(kmock.KubernetesEmulator):  # type: ignore[misc]
         exists = key in self.objects and not self.objects[key].deleted
         live = self.objects[key].raw if exists else None
         try:
-            new = ssa.apply(live, config, manager, request.params.get("force") == "true")
+            new = ssa.apply(live, config, manager, _flag(request.params.get("force")))
         except ssa.ApplyConflict as exc:
             raise kmock.KubernetesError(status=409, reason="Conflict", message=str(exc)) from exc
         if live is None:
@@ -189,6 +189,11 @@ class Emulator(kmock.KubernetesEmulator):  # type: ignore[misc]
 def _content_type(request: kmock.Request) -> str:
     headers = {k.lower(): v for k, v in request.headers.items()}
     return str(headers.get("content-type", "")).split(";")[0].strip()
+
+
+def _flag(value: str | None) -> bool:
+    """A boolean query parameter as the API server parses it (Go's strconv.ParseBool)."""
+    return value in ("1", "t", "T", "true", "TRUE", "True")
 
 
 def _user_agent(request: kmock.Request) -> str:

@@ -177,6 +177,16 @@ def _find(node: Any, segment: Segment, field: str) -> tuple[Any, Any] | None:
     return None
 
 
+def _is_item_key(path: FieldPath) -> bool:
+    """A key field of a list item (it goes only with its item)."""
+    return (
+        len(path) > 1
+        and path[-2][0] == "k"
+        and path[-1][0] == "f"
+        and path[-1][1] in json.loads(path[-2][1])
+    )
+
+
 def _remove(obj: dict[str, Any], path: FieldPath) -> None:
     """Remove the field at `path`, then any map or list it leaves empty."""
     trail: list[tuple[Any, Any]] = []
@@ -240,7 +250,8 @@ def apply(
     )
     if conflicts and not force:
         names = ", ".join(f'"{m}": .{".".join(s[1] for s in p)}' for m, p in conflicts)
-        raise ApplyConflict(f"Apply failed with {len(conflicts)} conflicts: conflict with {names}")
+        count = f"{len(conflicts)} conflict{'s' * (len(conflicts) > 1)}"
+        raise ApplyConflict(f"Apply failed with {count}: conflict with {names}")
     for other, path in conflicts:
         for (name, _), paths in owned.items():
             if name == other:
@@ -248,10 +259,13 @@ def apply(
     before = owned.pop((manager, APPLY), set())
     kept_by_others = set().union(*owned.values()) if owned else set()
     obj = copy.deepcopy(dict(live))
-    for path in sorted(before - set(applied), key=len, reverse=True):
-        inside = any(p[: len(path)] == path for p in kept_by_others)
-        if not inside:
+    removed: list[FieldPath] = []
+    for path in sorted(before - set(applied), key=len):  # a whole item before its fields
+        if any(path[: len(r)] == r for r in removed) or _is_item_key(path):
+            continue
+        if not any(p[: len(path)] == path for p in kept_by_others):
             _remove(obj, path)
+            removed.append(path)
     obj = _merge(obj, {k: v for k, v in config.items() if k != "status"})
     owned[(manager, APPLY)] = set(applied)
     obj["metadata"]["managedFields"] = managed_fields(owned, str(obj.get("apiVersion", "")))

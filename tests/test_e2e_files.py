@@ -32,10 +32,12 @@ from e2e.cluster import (
     IMAGE,
     JOB_MANIFEST,
     KIND_CONFIG,
+    OUTPUT_CLAIM,
     OUTPUT_ON_NODE,
     PROMETHEUS,
     SPARK_IMAGE,
     SPARK_SMOKE,
+    output_volume,
 )
 from keyshift.operator.k8s_children import APP_DIR, USER_ID, children, stage_set_name
 from keyshift.operator.streamingjob import StreamingJob
@@ -181,7 +183,13 @@ def test_e2e_job_children_are_valid_and_write_the_output_on_the_node() -> None:
     output_dir = f"{APP_DIR}/{job.sink.config.path}"
     (mount,) = [m for m in pod["containers"][0]["volumeMounts"] if m["mountPath"] == output_dir]
     (volume,) = [v for v in pod["volumes"] if v["name"] == mount["name"]]
-    assert volume["hostPath"] == {"path": OUTPUT_ON_NODE, "type": "Directory"}
+    assert volume["persistentVolumeClaim"] == {"claimName": OUTPUT_CLAIM}
+    volume, claim = output_volume()
+    for manifest in (volume, claim):
+        kubernetes_validate.validate(manifest, KUBE_VERSION, strict=True)
+    assert volume["spec"]["hostPath"]["path"] == OUTPUT_ON_NODE
+    assert claim["spec"]["volumeName"] == volume["metadata"]["name"]
+    assert volume["spec"]["claimRef"] == {"namespace": "keyshift-e2e", "name": OUTPUT_CLAIM}
 
 
 def test_spark_smoke_pod_runs_as_the_operator_runs_spark_apps() -> None:
