@@ -186,11 +186,16 @@ def _model_of(annotation: Any) -> tuple[type[_Open] | None, bool]:
     return None, False
 
 
+def _path(loc: tuple[int | str, ...]) -> str:
+    """A validation error's location as the rules' paths read: `.spec.containers[0].name`."""
+    return "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc)
+
+
 def template_problems(template: Mapping[str, Any], where: str = "spec.podTemplate") -> list[str]:
     """Why the operator refuses this pod template, one message per problem (empty when it
     keeps the hardening): wrongly typed fields, then every rule it breaks, with its path."""
     try:
         PodTemplate.model_validate(dict(template))
     except ValidationError as exc:
-        return [f"{where}.{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors()]
+        return [f"{where}{_path(e['loc'])}: {e['msg']}" for e in exc.errors()]
     return _refused(PodTemplate, template, where)

@@ -289,3 +289,27 @@ def test_rules_hold_on_an_update_that_keeps_a_good_cr_good() -> None:
     new = copy.deepcopy(old)
     new["spec"]["job"]["keyed"]["parallelism"] = 3
     assert refusals(new, old) == []
+
+
+@pytest.mark.parametrize(
+    ("template", "problem"),
+    [
+        ({"spec": {"securityContext": None}}, "spec.podTemplate.spec.securityContext: Input"),
+        ({"spec": {"hostNetwork": "true"}}, "spec.podTemplate.spec.hostNetwork: Input should be"),
+        (
+            {"spec": {"containers": [{"securityContext": {}}]}},
+            "spec.podTemplate.spec.containers[0].name: Field required",
+        ),
+        (
+            {"spec": {"volumes": [{"name": "v", "hostPath": None}]}},
+            "spec.podTemplate.spec.volumes[0].hostPath: Input should be",
+        ),
+    ],
+)
+def test_the_operator_refuses_what_the_schema_drops_or_refuses(
+    template: dict[str, Any], problem: str
+) -> None:
+    """A null would remove the operator's own setting in the merge, so it is refused (the API
+    server drops nulls of fields that are not nullable, and refuses wrong types)."""
+    problems = template_problems(template)
+    assert len(problems) == 1 and problems[0].startswith(problem), problems
