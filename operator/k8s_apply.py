@@ -52,6 +52,15 @@ async def apply(api: k8s.ApiClient, manifest: Mapping[str, Any], manager: str = 
     )
 
 
+def scaler_owns_replicas(stateful_set: k8s.V1StatefulSet) -> bool:
+    """Whether the live StatefulSet's replicas were handed to the scaler (they were not if the
+    operator stopped between creating it and handing them over)."""
+    return any(
+        entry.manager == SCALER and "f:replicas" in (entry.fields_v1 or {}).get("f:spec", {})
+        for entry in stateful_set.metadata.managed_fields or []
+    )
+
+
 async def apply_replicas(api: k8s.ApiClient, name: str, namespace: str, replicas: int) -> None:
     """Set the StatefulSet `name`'s replicas as the scaler, the one owner of that field."""
     config = {

@@ -27,7 +27,7 @@ from kubernetes_asyncio.client.exceptions import ApiException
 from pydantic import ValidationError
 
 from keyshift.operator.conditions import condition, upsert_conditions
-from keyshift.operator.k8s_apply import apply, apply_replicas
+from keyshift.operator.k8s_apply import apply, apply_replicas, scaler_owns_replicas
 from keyshift.operator.k8s_children import (
     child_problems,
     children,
@@ -138,16 +138,20 @@ def build_registry(config: OperatorConfig) -> kopf.OperatorRegistry:
             return
         job = parsed.job_spec()
         async with await config.api_client() as api:
-            existing = set(await _stateful_sets(api, name, namespace, job))
-            manifests = children(name, namespace, parsed, job, existing)
+            sets = await _stateful_sets(api, name, namespace, job)
+            manifests = children(name, namespace, parsed, job, set(sets))
             kopf.adopt(manifests, owner=body)
             try:
+                for stage, live in sets.items():  # a handover an operator restart cut short
+                    if not scaler_owns_replicas(live):
+                        set_name = stage_set_name(name, stage)
+                        await apply_replicas(api, set_name, namespace, live.spec.replicas)
                 for manifest in manifests:
                     await apply(api, manifest)
-                for stage in job.stages():
-                    if stage.name not in existing:  # created now: the scaler takes its replicas
-                        set_name = stage_set_name(name, stage.name)
-                        await apply_replicas(api, set_name, namespace, stage.parallelism)
+                for created in job.stages():
+                    if created.name not in sets:  # the scaler takes the replicas over
+                        set_name = stage_set_name(name, created.name)
+                        await apply_replicas(api, set_name, namespace, created.parallelism)
             except ApiException:
                 config.metrics.reconciled(namespace, name, "error")
                 raise  # kopf retries with back-off

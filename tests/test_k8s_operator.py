@@ -18,7 +18,9 @@ import pytest
 import pytest_asyncio
 from kubernetes_asyncio import client as k8s
 
+from keyshift.operator.k8s_children import stage_stateful_set
 from keyshift.operator.k8s_operator import OperatorConfig, build_registry, observed_phase
+from keyshift.operator.streamingjob import StreamingJobSpec
 from tests.conftest import BATCHING
 from tests.kube_emulator import (
     CR,
@@ -568,3 +570,28 @@ async def test_the_operator_refuses_a_pod_template_that_undoes_the_hardening(
             10, "an InvalidSpec event",
         )  # fmt: skip
         assert owned_children(emu) == {}
+
+
+async def test_a_replicas_handover_cut_short_is_finished_before_the_next_apply(
+    emu: Emulator,
+) -> None:
+    """An operator that stopped between creating a StatefulSet and handing its replicas to the
+    scaler: the next reconcile hands over the live count first, so leaving the replicas out of
+    its own configuration does not remove them."""
+    body = streaming_job()
+    spec = StreamingJobSpec.model_validate(body["spec"])
+    manifest = stage_stateful_set("clicks", NS, spec, spec.job_spec(), "counts", 3)
+    reply = await emu.patch(f"/apis/apps/v1/namespaces/{NS}/statefulsets/clicks-counts",
+                            params={"fieldManager": "keyshift-operator", "force": "true"},
+                            json=manifest,
+                            headers={"Content-Type": "application/apply-patch+yaml"})  # fmt: skip
+    assert reply.status in (200, 201), await reply.text()
+    async with running_operator(emu):
+        await create(emu, body)
+        await eventually(
+            lambda: job_object(emu).get("status", {}).get("observedGeneration") == 1, 20,
+            "the creation to be reconciled",
+        )  # fmt: skip
+        sts = stored(emu, "apps/v1/statefulsets", NS, "clicks-counts") or {}
+        assert sts["spec"]["replicas"] == 3
+        assert managers_of(sts, ("spec", "replicas")) == {"keyshift-scaler"}
