@@ -2,7 +2,7 @@
 
 Pure functions, no I/O: the kopf handlers in `keyshift.operator.k8s_operator` call `children`
 on create, update and resume, adopt each manifest (`kopf.adopt` sets the owner reference, which
-is why none is set here) and create or patch it; they also use the names, labels and selectors
+is why none is set here) and apply it (`k8s_apply`); they also use the names, labels and selectors
 defined here to find the children again (`stage_set_name`, `stage_selector`, ...) and
 `child_problems` to refuse a job whose children could not exist before creating any of them.
 
@@ -45,7 +45,8 @@ them: dicts are merged, lists replaced, except the lists Kubernetes merges by a 
 volumes, env, ports, volume mounts), which are merged by that key, so a sidecar or an extra
 volume does not remove ours. Every container we make is named CONTAINER ("keyshift"); a
 podTemplate container of that name is merged into it. The labels set here always win over the
-podTemplate's, so it can add labels but not move a pod out of its selector.
+podTemplate's, so it can add labels but not move a pod out of its selector. A podTemplate that
+would undo the pods' hardening never gets here (`keyshift.operator.pod_hardening`).
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ from __future__ import annotations
 import copy
 import posixpath
 import re
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import Any, Literal
 
 import yaml
@@ -578,8 +579,15 @@ def stage_service(name: str, namespace: str, job: JobSpec, stage: str) -> Manife
 
 
 def stage_stateful_set(
-    name: str, namespace: str, spec: StreamingJobSpec, job: JobSpec, stage: str, replicas: int
+    name: str,
+    namespace: str,
+    spec: StreamingJobSpec,
+    job: JobSpec,
+    stage: str,
+    replicas: int | None,
 ) -> Manifest:
+    """A stage's StatefulSet; without `replicas` when it is None (the StatefulSet exists and the
+    scaler owns its replicas: `keyshift.operator.k8s_apply`)."""
     selector = stage_selector_labels(name, stage)
     labels = {**common_labels(name, "stage"), **selector}
     mounts = [_job_mount()]
@@ -635,7 +643,7 @@ def stage_stateful_set(
         "metadata": _metadata(stage_set_name(name, stage), namespace, labels),
         "spec": {
             "serviceName": stage_set_name(name, stage),
-            "replicas": replicas,
+            **({} if replicas is None else {"replicas": replicas}),
             "podManagementPolicy": "Parallel",
             "selector": {"matchLabels": selector},
             "template": template,
@@ -696,19 +704,18 @@ def children(
     namespace: str,
     spec: StreamingJobSpec,
     job: JobSpec,
-    replicas: Mapping[str, int] | None = None,
+    existing: Collection[str] = (),
 ) -> list[Manifest]:
-    """Every child of the StreamingJob `name`, in creation order. `job` is `spec.job_spec()`;
-    `replicas` gives the current replicas per stage (so an update does not undo a rescale),
-    else the job's parallelism is used."""
-    current = replicas or {}
+    """Every child of the StreamingJob `name`, in creation order. `job` is `spec.job_spec()`.
+    A stage's StatefulSet starts at the job's parallelism; the stages in `existing` (their
+    StatefulSet exists) get none, so that applying them never undoes a rescale."""
     out = [
         config_map(name, namespace, job),
         coordinator_deployment(name, namespace, spec, job),
         coordinator_service(name, namespace),
     ]
     for stage in job.stages():
-        count = current.get(stage.name, stage.parallelism)
+        count = None if stage.name in existing else stage.parallelism
         out.append(stage_service(name, namespace, job, stage.name))
         out.append(stage_stateful_set(name, namespace, spec, job, stage.name, count))
     roles: list[tuple[Role, list[SparkApp]]] = [("source", spec.sources), ("sink", spec.sinks)]

@@ -2,7 +2,7 @@
 
 create / resume / update: validate the spec (the schema's rules are the API server's; what it
 cannot express, `StreamingJobSpec.problems`, becomes a Degraded condition and an Event, and no
-child is created), then create or patch the children (`k8s_children`), owned by the job. A
+child is created), then apply the children (`k8s_children`, server-side: `k8s_apply`). A
 change of the keyed stage's parallelism (an edit or `kubectl scale`) rescales the running job
 live. A timer per job reads the coordinator's status, runs the autoscaling loop
 (`k8s_scaling`), applies replica changes and writes the status; delete releases the job's parts.
@@ -26,6 +26,8 @@ from kubernetes_asyncio import client as k8s
 from kubernetes_asyncio.client.exceptions import ApiException
 from pydantic import ValidationError
 
+from keyshift.operator.conditions import condition, upsert_conditions
+from keyshift.operator.k8s_apply import apply, apply_replicas, scaler_owns_replicas
 from keyshift.operator.k8s_children import (
     child_problems,
     children,
@@ -33,7 +35,7 @@ from keyshift.operator.k8s_children import (
     stage_selector,
     stage_set_name,
 )
-from keyshift.operator.k8s_scaling import KubeJob, kube_job, timestamp
+from keyshift.operator.k8s_scaling import KubeJob, kube_job
 from keyshift.operator.streamingjob import GROUP, PLURAL, VERSION, StreamingJobSpec
 from keyshift.runtime.job import JobSpec
 from keyshift.runtime.metrics import AutoscalerMetrics, OperatorMetrics
@@ -74,49 +76,6 @@ def _invalid(spec: Mapping[str, Any]) -> tuple[StreamingJobSpec | None, list[str
     return parsed, parsed.problems()
 
 
-def _condition(kind: str, ok: bool, reason: str, message: str = "") -> dict[str, str]:
-    return {
-        "type": kind,
-        "status": "True" if ok else "False",
-        "reason": reason,
-        "message": message,
-        "lastTransitionTime": timestamp(time.time()),
-    }
-
-
-def _merge_conditions(old: list[dict[str, Any]], new: list[dict[str, str]]) -> list[dict[str, Any]]:
-    """Keep a condition's transition time while its status does not change."""
-    by_type = {c["type"]: c for c in old}
-    merged = []
-    for cond in new:
-        before = by_type.get(cond["type"])
-        if before is not None and before.get("status") == cond["status"]:
-            cond = {**cond, "lastTransitionTime": before.get("lastTransitionTime", "")}
-        merged.append(cond)
-    return merged
-
-
-async def _apply(api: k8s.ApiClient, manifest: dict[str, Any]) -> None:
-    """Create a child, or patch it if it exists (handlers must be idempotent)."""
-    kind = manifest["kind"]
-    name = manifest["metadata"]["name"]
-    namespace = manifest["metadata"]["namespace"]
-    core, apps = k8s.CoreV1Api(api), k8s.AppsV1Api(api)
-    calls: dict[str, tuple[Any, Any]] = {
-        "ConfigMap": (core.create_namespaced_config_map, core.patch_namespaced_config_map),
-        "Service": (core.create_namespaced_service, core.patch_namespaced_service),
-        "Deployment": (apps.create_namespaced_deployment, apps.patch_namespaced_deployment),
-        "StatefulSet": (apps.create_namespaced_stateful_set, apps.patch_namespaced_stateful_set),
-    }
-    create, patch = calls[kind]
-    try:
-        await create(namespace, manifest)
-    except ApiException as exc:
-        if exc.status != 409:
-            raise
-        await patch(name, namespace, manifest)
-
-
 async def _stateful_sets(
     api: k8s.ApiClient, name: str, namespace: str, job: JobSpec
 ) -> dict[str, Any]:
@@ -132,12 +91,6 @@ async def _stateful_sets(
             if exc.status != 404:
                 raise
     return found
-
-
-async def _replicas(api: k8s.ApiClient, name: str, namespace: str, job: JobSpec) -> dict[str, int]:
-    """The stages' current replicas, so a re-apply does not undo a rescale."""
-    sets = await _stateful_sets(api, name, namespace, job)
-    return {stage: int(s.spec.replicas) for stage, s in sets.items() if s.spec.replicas is not None}
 
 
 async def _ready(api: k8s.ApiClient, name: str, namespace: str, job: JobSpec) -> dict[str, int]:
@@ -174,10 +127,11 @@ def build_registry(config: OperatorConfig) -> kopf.OperatorRegistry:
             patch.status["phase"] = "Degraded"
             patch.status["message"] = message
             patch.status["observedGeneration"] = generation
-            patch.status["conditions"] = _merge_conditions(
+            patch.status["conditions"] = upsert_conditions(
                 old_conditions,
-                [_condition("Degraded", True, "InvalidSpec", message),
-                 _condition("Ready", False, "InvalidSpec")],
+                [condition("Degraded", True, "InvalidSpec", message),
+                 condition("Ready", False, "InvalidSpec")],
+                generation, time.time(),
             )  # fmt: skip
             kopf.warn(body, reason="InvalidSpec", message=message)
             config.metrics.reconciled(namespace, name, "invalid")
@@ -185,12 +139,20 @@ def build_registry(config: OperatorConfig) -> kopf.OperatorRegistry:
             return
         job = parsed.job_spec()
         async with await config.api_client() as api:
-            replicas = await _replicas(api, name, namespace, job)
-            manifests = children(name, namespace, parsed, job, replicas)
+            sets = await _stateful_sets(api, name, namespace, job)
+            manifests = children(name, namespace, parsed, job, set(sets))
             kopf.adopt(manifests, owner=body)
             try:
+                for stage, live in sets.items():  # a handover an operator restart cut short
+                    if not scaler_owns_replicas(live):
+                        set_name = stage_set_name(name, stage)
+                        await apply_replicas(api, set_name, namespace, live.spec.replicas)
                 for manifest in manifests:
-                    await _apply(api, manifest)
+                    await apply(api, manifest)
+                for created in job.stages():
+                    if created.name not in sets:  # the scaler takes the replicas over
+                        set_name = stage_set_name(name, created.name)
+                        await apply_replicas(api, set_name, namespace, created.parallelism)
             except ApiException:
                 config.metrics.reconciled(namespace, name, "error")
                 raise  # kopf retries with back-off
@@ -205,8 +167,8 @@ def build_registry(config: OperatorConfig) -> kopf.OperatorRegistry:
         memo["spec"] = parsed
         patch.status["observedGeneration"] = generation
         patch.status["selector"] = stage_selector(name, job.keyed.name)
-        patch.status["conditions"] = _merge_conditions(
-            old_conditions, [_condition("Degraded", False, "SpecValid")]
+        patch.status["conditions"] = upsert_conditions(
+            old_conditions, [condition("Degraded", False, "SpecValid")], generation, time.time()
         )
         if not status.get("phase") or status.get("phase") == "Degraded":
             patch.status["phase"] = "Pending"
@@ -346,14 +308,14 @@ def _write_status(
     phase, problem, errors = observed_phase(current)
     settled = all(s["current"] == s["target"] == s["ready"] for s in stages)
     conditions = [
-        _condition("Ready", phase == "Running" and settled, "Running" if settled else "NotSettled"),
-        _condition(
+        condition("Ready", phase == "Running" and settled, "Running" if settled else "NotSettled"),
+        condition(
             "Rescaling",
             bool(rescaling),
             "Rescaling" if rescaling else "Idle",
             f"{rescaling['stage']} {rescaling['from']}->{rescaling['to']}" if rescaling else "",
         ),
-        _condition("Degraded", problem is not None, problem or "SpecValid", errors),
+        condition("Degraded", problem is not None, problem or "SpecValid", errors),
     ]
     patch.status["phase"] = phase
     patch.status["parallelism"] = _keyed_parallelism(current, job.keyed.name) or 0
@@ -366,7 +328,11 @@ def _write_status(
         }
         for r in current.get("rescales", [])[-10:]
     ]
-    patch.status["conditions"] = _merge_conditions(list(status.get("conditions") or []), conditions)
+    # The children reflect the generation the last reconcile saw, not one it has yet to see.
+    generation = int(status.get("observedGeneration") or 0)
+    patch.status["conditions"] = upsert_conditions(
+        list(status.get("conditions") or []), conditions, generation, time.time()
+    )
     patch.status["message"] = kube.events.last_problem or errors
 
 

@@ -19,6 +19,7 @@ from typing import Any
 from kubernetes_asyncio import client as k8s
 
 from keyshift.operator.autoscaler import AutoscalingLoop
+from keyshift.operator.k8s_apply import apply_replicas
 from keyshift.operator.k8s_children import stage_set_name
 from keyshift.operator.local_scaling import WallClock
 from keyshift.operator.rescale_executor import CoordinatorExecutor, LatestStatus
@@ -57,11 +58,8 @@ class StatefulSetPool:
     async def flush(self, api: k8s.ApiClient) -> list[tuple[str, int]]:
         with self._lock:
             wanted, self._wanted = self._wanted, {}
-        apps = k8s.AppsV1Api(api)
         for stage, replicas in wanted.items():
-            await apps.patch_namespaced_stateful_set(
-                stage_set_name(self.name, stage), self.namespace, {"spec": {"replicas": replicas}}
-            )
+            await apply_replicas(api, stage_set_name(self.name, stage), self.namespace, replicas)
         return sorted(wanted.items())
 
 

@@ -13,6 +13,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from keyshift.operator.pod_hardening import template_problems
 from keyshift.runtime.job import JobError, JobSpec, parse_job
 from keyshift.runtime.rescale import STRATEGIES, RescaleError, options_for
 
@@ -97,9 +98,16 @@ class StreamingJobSpec(_Model):
     pod_template: dict[str, Any] = Field(
         default_factory=dict,
         alias="podTemplate",
-        description="merged into every worker pod template (labels, tolerations, ...)",
+        description="merged into every worker pod template (labels, tolerations, ...); it may "
+        "not undo the pods' hardening (no privileged or root containers, privilege escalation, "
+        "added capabilities, host namespaces or hostPath volumes)",
     )
-    service_account: str | None = Field(default=None, alias="serviceAccountName")
+    service_account: str | None = Field(
+        default=None,
+        alias="serviceAccountName",
+        pattern=r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$",
+        description="the service account of every pod (its token is not mounted)",
+    )
     checkpoint_claim: str | None = Field(
         default=None,
         alias="checkpointClaim",
@@ -141,6 +149,7 @@ class StreamingJobSpec(_Model):
             options_for(self.migration.strategy, dict(self.migration.options))
         except RescaleError as exc:
             found.append(f"spec.migration: {exc}")
+        found += template_problems(self.pod_template)
         names = {app.name for app in [*self.sources, *self.sinks]}
         if len(names) != len(self.sources) + len(self.sinks):
             found.append("spec.sources and spec.sinks need distinct names")
@@ -183,11 +192,23 @@ class RescaleStatus(_Model):
 
 
 class Condition(_Model):
+    """One aspect of the job's state, as the Kubernetes API conventions shape conditions; the
+    operator keeps them with `keyshift.operator.conditions.upsert_conditions`."""
+
     type: Literal["Ready", "Rescaling", "Degraded"]
     status: Literal["True", "False", "Unknown"]
     reason: str
     message: str = ""
-    last_transition_time: str = Field(alias="lastTransitionTime")
+    observed_generation: int = Field(
+        default=0,
+        alias="observedGeneration",
+        description="the metadata.generation the condition was computed from",
+    )
+    last_transition_time: str = Field(
+        alias="lastTransitionTime",
+        json_schema_extra={"format": "date-time"},
+        description="when the status last changed",
+    )
 
 
 class StreamingJobStatus(_Model):
@@ -205,7 +226,11 @@ class StreamingJobStatus(_Model):
     stages: list[StageStatus] = Field(default_factory=list)
     decisions: list[DecisionStatus] = Field(default_factory=list, description="the latest")
     rescales: list[RescaleStatus] = Field(default_factory=list, description="the latest")
-    conditions: list[Condition] = Field(default_factory=list)
+    conditions: list[Condition] = Field(
+        default_factory=list,
+        description="Ready, Rescaling and Degraded, one of each type",
+        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]},
+    )
     message: str = ""
 
 

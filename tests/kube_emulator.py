@@ -6,10 +6,17 @@ resourceVersion (kopf's finalizer patch tests it), uid and creationTimestamp (ow
 references), generation (bumped on spec changes), names for `generateName` (kopf's Events),
 status-subresource semantics, a Scale object for the scale subresource (mapped to the keyed
 stage's parallelism, as our CRD says), and validation: StreamingJobs against the generated CRD
-schema, built-in kinds with kubernetes-validate. It does not garbage-collect owned objects nor
-honour label selectors. `OperatorThread` runs kopf in a thread with its own event loop (kopf
-cancels every task in its loop when it stops, so it must not share the emulator's). Used by
-tests/test_k8s_operator.py.
+schema, built-in kinds with kubernetes-validate. Server-side apply (a PATCH of
+`application/apply-patch+yaml` with a `fieldManager`) works as the API server's does for what
+tests/server_side_apply.py emulates: per-manager managedFields, fields an applier leaves out
+removed unless another manager owns them, conflicts (409) unless forced, creation through apply;
+an ordinary write (kopf's merge patches, a test's) takes ownership of the fields it changes (on
+objects that have managedFields; the manager is the `fieldManager` parameter, else the client's
+User-Agent product, as the API server names it). It does not garbage-collect owned objects,
+honour label selectors, fill in defaults, nor evaluate the CRD's CEL rules
+(tests/test_crd_cel.py evaluates them). `OperatorThread` runs kopf in a thread with its own
+event loop (kopf cancels every task in its loop when it stops, so it must not share the
+emulator's). Used by tests/test_k8s_operator.py.
 """
 
 from __future__ import annotations
@@ -28,13 +35,16 @@ import jsonschema
 import kmock
 import kopf
 import kubernetes_validate
+import yaml
 
 from keyshift.operator.crd import crd_manifest
 from keyshift.operator.streamingjob import GROUP, PLURAL, VERSION
+from tests import server_side_apply as ssa
 
 CR = f"{GROUP}/{VERSION}/{PLURAL}"
 CR_API = f"/apis/{GROUP}/{VERSION}"
 VALIDATED_KINDS = {"ConfigMap", "StatefulSet", "Service", "Deployment"}
+APPLY_PATCH = "application/apply-patch+yaml"
 
 
 def _jsonschema(node: Any) -> Any:
@@ -78,6 +88,8 @@ class Emulator(kmock.KubernetesEmulator):  # type: ignore[misc]
             raise kmock.KubernetesError(status=422, reason="Invalid", message=exc.message) from exc
 
     async def _handle(self, request: kmock.Request) -> Any:
+        if request.action == kmock.action.UPDATE and _content_type(request) == APPLY_PATCH:
+            self._server_side_apply(request)
         if request.resource is not None and request.action == kmock.action.CREATE:
             if isinstance(request.data, dict):
                 self._amend_create(request.resource, request.namespace, request.data)
@@ -98,6 +110,33 @@ class Emulator(kmock.KubernetesEmulator):  # type: ignore[misc]
         if self._has_status(resource):
             body.pop("status", None)
         self._validate(resource, body)
+
+    def _server_side_apply(self, request: kmock.Request) -> None:
+        """Turn the apply into the create or the JSON patch that has its effect, for kmock to
+        store. In place: kmock finds a request's reactions by its identity, so a copy would
+        match none (the request is frozen, hence object.__setattr__)."""
+        manager = request.params.get("fieldManager")
+        if not manager:
+            raise kmock.KubernetesError(
+                status=422, reason="Invalid", message="fieldManager is required for apply patch"
+            )
+        config = request.data if isinstance(request.data, dict) else yaml.safe_load(request.text)
+        if not isinstance(config, dict) or config.get("metadata", {}).get("name") != request.name:
+            raise kmock.KubernetesError(
+                status=400, reason="BadRequest", message="an applied object names itself"
+            )
+        key = (request.resource, request.namespace, request.name)
+        exists = key in self.objects and not self.objects[key].deleted
+        live = self.objects[key].raw if exists else None
+        try:
+            new = ssa.apply(live, config, manager, _flag(request.params.get("force")))
+        except ssa.ApplyConflict as exc:
+            raise kmock.KubernetesError(status=409, reason="Conflict", message=str(exc)) from exc
+        if live is None:
+            object.__setattr__(request, "action", kmock.action.CREATE)
+            object.__setattr__(request, "data", new)
+        else:
+            object.__setattr__(request, "data", jsonpatch.make_patch(live, new).patch)
 
     def _amend_patch(self, request: kmock.Request, old: dict[str, Any]) -> None:
         data, sub = request.data, request.subresource
@@ -138,6 +177,28 @@ class Emulator(kmock.KubernetesEmulator):  # type: ignore[misc]
         except jsonpatch.JsonPatchException as exc:
             raise kmock.KubernetesError(status=422, reason="Invalid", message=str(exc)) from exc
         self._validate(request.resource, new.raw)
+        if "managedFields" in old.get("metadata", {}) and _content_type(request) != APPLY_PATCH:
+            manager = request.params.get("fieldManager") or _user_agent(request)
+            fields = ssa.updated(old, new.raw, manager)
+            if isinstance(data, dict):
+                data["metadata"]["managedFields"] = fields
+            else:
+                data.append({"op": "add", "path": "/metadata/managedFields", "value": fields})
+
+
+def _content_type(request: kmock.Request) -> str:
+    headers = {k.lower(): v for k, v in request.headers.items()}
+    return str(headers.get("content-type", "")).split(";")[0].strip()
+
+
+def _flag(value: str | None) -> bool:
+    """A boolean query parameter as the API server parses it (Go's strconv.ParseBool)."""
+    return value in ("1", "t", "T", "true", "TRUE", "True")
+
+
+def _user_agent(request: kmock.Request) -> str:
+    headers = {k.lower(): v for k, v in request.headers.items()}
+    return str(headers.get("user-agent", "unknown")).split("/")[0]
 
 
 def _is_status(path: str) -> bool:

@@ -58,6 +58,9 @@ ALLOWED = {
     "required",
     INT_OR_STRING,
     PRESERVE,
+    "x-kubernetes-list-type",
+    "x-kubernetes-list-map-keys",
+    "x-kubernetes-validations",
 }
 ENUM_TYPES: dict[str, type | tuple[type, ...]] = {
     "string": str,
@@ -146,7 +149,14 @@ def test_crd_names_subresources_and_columns() -> None:
     assert node_at(schema, scale["statusReplicasPath"])["type"] == "integer"
     assert node_at(schema, scale["labelSelectorPath"])["type"] == "string"
     columns = {c["name"]: c for c in version["additionalPrinterColumns"]}
-    assert list(columns) == ["Phase", "Parallelism", "Target", "Last decision", "Age"]
+    assert list(columns) == ["Phase", "Ready", "Parallelism", "Target", "Last decision", "Age"]
+    assert columns["Ready"]["jsonPath"] == '.status.conditions[?(@.type=="Ready")].status'
+    conditions = node_at(schema, ".status.conditions")
+    assert conditions["x-kubernetes-list-type"] == "map"
+    assert conditions["x-kubernetes-list-map-keys"] == ["type"]
+    assert "type" in conditions["items"]["required"]
+    assert conditions["items"]["properties"]["lastTransitionTime"]["format"] == "date-time"
+    assert conditions["items"]["properties"]["observedGeneration"]["type"] == "integer"
     assert columns["Age"] == {
         "name": "Age",
         "type": "date",
@@ -159,9 +169,10 @@ def test_crd_names_subresources_and_columns() -> None:
 
 
 def node_at(schema: dict[str, Any], json_path: str) -> dict[str, Any]:
-    """The schema node a printer-column or scale path names (`[...]` steps into items)."""
+    """The schema node a printer-column or scale path names (`[...]` steps into items, a
+    filter `[?(...)]` among them)."""
     node = schema
-    for part in json_path.lstrip(".").split("."):
+    for part in re.sub(r"\[\?\(.*?\)\]", "[]", json_path).lstrip(".").split("."):
         name, _, index = part.partition("[")
         node = node["properties"][name]
         if index:

@@ -1,7 +1,7 @@
 """Tests of keyshift.operator.k8s_children: the manifests a StreamingJob becomes.
 
 Every manifest must pass the Kubernetes 1.30 schema (strict: no unknown fields), names, labels
-and selectors must fit together, replicas follow the job or the operator's current counts, the
+and selectors must fit together, replicas follow the job until the scaler owns them, the
 job file in the ConfigMap must read back as the same job, every pod must be locked down, and
 the podTemplate must merge in without moving a pod out of its selector. Also the instance's
 `--index hostname` parser, which the StatefulSets rely on.
@@ -96,10 +96,10 @@ def spec_data(**changes: Any) -> dict[str, Any]:
 
 
 def build(
-    replicas: dict[str, int] | None = None, **changes: Any
+    existing: frozenset[str] = frozenset(), **changes: Any
 ) -> tuple[StreamingJobSpec, list[dict[str, Any]]]:
     spec = StreamingJobSpec.model_validate(spec_data(**changes))
-    return spec, children(NAME, NAMESPACE, spec, spec.job_spec(), replicas)
+    return spec, children(NAME, NAMESPACE, spec, spec.job_spec(), existing)
 
 
 def by_kind(manifests: list[dict[str, Any]], kind: str) -> dict[str, dict[str, Any]]:
@@ -189,7 +189,7 @@ def test_selectors_match_services_and_pod_labels() -> None:
         assert matched == [w]
 
 
-def test_replicas_follow_the_job_unless_the_operator_passes_current_ones() -> None:
+def test_replicas_follow_the_job_and_are_left_out_once_the_scaler_owns_them() -> None:
     _, manifests = build()
     sets = by_kind(manifests, "StatefulSet")
     assert {n: s["spec"]["replicas"] for n, s in sets.items()} == {
@@ -197,9 +197,9 @@ def test_replicas_follow_the_job_unless_the_operator_passes_current_ones() -> No
         "clicks-counts": 2,
         "clicks-sink": 1,
     }
-    _, manifests = build(replicas={"counts": 5})
+    _, manifests = build(existing=frozenset({"counts"}))
     sets = by_kind(manifests, "StatefulSet")
-    assert sets["clicks-counts"]["spec"]["replicas"] == 5
+    assert "replicas" not in sets["clicks-counts"]["spec"]
     assert sets["clicks-source"]["spec"]["replicas"] == 1
 
 

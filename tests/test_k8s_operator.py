@@ -18,7 +18,9 @@ import pytest
 import pytest_asyncio
 from kubernetes_asyncio import client as k8s
 
+from keyshift.operator.k8s_children import stage_stateful_set
 from keyshift.operator.k8s_operator import OperatorConfig, build_registry, observed_phase
+from keyshift.operator.streamingjob import StreamingJobSpec
 from tests.conftest import BATCHING
 from tests.kube_emulator import (
     CR,
@@ -408,3 +410,188 @@ def test_failing_checkpoints_make_the_job_degraded_and_a_failure_wins() -> None:
     assert observed_phase(restarted) == ("Recovering", None, "")
     failed = {**running, "phase": "failed", "errors": ["instance keyed/0 was lost"]}
     assert observed_phase(failed) == ("Failed", "JobFailed", "instance keyed/0 was lost")
+
+
+async def test_conditions_are_merged_and_carry_the_generation(emu: Emulator) -> None:
+    """Each write upserts the conditions it knows: Ready and Rescaling (the observing timer's)
+    survive create, update and resume, and a condition's time moves only when its status does."""
+    async with running_operator(emu):
+        await create(emu, streaming_job())
+        first = await eventually(
+            lambda: (c := condition(emu, "Degraded")).get("observedGeneration") == 1 and c,
+            20, "the Degraded condition of generation 1",
+        )  # fmt: skip
+        assert first["status"] == "False" and first["lastTransitionTime"]
+        # What the observing timer writes once the job runs (no job runs here).
+        earlier = "2026-01-01T00:00:00+00:00"
+        observed = [
+            {"type": "Ready", "status": "True", "reason": "Running", "message": "",
+             "observedGeneration": 1, "lastTransitionTime": earlier},
+            {"type": "Rescaling", "status": "False", "reason": "Idle", "message": "",
+             "observedGeneration": 1, "lastTransitionTime": earlier},
+            first,
+        ]  # fmt: skip
+        reply = await emu.patch(f"{CR_API}/namespaces/{NS}/streamingjobs/clicks/status",
+                                json={"status": {"conditions": observed}},
+                                headers=MERGE)  # fmt: skip
+        assert reply.status == 200, await reply.text()
+        await emu.patch(f"{CR_API}/namespaces/{NS}/streamingjobs/clicks",
+                        json={"spec": {"image": "ghcr.io/keyshift/keyshift:0.2.0"}},
+                        headers=MERGE)  # fmt: skip
+        await eventually(lambda: condition(emu, "Degraded").get("observedGeneration") == 2, 20,
+                         "the update to be reconciled")  # fmt: skip
+        status = job_object(emu)["status"]
+        assert status["observedGeneration"] == 2
+        assert [c["type"] for c in status["conditions"]] == ["Ready", "Rescaling", "Degraded"]
+        assert condition(emu, "Degraded")["lastTransitionTime"] == first["lastTransitionTime"]
+        assert condition(emu, "Ready") == observed[0]
+        assert condition(emu, "Rescaling") == observed[1]
+
+    async with running_operator(emu):  # resume
+        await eventually(
+            lambda: sum(e["reason"] == "Reconciled" for e in events_of(emu)) >= 3, 20,
+            "a reconcile on resume",
+        )  # fmt: skip
+        assert condition(emu, "Ready") == observed[0]
+        assert condition(emu, "Rescaling") == observed[1]
+        assert condition(emu, "Degraded")["lastTransitionTime"] == first["lastTransitionTime"]
+
+        # A spec the operator refuses: Degraded and Ready change status, so their times move.
+        await emu.patch(f"{CR_API}/namespaces/{NS}/streamingjobs/clicks",
+                        json={"spec": {"migration": {"options": {"teleport": 1}}}},
+                        headers=MERGE)  # fmt: skip
+        degraded = await eventually(
+            lambda: (c := condition(emu, "Degraded")).get("status") == "True" and c,
+            20, "the Degraded condition",
+        )  # fmt: skip
+        assert degraded["observedGeneration"] == 3
+        assert degraded["lastTransitionTime"] != first["lastTransitionTime"]
+        ready = condition(emu, "Ready")
+        assert ready["status"] == "False" and ready["reason"] == "InvalidSpec"
+        assert ready["lastTransitionTime"] != earlier and ready["observedGeneration"] == 3
+        assert condition(emu, "Rescaling") == observed[1]
+
+
+def managers_of(obj: dict[str, Any], path: tuple[str, ...]) -> set[str]:
+    """The field managers that own the field at `path` (f: names) of a live object."""
+    found = set()
+    for entry in obj["metadata"].get("managedFields", []):
+        node = entry["fieldsV1"]
+        for name in path:
+            node = node.get(f"f:{name}")
+            if node is None:
+                break
+        else:
+            found.add(entry["manager"])
+    return found
+
+
+async def test_server_side_apply_removes_what_the_pod_template_no_longer_says(
+    emu: Emulator,
+) -> None:
+    """A field dropped from podTemplate leaves the live StatefulSet; fields of other writers
+    (an annotation, the scaler's replicas) stay, and the operator never owns the replicas of a
+    StatefulSet that exists."""
+    body = streaming_job(podTemplate={
+        "spec": {"nodeSelector": {"disk": "ssd"},
+                 "tolerations": [{"key": "spot", "operator": "Exists"}]},
+    })  # fmt: skip
+    sts_url = f"/apis/apps/v1/namespaces/{NS}/statefulsets/clicks-counts"
+
+    def counts() -> dict[str, Any]:
+        return stored(emu, "apps/v1/statefulsets", NS, "clicks-counts") or {}
+
+    async with running_operator(emu):
+        await create(emu, body)
+        await eventually(lambda: set(owned_children(emu)) == EXPECTED_CHILDREN, 20, "children")
+        await eventually(lambda: "keyshift-scaler" in managers_of(counts(), ("spec", "replicas")),
+                         20, "the replicas handed to the scaler")  # fmt: skip
+        await eventually(
+            lambda: job_object(emu).get("status", {}).get("observedGeneration") == 1, 20,
+            "the creation to be reconciled",
+        )  # fmt: skip
+        assert counts()["spec"]["template"]["spec"]["nodeSelector"] == {"disk": "ssd"}
+        assert counts()["spec"]["replicas"] == 2
+        reply = await emu.patch(sts_url, params={"fieldManager": "kubectl-annotate"},
+                                json={"metadata": {"annotations": {"note": "kept"}}},
+                                headers=MERGE)  # fmt: skip
+        assert reply.status == 200, await reply.text()
+
+        await emu.patch(f"{CR_API}/namespaces/{NS}/streamingjobs/clicks",
+                        json={"spec": {"podTemplate": {"spec": {"nodeSelector": None}}}},
+                        headers=MERGE)  # fmt: skip
+        await eventually(
+            lambda: job_object(emu).get("status", {}).get("observedGeneration") == 2, 20,
+            "the update to be reconciled",
+        )  # fmt: skip
+        sts = await eventually(
+            lambda: "nodeSelector" not in (s := counts())["spec"]["template"]["spec"] and s,
+            20, "the node selector to leave the live StatefulSet",
+        )  # fmt: skip
+        pod = sts["spec"]["template"]["spec"]
+        assert pod["tolerations"] == [{"key": "spot", "operator": "Exists"}]
+        assert pod["containers"][0]["securityContext"]["allowPrivilegeEscalation"] is False
+        assert sts["metadata"]["annotations"] == {"note": "kept"}
+        assert sts["spec"]["replicas"] == 2
+        assert managers_of(sts, ("spec", "replicas")) == {"keyshift-scaler"}
+        assert "keyshift-operator" in managers_of(sts, ("spec", "template"))
+
+
+async def test_the_operator_refuses_a_pod_template_that_undoes_the_hardening(
+    emu: Emulator,
+) -> None:
+    """The CRD's CEL rules refuse these at kubectl apply time; an API server that does not run
+    them (this emulator does not) leaves it to the operator, which names every problem and
+    creates nothing."""
+    body = streaming_job(podTemplate={"spec": {
+        "hostNetwork": True,
+        "containers": [{"name": "keyshift", "securityContext": {"privileged": True}}],
+        "volumes": [{"name": "node", "hostPath": {"path": "/"}}],
+    }})  # fmt: skip
+    async with running_operator(emu):
+        reply = await create(emu, body)
+        assert reply.status in (200, 201), await reply.text()
+        degraded = await eventually(
+            lambda: (c := condition(emu, "Degraded")).get("status") == "True" and c,
+            20, "the Degraded condition",
+        )  # fmt: skip
+        assert degraded["reason"] == "InvalidSpec"
+        for problem in (
+            "spec.podTemplate.spec: podTemplate may not use the host's network (hostNetwork)",
+            "spec.podTemplate.spec.containers[0].securityContext: podTemplate may not run "
+            "privileged containers",
+            "spec.podTemplate.spec.volumes[0]: podTemplate may not mount hostPath volumes",
+        ):
+            assert problem in degraded["message"]
+        assert job_object(emu)["status"]["phase"] == "Degraded"
+        await eventually(
+            lambda: any(e["reason"] == "InvalidSpec" and "hostNetwork" in e["message"]
+                        for e in events_of(emu)),
+            10, "an InvalidSpec event",
+        )  # fmt: skip
+        assert owned_children(emu) == {}
+
+
+async def test_a_replicas_handover_cut_short_is_finished_before_the_next_apply(
+    emu: Emulator,
+) -> None:
+    """An operator that stopped between creating a StatefulSet and handing its replicas to the
+    scaler: the next reconcile hands over the live count first, so leaving the replicas out of
+    its own configuration does not remove them."""
+    body = streaming_job()
+    spec = StreamingJobSpec.model_validate(body["spec"])
+    manifest = stage_stateful_set("clicks", NS, spec, spec.job_spec(), "counts", 3)
+    reply = await emu.patch(f"/apis/apps/v1/namespaces/{NS}/statefulsets/clicks-counts",
+                            params={"fieldManager": "keyshift-operator", "force": "true"},
+                            json=manifest,
+                            headers={"Content-Type": "application/apply-patch+yaml"})  # fmt: skip
+    assert reply.status in (200, 201), await reply.text()
+    async with running_operator(emu):
+        await create(emu, body)
+        await eventually(
+            lambda: job_object(emu).get("status", {}).get("observedGeneration") == 1, 20,
+            "the creation to be reconciled",
+        )  # fmt: skip
+        sts = stored(emu, "apps/v1/statefulsets", NS, "clicks-counts") or {}
+        assert sts["spec"]["replicas"] == 3
+        assert managers_of(sts, ("spec", "replicas")) == {"keyshift-scaler"}
