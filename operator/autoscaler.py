@@ -1,6 +1,6 @@
 """The autoscaling loop: collect -> decide -> guard -> execute -> record, once per tick.
 
-One object with its parts injected (DESIGN.md, "Control plane"); it has no Kubernetes and no
+One object with its parts injected (docs/architecture.md, "Autoscaling"); no Kubernetes and no
 process code. The local host (`keyshift.operator.local_scaling`) and the Kubernetes operator wire
 their own MetricsSource, RescaleExecutor and EventSink into it. A tick never raises for a
 problem of the job's: no metrics, NaN rates or a failed rescale become a recorded reason, and

@@ -1,6 +1,6 @@
 """The autoscaling loop's own logic: what it does with bad metrics, refused and failed rescales,
-and the metrics window after a rescale. Its parts are the interfaces of DESIGN.md's control
-plane; here they are small scripted implementations (the live tests use the real ones), so
+and the metrics window after a rescale. Its parts are the interfaces of docs/architecture.md's
+hosts; here they are small scripted implementations (the live tests use the real ones), so
 each fault can be produced exactly. The policy, guards and exported metrics are the real ones."""
 
 from __future__ import annotations

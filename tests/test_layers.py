@@ -1,4 +1,4 @@
-"""The import contract of DESIGN.md: policies import nothing of ours; the runtime never
+"""The import contract of docs/architecture.md: policies import nothing of ours; the runtime never
 imports the operator; only the Spark connectors import pyspark (keyshift runs without Spark);
 no folder is importable under a bare name that shadows the stdlib."""
 
