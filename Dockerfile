@@ -27,6 +27,7 @@ COPY README.md ./
 COPY runtime ./runtime
 COPY policies ./policies
 COPY operator ./operator
+COPY spark ./spark
 RUN pip wheel --no-deps --wheel-dir /wheels .
 
 # -- the image: the wheels installed from a bind mount, so none of them stays in a layer ---------

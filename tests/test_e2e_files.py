@@ -11,7 +11,6 @@ skips itself, exiting 0, where its tools are missing.
 
 from __future__ import annotations
 
-import fnmatch
 import json
 import re
 import shutil
@@ -44,6 +43,7 @@ from keyshift.runtime.job import GeneratorSource, LogSink, PointsProfile
 from keyshift.runtime.keyed_stage import process_output_schema
 from keyshift.runtime.output_log import OutputLogReader, OutputLogWriter
 from tests.conftest import REPO, cli, wait_for
+from tests.docker_build import ignored, logical_lines, parse_dockerignore
 from tests.test_crd import schema_errors
 
 KUBE_VERSION = "1.31"
@@ -199,19 +199,8 @@ def test_spark_smoke_pod_runs_as_the_operator_runs_spark_apps() -> None:
 
 
 def instructions(path: Path) -> list[tuple[str, str]]:
-    """(INSTRUCTION, arguments) of a Dockerfile, continuation lines joined, comments dropped."""
-    lines: list[str] = []
-    pending = ""
-    for raw in path.read_text().splitlines():
-        line = raw.strip()
-        if not line or line.startswith("#"):
-            continue
-        if line.endswith("\\"):
-            pending += line[:-1] + " "
-            continue
-        lines.append(pending + line)
-        pending = ""
-    return [(line.split(None, 1)[0].upper(), line.split(None, 1)[1]) for line in lines]
+    """(INSTRUCTION, arguments) of a Dockerfile, as tests/docker_build.py reads it."""
+    return [(i.op, i.args) for i in logical_lines(path.read_text())]
 
 
 def test_keyshift_image_is_pinned_multi_stage_and_non_root() -> None:
@@ -240,7 +229,9 @@ def test_spark_image_builds_on_a_pinned_keyshift_image_and_stays_non_root() -> N
     base = args["KEYSHIFT_IMAGE"]
     assert re.fullmatch(r"[\w./-]+/keyshift:\d+\.\d+\.\d+", base), base
     assert [a for op, a in found if op == "FROM"] == ["${KEYSHIFT_IMAGE}"]
-    assert args["PYSPARK_VERSION"] == "4.3.0"
+    # The version of the `spark` extra.
+    extra = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert [f"pyspark=={args['PYSPARK_VERSION']}"] == extra["spark"]
     assert [a for op, a in found if op == "USER"][-1] == f"{USER_ID}:{USER_ID}"
     env = " ".join(a for op, a in found if op == "ENV")
     assert "JAVA_HOME=" in env and "PYSPARK_PYTHON=" in env
@@ -249,37 +240,8 @@ def test_spark_image_builds_on_a_pinned_keyshift_image_and_stays_non_root() -> N
     assert "rm -rf /var/lib/apt/lists/*" in run
 
 
-def dockerignored(path: str, patterns: list[str]) -> bool:
-    """Whether Docker leaves `path` out of the build context: the last pattern matching the
-    path or one of its parent directories wins, `!` lets in again."""
-    parts = path.split("/")
-    prefixes = ["/".join(parts[: i + 1]) for i in range(len(parts))]
-
-    def match(pattern: str, candidate: str) -> bool:
-        if pattern.startswith("**/"):
-            segments = candidate.split("/")
-            return any(
-                fnmatch.fnmatchcase("/".join(segments[i:]), pattern[3:])
-                for i in range(len(segments))
-            )
-        same_depth = pattern.count("/") == candidate.count("/")
-        return same_depth and fnmatch.fnmatchcase(candidate, pattern)
-
-    ignored = False
-    for raw in patterns:
-        negate = raw.startswith("!")
-        pattern = (raw[1:] if negate else raw).strip("/")
-        if any(match(pattern, p) for p in prefixes):
-            ignored = not negate
-    return ignored
-
-
 def test_dockerignore_sends_only_what_the_images_need() -> None:
-    patterns = [
-        line.strip()
-        for line in (REPO / ".dockerignore").read_text().splitlines()
-        if line.strip() and not line.startswith("#")
-    ]
+    patterns = parse_dockerignore((REPO / ".dockerignore").read_text())
     for out in (
         ".venv/bin/python",
         ".git/HEAD",
@@ -292,21 +254,22 @@ def test_dockerignore_sends_only_what_the_images_need() -> None:
         "runtime/__pycache__/job.cpython-311.pyc",
         "keyshift.egg-info/PKG-INFO",
     ):
-        assert dockerignored(out, patterns), out
+        assert ignored(out, patterns), out
     for kept in (
         "pyproject.toml",
         "README.md",
         "runtime/job.py",
         "policies/ds2.py",
         "operator/cli.py",
+        "spark/datasource.py",
         "examples/lookups.py",
     ):
-        assert not dockerignored(kept, patterns), kept
+        assert not ignored(kept, patterns), kept
     # What the Dockerfiles copy is in the context.
     for op, args in instructions(REPO / "Dockerfile"):
         if op == "COPY" and not args.startswith("--from"):
             for source in args.split()[:-1]:
-                assert not dockerignored(source, patterns), source
+                assert not ignored(source, patterns), source
 
 
 # --- workflows ---------------------------------------------------------------------------------
