@@ -27,6 +27,9 @@ from kubernetes_asyncio.client.exceptions import ApiException
 from pydantic import ValidationError
 
 from keyshift.operator.k8s_children import (
+    ChildOptions,
+    ChildOptionsError,
+    child_options_from_env,
     child_problems,
     children,
     coordinator_address,
@@ -54,6 +57,7 @@ class OperatorConfig:
     api_client: Callable[[], Awaitable[k8s.ApiClient]]
     login: Callable[..., Any]
     coordinator_address: Callable[[str, str], str] = coordinator_address
+    children: ChildOptions = field(default_factory=ChildOptions)
     exported: dict[str, AutoscalerMetrics] = field(default_factory=dict)
     metrics: OperatorMetrics = field(default_factory=OperatorMetrics)
 
@@ -101,11 +105,20 @@ async def _apply(api: k8s.ApiClient, manifest: dict[str, Any]) -> None:
     name = manifest["metadata"]["name"]
     namespace = manifest["metadata"]["namespace"]
     core, apps = k8s.CoreV1Api(api), k8s.AppsV1Api(api)
+    networking, policy = k8s.NetworkingV1Api(api), k8s.PolicyV1Api(api)
     calls: dict[str, tuple[Any, Any]] = {
         "ConfigMap": (core.create_namespaced_config_map, core.patch_namespaced_config_map),
         "Service": (core.create_namespaced_service, core.patch_namespaced_service),
         "Deployment": (apps.create_namespaced_deployment, apps.patch_namespaced_deployment),
         "StatefulSet": (apps.create_namespaced_stateful_set, apps.patch_namespaced_stateful_set),
+        "NetworkPolicy": (
+            networking.create_namespaced_network_policy,
+            networking.patch_namespaced_network_policy,
+        ),
+        "PodDisruptionBudget": (
+            policy.create_namespaced_pod_disruption_budget,
+            policy.patch_namespaced_pod_disruption_budget,
+        ),
     }
     create, patch = calls[kind]
     try:
@@ -165,7 +178,7 @@ def build_registry(config: OperatorConfig) -> kopf.OperatorRegistry:
         assert namespace is not None  # StreamingJob is a namespaced kind
         parsed, problems = _invalid(spec)
         if parsed is not None and not problems:
-            problems = child_problems(name, parsed, parsed.job_spec())
+            problems = child_problems(name, parsed, parsed.job_spec(), config.children)
         generation = body.get("metadata", {}).get("generation", 0)
         old_conditions = list(status.get("conditions") or [])
         if parsed is None or problems:
@@ -185,7 +198,7 @@ def build_registry(config: OperatorConfig) -> kopf.OperatorRegistry:
         job = parsed.job_spec()
         async with await config.api_client() as api:
             replicas = await _replicas(api, name, namespace, job)
-            manifests = children(name, namespace, parsed, job, replicas)
+            manifests = children(name, namespace, parsed, job, replicas, config.children)
             kopf.adopt(manifests, owner=body)
             try:
                 for manifest in manifests:
@@ -411,8 +424,12 @@ def run_operator(
     liveness endpoint for the kubelet and the autoscalers' metrics for Prometheus."""
     from prometheus_client import CollectorRegistry, start_http_server
 
+    try:
+        options = child_options_from_env(os.environ)
+    except ChildOptionsError as exc:
+        raise OperatorError(str(exc)) from exc
     check_credentials()
-    config = OperatorConfig(api_client=in_cluster_api, login=cluster_login)
+    config = OperatorConfig(api_client=in_cluster_api, login=cluster_login, children=options)
     settings = kopf.OperatorSettings()
     settings.peering.standalone = True
     settings.persistence.finalizer = f"{GROUP}/finalizer"

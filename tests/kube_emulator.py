@@ -34,7 +34,14 @@ from keyshift.operator.streamingjob import GROUP, PLURAL, VERSION
 
 CR = f"{GROUP}/{VERSION}/{PLURAL}"
 CR_API = f"/apis/{GROUP}/{VERSION}"
-VALIDATED_KINDS = {"ConfigMap", "StatefulSet", "Service", "Deployment"}
+VALIDATED_KINDS = {
+    "ConfigMap",
+    "StatefulSet",
+    "Service",
+    "Deployment",
+    "NetworkPolicy",
+    "PodDisruptionBudget",
+}
 
 
 def _jsonschema(node: Any) -> Any:
