@@ -4,13 +4,17 @@ the workflow can only exercise on a machine with Docker and kind.
 The YAML parses; the Prometheus, Spark smoke and job-child manifests are valid Kubernetes
 objects; Prometheus' own checker takes its configuration; the e2e StreamingJob is valid for the
 CRD and the models and steps its load up and down; the Dockerfiles use pinned bases and run as
-uid 10001; .dockerignore keeps .venv and .git out; the workflows run `pytest e2e` and `.ci/run`;
-the suite's checks (e2e/checks.py) find what they should, on real job output too; and the suite
-skips itself, exiting 0, where its tools are missing.
+uid 10001; .dockerignore keeps .venv and .git out; the workflows run `pytest e2e` and
+`.ci/run`; the release workflow builds both images multi-arch (the Spark one on the keyshift
+image's digest) and pushes the chart, at the version of its tag, which tools/release_version.py
+holds to pyproject.toml and Chart.yaml; the suite's checks (e2e/checks.py) find what they
+should, on real job output too; and the suite skips itself, exiting 0, where its tools are
+missing.
 """
 
 from __future__ import annotations
 
+import fnmatch
 import json
 import re
 import shutil
@@ -50,6 +54,7 @@ KUBE_VERSION = "1.31"
 WORKFLOWS = REPO / ".github" / "workflows"
 E2E_WORKFLOW = WORKFLOWS / "e2e.yaml"
 CI_WORKFLOW = WORKFLOWS / "ci.yaml"
+RELEASE_WORKFLOW = WORKFLOWS / "release.yaml"
 
 
 def docs(path: Path) -> list[dict[str, Any]]:
@@ -313,6 +318,136 @@ def test_ci_workflow_runs_the_ci_script() -> None:
     data = workflow(CI_WORKFLOW)
     assert {"push", "pull_request"} <= set(data["on"])
     assert any(s.get("run") == ".ci/run" for s in steps(data))
+
+
+def release_steps() -> dict[str, dict[str, Any]]:
+    """The release workflow's steps by id (or name)."""
+    return {
+        s.get("id", s.get("name", s.get("uses", ""))): s for s in steps(workflow(RELEASE_WORKFLOW))
+    }
+
+
+def test_release_runs_on_version_tags_that_match_the_project() -> None:
+    data = workflow(RELEASE_WORKFLOW)
+    assert set(data["on"]) == {"push"} and set(data["on"]["push"]) == {"tags"}
+    (pattern,) = data["on"]["push"]["tags"]
+    version = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["version"]
+    assert fnmatch.fnmatchcase(f"v{version}", pattern)
+    assert not fnmatch.fnmatchcase("main", pattern)
+    # The version comes from the tag, checked against the files before anything is built.
+    check = release_steps()["version"]["run"]
+    assert 'python3 tools/release_version.py "$GITHUB_REF_NAME"' in check
+    assert data["permissions"] == {"contents": "read"}
+    for job in data["jobs"].values():
+        assert job["permissions"] == {"contents": "read", "packages": "write"}
+    for step in steps(data):
+        if "uses" in step and not step["uses"].startswith("actions/"):
+            assert re.fullmatch(r"[\w-]+/[\w-]+@v\d+\.\d+\.\d+", step["uses"]), step["uses"]
+
+
+def test_release_builds_both_images_multi_arch_and_the_spark_one_on_the_keyshift_digest() -> None:
+    data = workflow(RELEASE_WORKFLOW)
+    found = release_steps()
+    keyshift, spark = found["keyshift"]["with"], found["spark"]["with"]
+    assert keyshift["file"] == "Dockerfile" and keyshift["context"] == "."
+    assert spark["file"] == "docker/spark.Dockerfile" and spark["context"] == "."
+    assert (REPO / keyshift["file"]).is_file() and (REPO / spark["file"]).is_file()
+    platforms = data["env"]["PLATFORMS"].split(",")
+    assert {"linux/amd64", "linux/arm64"} <= set(platforms)
+    for image in (keyshift, spark):
+        assert image["push"] is True and image["platforms"] == "${{ env.PLATFORMS }}"
+        assert "org.opencontainers.image" in found[image["labels"].split(".")[1]]["with"]["labels"]
+    # The build arguments the Dockerfiles declare, from the tag's version and the commit.
+    assert "VERSION=${{ steps.version.outputs.version }}" in keyshift["build-args"]
+    assert "REVISION=${{ github.sha }}" in keyshift["build-args"]
+    declared = {a.split("=")[0] for op, a in instructions(REPO / "Dockerfile") if op == "ARG"}
+    assert {"VERSION", "REVISION"} <= declared
+    spark_args = {a.split("=")[0] for op, a in instructions(REPO / spark["file"]) if op == "ARG"}
+    assert "KEYSHIFT_IMAGE" in spark_args
+    assert "keyshift@${{ steps.keyshift.outputs.digest }}" in spark["build-args"]
+    assert spark["build-args"].startswith("KEYSHIFT_IMAGE=")
+    # Tags from the tag's semver; the digests are outputs of the job.
+    for meta in ("keyshift-meta", "spark-meta"):
+        assert "type=semver,pattern={{version}}" in found[meta]["with"]["tags"]
+    outputs = data["jobs"]["images"]["outputs"]
+    assert outputs["keyshift-digest"] == "${{ steps.keyshift.outputs.digest }}"
+    assert outputs["spark-digest"] == "${{ steps.spark.outputs.digest }}"
+
+
+def test_release_packages_and_pushes_the_chart_at_the_tags_version() -> None:
+    data = workflow(RELEASE_WORKFLOW)
+    chart = data["jobs"]["chart"]
+    assert chart["needs"] == "images"
+    runs = {s.get("name"): s for s in chart["steps"]}
+    package = runs["Package the chart"]
+    assert package["env"]["VERSION"] == "${{ needs.images.outputs.version }}"
+    assert (
+        'helm package helm/keyshift --version "$VERSION" --app-version "$VERSION"'
+        in (package["run"])
+    )
+    push = runs["Push the chart (OCI)"]["run"]
+    assert 'helm push "dist/keyshift-$VERSION.tgz" "oci://$REGISTRY/$OWNER/charts"' in push
+    assert "helm registry login" in push
+    summary = runs["Digests"]
+    assert "--set image.digest=$KEYSHIFT_DIGEST" in summary["run"]
+    assert summary["env"]["KEYSHIFT_DIGEST"] == "${{ needs.images.outputs.keyshift-digest }}"
+
+
+def release_version(*args: str, cwd: Path = REPO) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-P", str(REPO / "tools" / "release_version.py"), *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+
+
+def test_release_version_agrees_with_pyproject_and_the_chart() -> None:
+    version = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["version"]
+    chart = yaml.safe_load((REPO / "helm" / "keyshift" / "Chart.yaml").read_text())
+    assert chart["version"] == chart["appVersion"] == version
+    out = release_version(f"v{version}")
+    assert out.returncode == 0 and out.stdout.strip() == version, out.stderr
+
+
+@pytest.mark.parametrize(
+    ("tag", "message"),
+    [
+        ("v99.0.0", "tag v99.0.0 is version 99.0.0, but pyproject.toml project.version is"),
+        ("0.1.0", "is not vMAJOR.MINOR.PATCH"),
+        ("v0.1", "is not vMAJOR.MINOR.PATCH"),
+        ("main", "is not vMAJOR.MINOR.PATCH"),
+    ],
+)
+def test_release_version_refuses_a_tag_that_is_not_the_projects(tag: str, message: str) -> None:
+    out = release_version(tag)
+    assert out.returncode == 1 and out.stdout == ""
+    assert message in out.stderr
+    assert release_version().returncode == 2
+
+
+def test_release_version_names_the_file_that_disagrees(tmp_path: Path) -> None:
+    shutil.copy(REPO / "pyproject.toml", tmp_path / "pyproject.toml")
+    (tmp_path / "helm" / "keyshift").mkdir(parents=True)
+    chart = (REPO / "helm" / "keyshift" / "Chart.yaml").read_text()
+    version = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["version"]
+    stale = chart.replace(f'appVersion: "{version}"', 'appVersion: "0.0.9"')
+    assert stale != chart
+    (tmp_path / "helm" / "keyshift" / "Chart.yaml").write_text(stale)
+    script = tmp_path / "tools" / "release_version.py"
+    script.parent.mkdir()
+    shutil.copy(REPO / "tools" / "release_version.py", script)
+    out = subprocess.run(
+        [sys.executable, "-P", str(script), f"v{version}"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert out.returncode == 1
+    assert out.stderr.strip().endswith("helm/keyshift/Chart.yaml appVersion is 0.0.9")
 
 
 def test_make_test_does_not_collect_the_e2e_suite() -> None:
