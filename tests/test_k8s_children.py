@@ -13,8 +13,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
+import subprocess
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import kubernetes_validate
@@ -47,6 +50,7 @@ from keyshift.operator.k8s_children import (
 from keyshift.operator.streamingjob import StreamingJobSpec
 from keyshift.runtime.instance import _index
 from keyshift.runtime.job import parse_job
+from tests.conftest import KEYSHIFT
 
 NAME = "clicks"
 NAMESPACE = "streams"
@@ -658,3 +662,21 @@ def test_bad_options_are_refused_naming_the_field(raw: str, message: str) -> Non
     with pytest.raises(ChildOptionsError, match=re.escape(message)) as failed:
         child_options_from_env({CHILD_OPTIONS_ENV: raw})
     assert str(failed.value).startswith(f"{CHILD_OPTIONS_ENV}: ")
+
+
+def test_keyshift_operator_refuses_bad_options_before_it_starts(tmp_path: Path) -> None:
+    """The entry point: a bad KEYSHIFT_CHILD_OPTIONS stops `keyshift operator` at once, naming
+    the field (before it looks for cluster credentials, which this machine has none of)."""
+    bad = '{"podDisruptionBudget": {"maxUnavailable": "two"}}'
+    out = subprocess.run(
+        [KEYSHIFT, "operator"],
+        env={**os.environ, CHILD_OPTIONS_ENV: bad, "KUBECONFIG": str(tmp_path / "none")},
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert out.returncode == 2, out.stdout + out.stderr
+    text = " ".join((out.stdout + out.stderr).split())
+    assert f"{CHILD_OPTIONS_ENV}: podDisruptionBudget.maxUnavailable" in text
