@@ -29,18 +29,28 @@ import numpy as np
 import pyarrow as pa
 import pytest
 import yaml
+from helm_python.chart import Chart
 
 from e2e import checks
 from e2e.cluster import (
+    CHART,
+    CHART_OPTIONS,
     IMAGE,
     JOB_MANIFEST,
     KIND_CONFIG,
+    MONITORING_NAMESPACE,
     OUTPUT_ON_NODE,
     PROMETHEUS,
     SPARK_IMAGE,
     SPARK_SMOKE,
 )
-from keyshift.operator.k8s_children import APP_DIR, USER_ID, children, stage_set_name
+from keyshift.operator.k8s_children import (
+    APP_DIR,
+    USER_ID,
+    child_options_from_env,
+    children,
+    stage_set_name,
+)
 from keyshift.operator.streamingjob import StreamingJob
 from keyshift.runtime.generator import KeyGenerator, records_due
 from keyshift.runtime.job import GeneratorSource, LogSink, PointsProfile
@@ -122,6 +132,40 @@ def test_prometheus_scrapes_annotated_pods_every_2s_keeping_their_labels(tmp_pat
         check=False,
     )
     assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_the_chart_options_of_the_suite_admit_its_prometheus() -> None:
+    """The suite installs the chart with NetworkPolicies on: the Prometheus peer the operator is
+    told (the chart's defaults) must be e2e/prometheus.yaml's pods, or nothing would scrape the
+    job and the autoscaler would never decide."""
+    values: dict[str, Any] = {}
+    for option in CHART_OPTIONS:
+        path, _, raw = option.partition("=")
+        *parents, last = path.split(".")
+        node = values
+        for key in parents:
+            node = node.setdefault(key, {})
+        node[last] = yaml.safe_load(raw)
+    with Chart.load(CHART) as chart:
+        rendered = chart.render(values, name="keyshift", namespace="keyshift", is_install=True)
+    deployment = next(
+        d
+        for path, text in rendered.items()
+        if path.endswith(".yaml")
+        for d in yaml.safe_load_all(text)
+        if isinstance(d, dict) and d.get("kind") == "Deployment"
+    )
+    env = {
+        e["name"]: e["value"]
+        for e in deployment["spec"]["template"]["spec"]["containers"][0]["env"]
+    }
+    options = child_options_from_env(env)
+    assert options.network_policy is not None and options.pod_disruption_budget is not None
+    peer = options.network_policy.prometheus
+    pod = prometheus_objects()["Deployment"]["spec"]["template"]["metadata"]["labels"]
+    assert peer.pod_labels and peer.pod_labels.items() <= pod.items()
+    assert peer.namespace_labels == {"kubernetes.io/metadata.name": MONITORING_NAMESPACE}
+    assert prometheus_objects()["Deployment"]["metadata"]["namespace"] == MONITORING_NAMESPACE
 
 
 def test_the_job_reads_the_in_cluster_prometheus() -> None:
