@@ -10,7 +10,12 @@
 # are there, so `examples.lookups:enrich` works as is. A job's own image starts FROM this one and
 # copies its package into /app.
 #
-# Built by the kind end-to-end suite (e2e/) and its workflow; docker/spark.Dockerfile builds on it.
+# The wheel holds every package of pyproject.toml's package-dir (keyshift.spark too, which needs
+# the PySpark that only the Spark image installs): each must be copied below and let in by
+# .dockerignore, which tests/test_build_context.py checks without Docker.
+#
+# Built by the kind end-to-end suite (e2e/) and its workflow, and by the release workflow;
+# docker/spark.Dockerfile builds on it.
 # Both stages use the same pinned base (bump them together).
 
 # -- builder: wheels for keyshift and every dependency (no compiler needed: all have wheels) -----
@@ -27,6 +32,7 @@ COPY README.md ./
 COPY runtime ./runtime
 COPY policies ./policies
 COPY operator ./operator
+COPY spark ./spark
 RUN pip wheel --no-deps --wheel-dir /wheels .
 
 # -- the image: the wheels installed from a bind mount, so none of them stays in a layer ---------

@@ -66,6 +66,10 @@ LEFTOVER_KINDS = (
     "mutatingwebhookconfigurations"
 )
 
+# The chart's isolation options, on in the suite: the job runs behind its NetworkPolicy (the
+# chart's default Prometheus peer is e2e/prometheus.yaml's pods) with a budget per stage.
+CHART_OPTIONS = ("networkPolicy.enabled=true", "podDisruptionBudget.enabled=true")
+
 JOB_MANIFEST: dict[str, Any] = yaml.safe_load(STREAMING_JOB.read_text())
 JOB_NAME: str = JOB_MANIFEST["metadata"]["name"]
 JOB = StreamingJob.model_validate(JOB_MANIFEST).spec.job_spec()
@@ -255,6 +259,7 @@ def install_chart(kube: Kube) -> None:
         f"image.tag={IMAGE_TAG}",
         "--set",
         "image.pullPolicy=IfNotPresent",
+        *(arg for option in CHART_OPTIONS for arg in ("--set", option)),
         "--wait",
         "--timeout",
         "5m",

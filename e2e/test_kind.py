@@ -4,7 +4,8 @@ The session (e2e/conftest.py) creates a kind cluster, builds and loads both imag
 Prometheus and the chart; then these tests, in order, follow one StreamingJob
 (e2e/streamingjob.yaml) whose generator steps its load up and back down and stops:
 
-1. it becomes Ready;
+1. it becomes Ready (behind its NetworkPolicy: the chart is installed with NetworkPolicies and
+   PodDisruptionBudgets on), and the operator made the policy and a budget per stage;
 2. the operator scales the keyed stage out after the step ...
 3. ... and back in after the drop;
 4. the CR's status and its Events explain each decision (DS2's true rates), and the status's
@@ -49,6 +50,7 @@ from e2e.cluster import (
     copy_spark_output,
     wait_until,
 )
+from keyshift.operator.k8s_children import stage_set_name
 from keyshift.runtime.job import GeneratorSource
 from keyshift.runtime.output_log import OutputLogReader
 
@@ -75,6 +77,30 @@ def test_job_becomes_ready(job: JobWatch) -> None:
         checks.ready, READY_TIMEOUT, "the StreamingJob to become Ready (Ready=True or Running)"
     )
     assert sample.replicas == JOB.keyed.parallelism, sample.brief()
+
+
+def test_the_operator_made_the_jobs_network_policy_and_budgets(kube: Kube, job: JobWatch) -> None:
+    """Runs in the kind workflow only: the NetworkPolicy and the PodDisruptionBudgets exist,
+    owned by the StreamingJob, and each budget covers its stage's running pods (the job became
+    Ready through the policy, so the coordinator, instances, operator and Prometheus it admits
+    really talk where the network plugin enforces it)."""
+    listing = kube.get_json(
+        "networkpolicies,poddisruptionbudgets",
+        "--namespace",
+        JOB_NAMESPACE,
+        "--selector",
+        f"keyshift.io/job={JOB_NAME}",
+    )
+    expected = [f"NetworkPolicy {JOB_NAMESPACE}/{JOB_NAME}"] + [
+        f"PodDisruptionBudget {JOB_NAMESPACE}/{stage_set_name(JOB_NAME, s.name)}"
+        for s in JOB.stages()
+    ]
+    assert checks.leftovers(listing["items"]) == sorted(expected)
+    for item in listing["items"]:
+        owners = item["metadata"].get("ownerReferences", [])
+        assert [(o["kind"], o["name"]) for o in owners] == [("StreamingJob", JOB_NAME)], item
+        if item["kind"] == "PodDisruptionBudget":
+            assert (item.get("status") or {}).get("expectedPods", 0) >= 1, item
 
 
 def test_keyed_stage_scales_out_after_the_load_step(job: JobWatch) -> None:

@@ -34,12 +34,15 @@ async def apply(api: k8s.ApiClient, manifest: Mapping[str, Any], manager: str = 
     """Server-side apply `manifest` (created if missing) as `manager`, taking over conflicting
     fields (force)."""
     core, apps = k8s.CoreV1Api(api), k8s.AppsV1Api(api)
+    networking, policy = k8s.NetworkingV1Api(api), k8s.PolicyV1Api(api)
     patches: dict[str, Any] = {
         "ConfigMap": core.patch_namespaced_config_map,
         "Secret": core.patch_namespaced_secret,
         "Service": core.patch_namespaced_service,
         "Deployment": apps.patch_namespaced_deployment,
         "StatefulSet": apps.patch_namespaced_stateful_set,
+        "NetworkPolicy": networking.patch_namespaced_network_policy,
+        "PodDisruptionBudget": policy.patch_namespaced_pod_disruption_budget,
     }
     metadata = manifest["metadata"]
     await patches[manifest["kind"]](

@@ -26,6 +26,18 @@ What a job becomes, in creation order:
   PersistentVolumeClaim mounted at the log's directory in the sink stage's pods and in every
   sink app, whose KEYSHIFT_OUTPUT names that directory.
 
+Switched on by the operator's options (`ChildOptions`, which the chart gives it as JSON in
+KEYSHIFT_CHILD_OPTIONS, parsed by `child_options_from_env`), also:
+
+- a NetworkPolicy `<job>` on all the job's pods: ingress only from the job's own pods, from the
+  operator to the coordinator's port, from Prometheus to the metrics port, and from the named
+  Spark clients to the coordinator's and the ingest port; egress is left alone;
+- per stage, a PodDisruptionBudget `<job>-<stage>` (a voluntary eviction, such as a node drain,
+  takes at most `maxUnavailable` of the stage's pods at a time).
+
+The options also give the image of a job without `spec.image`: the chart passes the operator's
+own image, by digest when it pins one.
+
 Every pod runs as user 10001 with a read-only root filesystem, no privilege escalation, no
 capabilities and the RuntimeDefault seccomp profile; /tmp is an emptyDir and HOME points there.
 No service account token is mounted (the pods do not talk to the Kubernetes API; a podTemplate
@@ -58,6 +70,7 @@ from collections.abc import Collection, Mapping
 from typing import Any, Literal
 
 import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from keyshift.operator.streamingjob import OutputLocation, Resources, SparkApp, StreamingJobSpec
 from keyshift.runtime.job import IngestSource, JobSpec, LogSink
@@ -102,10 +115,65 @@ POD_MERGE_KEYS: Mapping[str, str] = {
     "volumeMounts": "mountPath",
 }
 
+CHILD_OPTIONS_ENV = "KEYSHIFT_CHILD_OPTIONS"
+
 _JOB_VOLUME = "job"
 _TMP_VOLUME = "tmp"
 _OUTPUT_VOLUME = "output"
 _CHECKPOINT_VOLUME = "checkpoints"
+
+
+# -- what the operator is told about the children it makes -------------------------------------
+
+
+class _Options(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+
+
+class Peer(_Options):
+    """Pods a NetworkPolicy lets in: those with `podLabels` (all, when empty) in the namespaces
+    with `namespaceLabels` (every namespace when empty; the job's own when null)."""
+
+    namespace_labels: dict[str, str] | None = Field(default=None, alias="namespaceLabels")
+    pod_labels: dict[str, str] = Field(default_factory=dict, alias="podLabels")
+
+
+class NetworkPolicyOptions(_Options):
+    operator: Peer
+    prometheus: Peer
+    spark_clients: list[Peer] = Field(default_factory=list, alias="sparkClients")
+
+
+class DisruptionBudgetOptions(_Options):
+    max_unavailable: int = Field(default=1, ge=1, alias="maxUnavailable")
+
+
+class ChildOptions(_Options):
+    """The operator-wide settings of the children (from the chart's values)."""
+
+    job_image: str | None = Field(default=None, min_length=1, alias="jobImage")
+    network_policy: NetworkPolicyOptions | None = Field(default=None, alias="networkPolicy")
+    pod_disruption_budget: DisruptionBudgetOptions | None = Field(
+        default=None, alias="podDisruptionBudget"
+    )
+
+
+class ChildOptionsError(ValueError):
+    """KEYSHIFT_CHILD_OPTIONS is not valid; the message names the bad field."""
+
+
+def child_options_from_env(environ: Mapping[str, str]) -> ChildOptions:
+    """The options in `environ[CHILD_OPTIONS_ENV]` (JSON); none set when it is absent."""
+    raw = environ.get(CHILD_OPTIONS_ENV, "").strip()
+    if not raw:
+        return ChildOptions()
+    try:
+        return ChildOptions.model_validate_json(raw)
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in e['loc']) or 'the value'}: {e['msg']}" for e in exc.errors()
+        )
+        raise ChildOptionsError(f"{CHILD_OPTIONS_ENV}: {problems}") from exc
 
 
 # -- names, labels, selectors -------------------------------------------------------------------
@@ -164,10 +232,18 @@ def stage_selector(name: str, stage: str) -> str:
     return ",".join(f"{k}={v}" for k, v in stage_selector_labels(name, stage).items())
 
 
-def child_problems(name: str, spec: StreamingJobSpec, job: JobSpec) -> list[str]:
-    """Why the children of this job could not exist (names Kubernetes refuses, clashes), so the
-    operator can refuse the job before it creates any of them; empty when all is well."""
+def child_problems(
+    name: str, spec: StreamingJobSpec, job: JobSpec, options: ChildOptions | None = None
+) -> list[str]:
+    """Why the children of this job could not exist (names Kubernetes refuses, clashes, no
+    image), so the operator can refuse the job before it creates any of them; empty when all
+    is well."""
     found: list[str] = []
+    if not spec.image and (options is None or options.job_image is None):
+        found.append(
+            "spec.image is not set, and the operator has no default job image (the chart gives "
+            f"it its own image in {CHILD_OPTIONS_ENV})"
+        )
     services = [coordinator_service_name(name)]
     if not _DNS_1035.match(name) or len(name) > MAX_DNS_LABEL:
         found.append(
@@ -699,25 +775,90 @@ def spark_deployment(
     }
 
 
+def network_policy(
+    name: str, namespace: str, job: JobSpec, options: NetworkPolicyOptions
+) -> Manifest:
+    """The job's NetworkPolicy: what may reach its pods (see the module's docstring)."""
+
+    def peer(allowed: Peer) -> Manifest:
+        out: Manifest = {"podSelector": {"matchLabels": dict(allowed.pod_labels)}}
+        if allowed.namespace_labels is not None:
+            out["namespaceSelector"] = {"matchLabels": dict(allowed.namespace_labels)}
+        return out
+
+    def ports(*numbers: int) -> list[Manifest]:
+        return [{"protocol": "TCP", "port": n} for n in numbers]
+
+    own = {"podSelector": {"matchLabels": {LABEL_JOB: name}}}
+    rules: list[Manifest] = [
+        {"from": [own]},
+        {"from": [peer(options.operator)], "ports": ports(COORDINATOR_PORT)},
+        {"from": [peer(options.prometheus)], "ports": ports(METRICS_PORT)},
+    ]
+    if options.spark_clients:
+        ingest = _ingest_port(job, job.source.name)
+        client_ports = [COORDINATOR_PORT, *([ingest] if ingest is not None else [])]
+        rules.append(
+            {"from": [peer(c) for c in options.spark_clients], "ports": ports(*client_ports)}
+        )
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": _metadata(name, namespace, common_labels(name, "network-policy")),
+        "spec": {
+            "podSelector": {"matchLabels": {LABEL_JOB: name}},
+            "policyTypes": ["Ingress"],
+            "ingress": rules,
+        },
+    }
+
+
+def stage_disruption_budget(
+    name: str, namespace: str, stage: str, options: DisruptionBudgetOptions
+) -> Manifest:
+    """A stage's PodDisruptionBudget: evictions take at most `max_unavailable` of its pods."""
+    labels = {**common_labels(name, "stage"), LABEL_STAGE: stage}
+    return {
+        "apiVersion": "policy/v1",
+        "kind": "PodDisruptionBudget",
+        "metadata": _metadata(stage_set_name(name, stage), namespace, labels),
+        "spec": {
+            "maxUnavailable": options.max_unavailable,
+            "selector": {"matchLabels": stage_selector_labels(name, stage)},
+        },
+    }
+
+
 def children(
     name: str,
     namespace: str,
     spec: StreamingJobSpec,
     job: JobSpec,
     existing: Collection[str] = (),
+    options: ChildOptions | None = None,
 ) -> list[Manifest]:
     """Every child of the StreamingJob `name`, in creation order. `job` is `spec.job_spec()`.
     A stage's StatefulSet starts at the job's parallelism; the stages in `existing` (their
-    StatefulSet exists) get none, so that applying them never undoes a rescale."""
+    StatefulSet exists) get none, so that applying them never undoes a rescale. `options` are
+    the operator's (`ChildOptions`)."""
+    settings = options or ChildOptions()
+    if not spec.image:
+        spec = spec.model_copy(update={"image": settings.job_image})
     out = [
         config_map(name, namespace, job),
         coordinator_deployment(name, namespace, spec, job),
         coordinator_service(name, namespace),
     ]
+    if settings.network_policy is not None:
+        # Before the pods: none of them is ever reachable from outside its rules.
+        out.insert(0, network_policy(name, namespace, job, settings.network_policy))
     for stage in job.stages():
         count = None if stage.name in existing else stage.parallelism
         out.append(stage_service(name, namespace, job, stage.name))
         out.append(stage_stateful_set(name, namespace, spec, job, stage.name, count))
+        if settings.pod_disruption_budget is not None:
+            budget = settings.pod_disruption_budget
+            out.append(stage_disruption_budget(name, namespace, stage.name, budget))
     roles: list[tuple[Role, list[SparkApp]]] = [("source", spec.sources), ("sink", spec.sinks)]
     for role, apps in roles:
         out.extend(spark_deployment(name, namespace, spec, job, role, app) for app in apps)

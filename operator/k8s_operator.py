@@ -29,6 +29,9 @@ from pydantic import ValidationError
 from keyshift.operator.conditions import condition, upsert_conditions
 from keyshift.operator.k8s_apply import apply, apply_replicas, scaler_owns_replicas
 from keyshift.operator.k8s_children import (
+    ChildOptions,
+    ChildOptionsError,
+    child_options_from_env,
     child_problems,
     children,
     coordinator_address,
@@ -56,6 +59,7 @@ class OperatorConfig:
     api_client: Callable[[], Awaitable[k8s.ApiClient]]
     login: Callable[..., Any]
     coordinator_address: Callable[[str, str], str] = coordinator_address
+    children: ChildOptions = field(default_factory=ChildOptions)
     exported: dict[str, AutoscalerMetrics] = field(default_factory=dict)
     metrics: OperatorMetrics = field(default_factory=OperatorMetrics)
 
@@ -119,7 +123,7 @@ def build_registry(config: OperatorConfig) -> kopf.OperatorRegistry:
         assert namespace is not None  # StreamingJob is a namespaced kind
         parsed, problems = _invalid(spec)
         if parsed is not None and not problems:
-            problems = child_problems(name, parsed, parsed.job_spec())
+            problems = child_problems(name, parsed, parsed.job_spec(), config.children)
         generation = body.get("metadata", {}).get("generation", 0)
         old_conditions = list(status.get("conditions") or [])
         if parsed is None or problems:
@@ -140,7 +144,7 @@ def build_registry(config: OperatorConfig) -> kopf.OperatorRegistry:
         job = parsed.job_spec()
         async with await config.api_client() as api:
             sets = await _stateful_sets(api, name, namespace, job)
-            manifests = children(name, namespace, parsed, job, set(sets))
+            manifests = children(name, namespace, parsed, job, set(sets), config.children)
             kopf.adopt(manifests, owner=body)
             try:
                 for stage, live in sets.items():  # a handover an operator restart cut short
@@ -378,8 +382,12 @@ def run_operator(
     liveness endpoint for the kubelet and the autoscalers' metrics for Prometheus."""
     from prometheus_client import CollectorRegistry, start_http_server
 
+    try:
+        options = child_options_from_env(os.environ)
+    except ChildOptionsError as exc:
+        raise OperatorError(str(exc)) from exc
     check_credentials()
-    config = OperatorConfig(api_client=in_cluster_api, login=cluster_login)
+    config = OperatorConfig(api_client=in_cluster_api, login=cluster_login, children=options)
     settings = kopf.OperatorSettings()
     settings.peering.standalone = True
     settings.persistence.finalizer = f"{GROUP}/finalizer"

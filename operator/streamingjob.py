@@ -83,7 +83,12 @@ class OutputLocation(_Model):
 class StreamingJobSpec(_Model):
     """What to run (image and job) and how it scales and moves its state."""
 
-    image: str = Field(min_length=1, description="container image with keyshift and the job's code")
+    image: str | None = Field(
+        default=None,
+        min_length=1,
+        description="container image with keyshift and the job's code; by default the image "
+        "the operator is given for jobs (the chart's keyshift image, pinned by digest if set)",
+    )
     image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = Field(
         default="IfNotPresent", alias="imagePullPolicy"
     )

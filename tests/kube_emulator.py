@@ -43,7 +43,14 @@ from tests import server_side_apply as ssa
 
 CR = f"{GROUP}/{VERSION}/{PLURAL}"
 CR_API = f"/apis/{GROUP}/{VERSION}"
-VALIDATED_KINDS = {"ConfigMap", "StatefulSet", "Service", "Deployment"}
+VALIDATED_KINDS = {
+    "ConfigMap",
+    "StatefulSet",
+    "Service",
+    "Deployment",
+    "NetworkPolicy",
+    "PodDisruptionBudget",
+}
 APPLY_PATCH = "application/apply-patch+yaml"
 
 

@@ -485,7 +485,7 @@ def _delete(path: str) -> Callable[[dict[str, Any]], None]:
 REFUSED = {
     "negative parallelism": (_set("spec.job.keyed.parallelism", -1), "spec.job.keyed.parallelism"),
     "unknown strategy": (_set("spec.migration.strategy", "teleport"), "spec.migration.strategy"),
-    "missing image": (_delete("spec.image"), "'image' is a required property"),
+    "empty image": (_set("spec.image", ""), "spec.image: '' should be non-empty"),
     "parallelism not an integer": (
         _set("spec.job.keyed.parallelism", "two"),
         "spec.job.keyed.parallelism: 'two' is not of type 'integer'",

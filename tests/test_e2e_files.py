@@ -4,9 +4,12 @@ the workflow can only exercise on a machine with Docker and kind.
 The YAML parses; the Prometheus, Spark smoke and job-child manifests are valid Kubernetes
 objects; Prometheus' own checker takes its configuration; the e2e StreamingJob is valid for the
 CRD and the models and steps its load up and down; the Dockerfiles use pinned bases and run as
-uid 10001; .dockerignore keeps .venv and .git out; the workflows run `pytest e2e` and `.ci/run`;
-the suite's checks (e2e/checks.py) find what they should, on real job output too; and the suite
-skips itself, exiting 0, where its tools are missing.
+uid 10001; .dockerignore keeps .venv and .git out; the workflows run `pytest e2e` and
+`.ci/run`; the release workflow builds both images multi-arch (the Spark one on the keyshift
+image's digest) and pushes the chart, at the version of its tag, which tools/release_version.py
+holds to pyproject.toml and Chart.yaml; the suite's checks (e2e/checks.py) find what they
+should, on real job output too; and the suite skips itself, exiting 0, where its tools are
+missing.
 """
 
 from __future__ import annotations
@@ -26,12 +29,16 @@ import numpy as np
 import pyarrow as pa
 import pytest
 import yaml
+from helm_python.chart import Chart
 
 from e2e import checks
 from e2e.cluster import (
+    CHART,
+    CHART_OPTIONS,
     IMAGE,
     JOB_MANIFEST,
     KIND_CONFIG,
+    MONITORING_NAMESPACE,
     OUTPUT_CLAIM,
     OUTPUT_ON_NODE,
     PROMETHEUS,
@@ -41,6 +48,7 @@ from e2e.cluster import (
 from keyshift.operator.k8s_children import (
     APP_DIR,
     USER_ID,
+    child_options_from_env,
     child_problems,
     children,
     stage_set_name,
@@ -51,12 +59,14 @@ from keyshift.runtime.job import GeneratorSource, LogSink, PointsProfile
 from keyshift.runtime.keyed_stage import process_output_schema
 from keyshift.runtime.output_log import OutputLogReader, OutputLogWriter
 from tests.conftest import REPO, cli, wait_for
+from tests.docker_build import ignored, logical_lines, parse_dockerignore
 from tests.test_crd import schema_errors
 
 KUBE_VERSION = "1.31"
 WORKFLOWS = REPO / ".github" / "workflows"
 E2E_WORKFLOW = WORKFLOWS / "e2e.yaml"
 CI_WORKFLOW = WORKFLOWS / "ci.yaml"
+RELEASE_WORKFLOW = WORKFLOWS / "release.yaml"
 
 
 def docs(path: Path) -> list[dict[str, Any]]:
@@ -128,6 +138,40 @@ def test_prometheus_scrapes_annotated_pods_every_2s_with_their_namespace(tmp_pat
         check=False,
     )
     assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_the_chart_options_of_the_suite_admit_its_prometheus() -> None:
+    """The suite installs the chart with NetworkPolicies on: the Prometheus peer the operator is
+    told (the chart's defaults) must be e2e/prometheus.yaml's pods, or nothing would scrape the
+    job and the autoscaler would never decide."""
+    values: dict[str, Any] = {}
+    for option in CHART_OPTIONS:
+        path, _, raw = option.partition("=")
+        *parents, last = path.split(".")
+        node = values
+        for key in parents:
+            node = node.setdefault(key, {})
+        node[last] = yaml.safe_load(raw)
+    with Chart.load(CHART) as chart:
+        rendered = chart.render(values, name="keyshift", namespace="keyshift", is_install=True)
+    deployment = next(
+        d
+        for path, text in rendered.items()
+        if path.endswith(".yaml")
+        for d in yaml.safe_load_all(text)
+        if isinstance(d, dict) and d.get("kind") == "Deployment"
+    )
+    env = {
+        e["name"]: e["value"]
+        for e in deployment["spec"]["template"]["spec"]["containers"][0]["env"]
+    }
+    options = child_options_from_env(env)
+    assert options.network_policy is not None and options.pod_disruption_budget is not None
+    peer = options.network_policy.prometheus
+    pod = prometheus_objects()["Deployment"]["spec"]["template"]["metadata"]["labels"]
+    assert peer.pod_labels and peer.pod_labels.items() <= pod.items()
+    assert peer.namespace_labels == {"kubernetes.io/metadata.name": MONITORING_NAMESPACE}
+    assert prometheus_objects()["Deployment"]["metadata"]["namespace"] == MONITORING_NAMESPACE
 
 
 def test_the_job_reads_the_in_cluster_prometheus() -> None:
@@ -254,19 +298,8 @@ def test_spark_smoke_pod_runs_as_the_operator_runs_spark_apps() -> None:
 
 
 def instructions(path: Path) -> list[tuple[str, str]]:
-    """(INSTRUCTION, arguments) of a Dockerfile, continuation lines joined, comments dropped."""
-    lines: list[str] = []
-    pending = ""
-    for raw in path.read_text().splitlines():
-        line = raw.strip()
-        if not line or line.startswith("#"):
-            continue
-        if line.endswith("\\"):
-            pending += line[:-1] + " "
-            continue
-        lines.append(pending + line)
-        pending = ""
-    return [(line.split(None, 1)[0].upper(), line.split(None, 1)[1]) for line in lines]
+    """(INSTRUCTION, arguments) of a Dockerfile, as tests/docker_build.py reads it."""
+    return [(i.op, i.args) for i in logical_lines(path.read_text())]
 
 
 def test_keyshift_image_is_pinned_multi_stage_and_non_root() -> None:
@@ -295,7 +328,9 @@ def test_spark_image_builds_on_a_pinned_keyshift_image_and_stays_non_root() -> N
     base = args["KEYSHIFT_IMAGE"]
     assert re.fullmatch(r"[\w./-]+/keyshift:\d+\.\d+\.\d+", base), base
     assert [a for op, a in found if op == "FROM"] == ["${KEYSHIFT_IMAGE}"]
-    assert args["PYSPARK_VERSION"] == "4.3.0"
+    # The version of the `spark` extra.
+    extra = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert [f"pyspark=={args['PYSPARK_VERSION']}"] == extra["spark"]
     assert [a for op, a in found if op == "USER"][-1] == f"{USER_ID}:{USER_ID}"
     env = " ".join(a for op, a in found if op == "ENV")
     assert "JAVA_HOME=" in env and "PYSPARK_PYTHON=" in env
@@ -304,37 +339,8 @@ def test_spark_image_builds_on_a_pinned_keyshift_image_and_stays_non_root() -> N
     assert "rm -rf /var/lib/apt/lists/*" in run
 
 
-def dockerignored(path: str, patterns: list[str]) -> bool:
-    """Whether Docker leaves `path` out of the build context: the last pattern matching the
-    path or one of its parent directories wins, `!` lets in again."""
-    parts = path.split("/")
-    prefixes = ["/".join(parts[: i + 1]) for i in range(len(parts))]
-
-    def match(pattern: str, candidate: str) -> bool:
-        if pattern.startswith("**/"):
-            segments = candidate.split("/")
-            return any(
-                fnmatch.fnmatchcase("/".join(segments[i:]), pattern[3:])
-                for i in range(len(segments))
-            )
-        same_depth = pattern.count("/") == candidate.count("/")
-        return same_depth and fnmatch.fnmatchcase(candidate, pattern)
-
-    ignored = False
-    for raw in patterns:
-        negate = raw.startswith("!")
-        pattern = (raw[1:] if negate else raw).strip("/")
-        if any(match(pattern, p) for p in prefixes):
-            ignored = not negate
-    return ignored
-
-
 def test_dockerignore_sends_only_what_the_images_need() -> None:
-    patterns = [
-        line.strip()
-        for line in (REPO / ".dockerignore").read_text().splitlines()
-        if line.strip() and not line.startswith("#")
-    ]
+    patterns = parse_dockerignore((REPO / ".dockerignore").read_text())
     for out in (
         ".venv/bin/python",
         ".git/HEAD",
@@ -347,21 +353,22 @@ def test_dockerignore_sends_only_what_the_images_need() -> None:
         "runtime/__pycache__/job.cpython-311.pyc",
         "keyshift.egg-info/PKG-INFO",
     ):
-        assert dockerignored(out, patterns), out
+        assert ignored(out, patterns), out
     for kept in (
         "pyproject.toml",
         "README.md",
         "runtime/job.py",
         "policies/ds2.py",
         "operator/cli.py",
+        "spark/datasource.py",
         "examples/lookups.py",
     ):
-        assert not dockerignored(kept, patterns), kept
+        assert not ignored(kept, patterns), kept
     # What the Dockerfiles copy is in the context.
     for op, args in instructions(REPO / "Dockerfile"):
         if op == "COPY" and not args.startswith("--from"):
             for source in args.split()[:-1]:
-                assert not dockerignored(source, patterns), source
+                assert not ignored(source, patterns), source
 
 
 # --- workflows ---------------------------------------------------------------------------------
@@ -405,6 +412,136 @@ def test_ci_workflow_runs_the_ci_script() -> None:
     data = workflow(CI_WORKFLOW)
     assert {"push", "pull_request"} <= set(data["on"])
     assert any(s.get("run") == ".ci/run" for s in steps(data))
+
+
+def release_steps() -> dict[str, dict[str, Any]]:
+    """The release workflow's steps by id (or name)."""
+    return {
+        s.get("id", s.get("name", s.get("uses", ""))): s for s in steps(workflow(RELEASE_WORKFLOW))
+    }
+
+
+def test_release_runs_on_version_tags_that_match_the_project() -> None:
+    data = workflow(RELEASE_WORKFLOW)
+    assert set(data["on"]) == {"push"} and set(data["on"]["push"]) == {"tags"}
+    (pattern,) = data["on"]["push"]["tags"]
+    version = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["version"]
+    assert fnmatch.fnmatchcase(f"v{version}", pattern)
+    assert not fnmatch.fnmatchcase("main", pattern)
+    # The version comes from the tag, checked against the files before anything is built.
+    check = release_steps()["version"]["run"]
+    assert 'python3 tools/release_version.py "$GITHUB_REF_NAME"' in check
+    assert data["permissions"] == {"contents": "read"}
+    for job in data["jobs"].values():
+        assert job["permissions"] == {"contents": "read", "packages": "write"}
+    for step in steps(data):
+        if "uses" in step and not step["uses"].startswith("actions/"):
+            assert re.fullmatch(r"[\w-]+/[\w-]+@v\d+\.\d+\.\d+", step["uses"]), step["uses"]
+
+
+def test_release_builds_both_images_multi_arch_and_the_spark_one_on_the_keyshift_digest() -> None:
+    data = workflow(RELEASE_WORKFLOW)
+    found = release_steps()
+    keyshift, spark = found["keyshift"]["with"], found["spark"]["with"]
+    assert keyshift["file"] == "Dockerfile" and keyshift["context"] == "."
+    assert spark["file"] == "docker/spark.Dockerfile" and spark["context"] == "."
+    assert (REPO / keyshift["file"]).is_file() and (REPO / spark["file"]).is_file()
+    platforms = data["env"]["PLATFORMS"].split(",")
+    assert {"linux/amd64", "linux/arm64"} <= set(platforms)
+    for image in (keyshift, spark):
+        assert image["push"] is True and image["platforms"] == "${{ env.PLATFORMS }}"
+        assert "org.opencontainers.image" in found[image["labels"].split(".")[1]]["with"]["labels"]
+    # The build arguments the Dockerfiles declare, from the tag's version and the commit.
+    assert "VERSION=${{ steps.version.outputs.version }}" in keyshift["build-args"]
+    assert "REVISION=${{ github.sha }}" in keyshift["build-args"]
+    declared = {a.split("=")[0] for op, a in instructions(REPO / "Dockerfile") if op == "ARG"}
+    assert {"VERSION", "REVISION"} <= declared
+    spark_args = {a.split("=")[0] for op, a in instructions(REPO / spark["file"]) if op == "ARG"}
+    assert "KEYSHIFT_IMAGE" in spark_args
+    assert "keyshift@${{ steps.keyshift.outputs.digest }}" in spark["build-args"]
+    assert spark["build-args"].startswith("KEYSHIFT_IMAGE=")
+    # Tags from the tag's semver; the digests are outputs of the job.
+    for meta in ("keyshift-meta", "spark-meta"):
+        assert "type=semver,pattern={{version}}" in found[meta]["with"]["tags"]
+    outputs = data["jobs"]["images"]["outputs"]
+    assert outputs["keyshift-digest"] == "${{ steps.keyshift.outputs.digest }}"
+    assert outputs["spark-digest"] == "${{ steps.spark.outputs.digest }}"
+
+
+def test_release_packages_and_pushes_the_chart_at_the_tags_version() -> None:
+    data = workflow(RELEASE_WORKFLOW)
+    chart = data["jobs"]["chart"]
+    assert chart["needs"] == "images"
+    runs = {s.get("name"): s for s in chart["steps"]}
+    package = runs["Package the chart"]
+    assert package["env"]["VERSION"] == "${{ needs.images.outputs.version }}"
+    assert (
+        'helm package helm/keyshift --version "$VERSION" --app-version "$VERSION"'
+        in (package["run"])
+    )
+    push = runs["Push the chart (OCI)"]["run"]
+    assert 'helm push "dist/keyshift-$VERSION.tgz" "oci://$REGISTRY/$OWNER/charts"' in push
+    assert "helm registry login" in push
+    summary = runs["Digests"]
+    assert "--set image.digest=$KEYSHIFT_DIGEST" in summary["run"]
+    assert summary["env"]["KEYSHIFT_DIGEST"] == "${{ needs.images.outputs.keyshift-digest }}"
+
+
+def release_version(*args: str, cwd: Path = REPO) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-P", str(REPO / "tools" / "release_version.py"), *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+
+
+def test_release_version_agrees_with_pyproject_and_the_chart() -> None:
+    version = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["version"]
+    chart = yaml.safe_load((REPO / "helm" / "keyshift" / "Chart.yaml").read_text())
+    assert chart["version"] == chart["appVersion"] == version
+    out = release_version(f"v{version}")
+    assert out.returncode == 0 and out.stdout.strip() == version, out.stderr
+
+
+@pytest.mark.parametrize(
+    ("tag", "message"),
+    [
+        ("v99.0.0", "tag v99.0.0 is version 99.0.0, but pyproject.toml project.version is"),
+        ("0.1.0", "is not vMAJOR.MINOR.PATCH"),
+        ("v0.1", "is not vMAJOR.MINOR.PATCH"),
+        ("main", "is not vMAJOR.MINOR.PATCH"),
+    ],
+)
+def test_release_version_refuses_a_tag_that_is_not_the_projects(tag: str, message: str) -> None:
+    out = release_version(tag)
+    assert out.returncode == 1 and out.stdout == ""
+    assert message in out.stderr
+    assert release_version().returncode == 2
+
+
+def test_release_version_names_the_file_that_disagrees(tmp_path: Path) -> None:
+    shutil.copy(REPO / "pyproject.toml", tmp_path / "pyproject.toml")
+    (tmp_path / "helm" / "keyshift").mkdir(parents=True)
+    chart = (REPO / "helm" / "keyshift" / "Chart.yaml").read_text()
+    version = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["version"]
+    stale = chart.replace(f'appVersion: "{version}"', 'appVersion: "0.0.9"')
+    assert stale != chart
+    (tmp_path / "helm" / "keyshift" / "Chart.yaml").write_text(stale)
+    script = tmp_path / "tools" / "release_version.py"
+    script.parent.mkdir()
+    shutil.copy(REPO / "tools" / "release_version.py", script)
+    out = subprocess.run(
+        [sys.executable, "-P", str(script), f"v{version}"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert out.returncode == 1
+    assert out.stderr.strip().endswith("helm/keyshift/Chart.yaml appVersion is 0.0.9")
 
 
 def test_make_test_does_not_collect_the_e2e_suite() -> None:

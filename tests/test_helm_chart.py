@@ -34,7 +34,7 @@ from helm_python.chart import Chart, lint
 from helm_python.errors import HelmValuesError
 
 from keyshift.operator.crd import CRD_FILE
-from keyshift.operator.k8s_children import children
+from keyshift.operator.k8s_children import ChildOptions, child_options_from_env, children
 from keyshift.operator.streamingjob import StreamingJob
 from keyshift.runtime.metrics import INSTANCE_LABEL, JOB_LABEL, NAMESPACE_LABEL, MetricName
 
@@ -50,6 +50,7 @@ NEWEST = kubernetes_validate.utils.latest_version()
 VERSIONS = (OLDEST, NEWEST)
 MONITORING = "monitoring.coreos.com/v1"
 OUR_LABELS = {JOB_LABEL, INSTANCE_LABEL, NAMESPACE_LABEL}  # keyshift_* names that are labels
+DIGEST = "sha256:" + "0123456789abcdef" * 4
 
 COMBINATIONS: dict[str, dict[str, Any]] = {
     "default": {},
@@ -102,6 +103,29 @@ COMBINATIONS: dict[str, dict[str, Any]] = {
         "metricsService": {"annotations": {"example.com/scrape": "true"}},
     },
     "own-rbac": {"serviceAccount": {"create": False, "name": "ops"}, "rbac": {"create": False}},
+    "isolation": {
+        "image": {"digest": DIGEST},
+        "networkPolicy": {
+            "enabled": True,
+            "sparkClients": [
+                {"podLabels": {"spark-role": "driver"}},
+                {"podLabels": {"app": "etl"}, "namespaceLabels": {"team": "data"}},
+            ],
+        },
+        "podDisruptionBudget": {"enabled": True, "maxUnavailable": 2},
+    },
+    "namespaced-isolation": {
+        "watchNamespaces": ["team-a"],
+        "networkPolicy": {
+            "enabled": True,
+            # Helm merges maps into the defaults: null drops a default key.
+            "prometheus": {
+                "namespaceLabels": None,
+                "podLabels": {"app": "prometheus", "app.kubernetes.io/name": None},
+            },
+        },
+        "podDisruptionBudget": {"enabled": True},
+    },
 }
 
 # What the operator and kopf do, per (API group, resource): see the comments in
@@ -116,10 +140,15 @@ NAMESPACED_RULES = {
     ("apps", "statefulsets"): {"get", "create", "patch"},
     ("", "events"): {"create"},
 }
+ISOLATION_RULES = {
+    ("networking.k8s.io", "networkpolicies"): {"create", "patch"},
+    ("policy", "poddisruptionbudgets"): {"create", "patch"},
+}
 CRD_RULES = {("apiextensions.k8s.io", "customresourcedefinitions"): {"list", "watch"}}
 NAMESPACE_RULES = {("", "namespaces"): {"list", "watch"}}
 PLURALS = {"ConfigMap": "configmaps", "Service": "services"}
 PLURALS |= {"Deployment": "deployments", "StatefulSet": "statefulsets"}
+PLURALS |= {"NetworkPolicy": "networkpolicies", "PodDisruptionBudget": "poddisruptionbudgets"}
 
 
 # -- rendering -----------------------------------------------------------------------------------
@@ -288,6 +317,14 @@ BAD_VALUES = [
     ),
     ({"resources": {"requests": {"gpu": 1}}}, "additional properties 'gpu' not allowed"),
     ({"image": {"registry": "x"}}, "additional properties 'registry' not allowed"),
+    ({"image": {"digest": "sha256:abc"}}, "at '/image/digest'"),
+    ({"image": {"digest": "0.1.0"}}, "at '/image/digest'"),
+    ({"networkPolicy": {"enabled": "yes"}}, "at '/networkPolicy/enabled': got string"),
+    ({"networkPolicy": {"sparkClients": [{}]}}, "at '/networkPolicy/sparkClients/0'"),
+    ({"networkPolicy": {"prometheus": {"podLabels": {"a": 1}}}}, "/networkPolicy/prometheus"),
+    ({"networkPolicy": {"ports": [7000]}}, "additional properties 'ports' not allowed"),
+    ({"podDisruptionBudget": {"maxUnavailable": 0}}, "at '/podDisruptionBudget/maxUnavailable'"),
+    ({"podDisruptionBudget": {"minAvailable": 1}}, "additional properties 'minAvailable'"),
 ]
 
 
@@ -512,20 +549,28 @@ def test_no_rbac_when_brought_by_the_user() -> None:
     assert pod["serviceAccountName"] == "ops"
 
 
-def example_children() -> list[dict[str, Any]]:
+def example_children(options: ChildOptions | None = None) -> list[dict[str, Any]]:
     obj = yaml.safe_load((REPO / "examples" / "streamingjob.yaml").read_text(encoding="utf-8"))
     spec = StreamingJob.model_validate(obj).spec
-    return children("clicks", "team-a", spec, spec.job_spec())
+    return children("clicks", "team-a", spec, spec.job_spec(), options=options)
 
 
-def test_rbac_covers_every_child_the_operator_creates() -> None:
-    granted = NAMESPACED_RULES
+def chart_child_options(combination: str) -> ChildOptions:
+    """What the rendered operator Deployment tells the operator, parsed as the operator does."""
+    env = {e["name"]: e["value"] for e in operator_container(render(combination))["env"]}
+    return child_options_from_env(env)
+
+
+@pytest.mark.parametrize("combination", ["default", "isolation"])
+def test_rbac_covers_every_child_the_operator_creates(combination: str) -> None:
+    granted = rules(one(render(combination), "ClusterRole"))
     kinds = set()
-    for manifest in example_children():
+    for manifest in example_children(chart_child_options(combination)):
         group = manifest["apiVersion"].rpartition("/")[0]
         kinds.add(manifest["kind"])
         assert {"create", "patch"} <= granted[(group, PLURALS[manifest["kind"]])], manifest["kind"]
-    assert kinds == set(PLURALS)
+    isolation = {"NetworkPolicy", "PodDisruptionBudget"}
+    assert kinds == set(PLURALS) - (isolation if combination == "default" else set())
 
 
 # -- monitoring -----------------------------------------------------------------------------------
@@ -868,3 +913,93 @@ def test_render_and_lint_need_no_network(tmp_path: Path) -> None:
     )
     assert done.returncode == 0, done.stdout + done.stderr
     assert "rendered offline" in done.stdout
+
+
+# -- image digest, startup probe, NetworkPolicies, PodDisruptionBudgets ---------------------------
+
+
+def test_operator_waits_for_its_start_before_liveness_counts() -> None:
+    container = operator_container(render("default"))
+    startup, liveness = container["startupProbe"], container["livenessProbe"]
+    assert startup["httpGet"] == liveness["httpGet"] == {"path": "/healthz", "port": "healthz"}
+    # Minutes to start on a loaded node; once up, liveness needs no initial delay.
+    assert startup["periodSeconds"] * startup["failureThreshold"] >= 120
+    assert "initialDelaySeconds" not in liveness
+
+
+def test_by_default_jobs_get_the_operators_image_and_no_isolation() -> None:
+    docs = render("default")
+    assert chart_child_options("default") == ChildOptions(job_image=f"{IMAGE}:0.1.0")
+    assert not of_kind(docs, "NetworkPolicy")
+    assert not ISOLATION_RULES.keys() & rules(one(docs, "ClusterRole")).keys()
+
+
+def test_a_pinned_digest_reaches_the_operator_and_the_jobs() -> None:
+    pinned = f"{IMAGE}@{DIGEST}"
+    assert operator_container(render("isolation"))["image"] == pinned
+    options = chart_child_options("isolation")
+    assert options.job_image == pinned
+    obj = yaml.safe_load((REPO / "examples" / "streamingjob.yaml").read_text(encoding="utf-8"))
+    del obj["spec"]["image"]
+    spec = StreamingJob.model_validate(obj).spec
+    images = {
+        c["image"]
+        for m in children("clicks", "team-a", spec, spec.job_spec(), options=options)
+        if m["kind"] in ("Deployment", "StatefulSet")
+        for c in m["spec"]["template"]["spec"]["containers"]
+    }
+    assert images == {pinned}
+
+
+def test_the_operator_is_told_the_isolation_settings_and_makes_valid_children() -> None:
+    docs = render("isolation")
+    options = chart_child_options("isolation")
+    assert options.network_policy is not None and options.pod_disruption_budget is not None
+    assert options.pod_disruption_budget.max_unavailable == 2
+    # The operator's peer is exactly the operator's pods, in the release's namespace.
+    operator_pod = one(docs, "Deployment")["spec"]["template"]["metadata"]["labels"]
+    peer = options.network_policy.operator
+    assert peer.pod_labels.items() <= operator_pod.items()
+    assert peer.namespace_labels == {"kubernetes.io/metadata.name": NAMESPACE}
+    values = COMBINATIONS["isolation"]["networkPolicy"]
+    assert [
+        c.model_dump(by_alias=True, exclude_none=True) for c in options.network_policy.spark_clients
+    ] == values["sparkClients"]
+    made = example_children(options)
+    kinds = [m["kind"] for m in made]
+    assert kinds.count("NetworkPolicy") == 1 and kinds.count("PodDisruptionBudget") == 3
+    for manifest in made:
+        for version in VERSIONS:
+            kubernetes_validate.validate(manifest, version, strict=True)
+    assert rules(one(docs, "ClusterRole")).items() >= ISOLATION_RULES.items()
+
+
+def test_namespaced_isolation_grants_the_children_in_each_namespace() -> None:
+    docs = render("namespaced-isolation")
+    for role in of_kind(docs, "Role"):
+        assert rules(role) == NAMESPACED_RULES | ISOLATION_RULES
+    options = chart_child_options("namespaced-isolation")
+    assert options.network_policy is not None
+    # namespace labels set to null (Helm drops the key): Prometheus in the job's own namespace.
+    assert options.network_policy.prometheus.namespace_labels is None
+
+
+def test_the_operators_network_policy_lets_only_prometheus_reach_its_metrics() -> None:
+    docs = render("isolation")
+    policy = one(docs, "NetworkPolicy")
+    pod = one(docs, "Deployment")["spec"]["template"]
+    assert policy["spec"]["podSelector"]["matchLabels"].items() <= pod["metadata"]["labels"].items()
+    assert policy["spec"]["policyTypes"] == ["Ingress"]
+    (rule,) = policy["spec"]["ingress"]
+    assert rule["ports"] == [{"protocol": "TCP", "port": "metrics"}]
+    ports = {p["name"] for c in pod["spec"]["containers"] for p in c["ports"]}
+    assert "metrics" in ports
+    assert rule["from"] == [
+        {
+            "podSelector": {"matchLabels": {"app.kubernetes.io/name": "prometheus"}},
+            "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}},
+        }
+    ]
+    # Prometheus in the release's own namespace: no namespace selector.
+    (rule,) = one(render("namespaced-isolation"), "NetworkPolicy")["spec"]["ingress"]
+    assert rule["from"] == [{"podSelector": {"matchLabels": {"app": "prometheus"}}}]

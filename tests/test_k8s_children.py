@@ -3,14 +3,21 @@
 Every manifest must pass the Kubernetes 1.30 schema (strict: no unknown fields), names, labels
 and selectors must fit together, replicas follow the job until the scaler owns them, the
 job file in the ConfigMap must read back as the same job, every pod must be locked down, and
-the podTemplate must merge in without moving a pod out of its selector. Also the instance's
-`--index hostname` parser, which the StatefulSets rely on.
+the podTemplate must merge in without moving a pod out of its selector. With the operator's
+options: the job's NetworkPolicy and the stages' PodDisruptionBudgets (valid, selecting the
+right pods, letting in exactly the named peers) and the default image of a job without one.
+Also the instance's `--index hostname` parser, which the StatefulSets rely on.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import re
+import subprocess
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import kubernetes_validate
@@ -19,6 +26,7 @@ import yaml
 
 from keyshift.operator.k8s_children import (
     APP_DIR,
+    CHILD_OPTIONS_ENV,
     COORDINATOR_PORT,
     DATA_PORT,
     JOB_FILE,
@@ -27,6 +35,9 @@ from keyshift.operator.k8s_children import (
     LABEL_JOB,
     LABEL_STAGE,
     METRICS_PORT,
+    ChildOptions,
+    ChildOptionsError,
+    child_options_from_env,
     child_problems,
     children,
     config_map_name,
@@ -39,6 +50,7 @@ from keyshift.operator.k8s_children import (
 from keyshift.operator.streamingjob import StreamingJobSpec
 from keyshift.runtime.instance import _index
 from keyshift.runtime.job import parse_job
+from tests.conftest import KEYSHIFT
 
 NAME = "clicks"
 NAMESPACE = "streams"
@@ -552,3 +564,177 @@ def test_index_parser_refuses(text: str, hostname: str, monkeypatch: pytest.Monk
     monkeypatch.setenv("HOSTNAME", hostname)
     with pytest.raises(argparse.ArgumentTypeError):
         _index(text)
+
+
+# -- the operator's options: NetworkPolicy, PodDisruptionBudgets, the default image --------------
+
+OPERATOR_PEER = {
+    "namespaceLabels": {"kubernetes.io/metadata.name": "keyshift-system"},
+    "podLabels": {"app.kubernetes.io/name": "keyshift", "app.kubernetes.io/component": "operator"},
+}
+PROMETHEUS_PEER = {
+    "namespaceLabels": {"kubernetes.io/metadata.name": "monitoring"},
+    "podLabels": {"app.kubernetes.io/name": "prometheus"},
+}
+OPTIONS = {
+    "jobImage": "ghcr.io/keyshift/keyshift@sha256:" + "ab" * 32,
+    "networkPolicy": {
+        "operator": OPERATOR_PEER,
+        "prometheus": PROMETHEUS_PEER,
+        "sparkClients": [{"podLabels": {"spark-role": "driver"}}, {"namespaceLabels": {}}],
+    },
+    "podDisruptionBudget": {"maxUnavailable": 2},
+}
+
+
+def build_with(options: dict[str, Any], **changes: Any) -> list[dict[str, Any]]:
+    spec = StreamingJobSpec.model_validate(spec_data(**changes))
+    parsed = ChildOptions.model_validate(options)
+    return children(NAME, NAMESPACE, spec, spec.job_spec(), options=parsed)
+
+
+def pods_of(manifests: list[dict[str, Any]]) -> dict[str, dict[str, str]]:
+    return {name: t["metadata"]["labels"] for name, t in pod_templates(manifests)}
+
+
+def test_no_policy_or_budget_unless_the_options_say_so() -> None:
+    _, manifests = build()
+    assert not by_kind(manifests, "NetworkPolicy") and not by_kind(manifests, "PodDisruptionBudget")
+
+
+def test_the_network_policy_lets_in_only_the_job_the_operator_prometheus_and_spark_clients() -> (
+    None
+):
+    job = spec_data()["job"]
+    job["source"]["config"] = {"kind": "ingest", "port": 7200}
+    manifests = build_with(OPTIONS, job=job)
+    for m in manifests:
+        kubernetes_validate.validate(m, "1.30", strict=True)
+        assert COMMON.items() <= m["metadata"]["labels"].items()
+    assert manifests[0]["kind"] == "NetworkPolicy"  # before any pod exists
+    (policy,) = by_kind(manifests, "NetworkPolicy").values()
+    assert policy["metadata"]["name"] == NAME
+    spec = policy["spec"]
+    assert spec["policyTypes"] == ["Ingress"]  # egress is left alone
+    # It selects every pod of the job (Spark apps included), and only them.
+    selector = spec["podSelector"]["matchLabels"].items()
+    assert all(selector <= labels.items() for labels in pods_of(manifests).values())
+    # Another job's pods in the namespace are not selected.
+    spec_other = StreamingJobSpec.model_validate(spec_data())
+    other = children("views", NAMESPACE, spec_other, spec_other.job_spec())
+    assert not any(selector <= labels.items() for labels in pods_of(other).values())
+    own, operator, prometheus, clients = spec["ingress"]
+    assert own == {"from": [{"podSelector": {"matchLabels": {LABEL_JOB: NAME}}}]}
+    assert operator == {
+        "from": [
+            {
+                "namespaceSelector": {"matchLabels": OPERATOR_PEER["namespaceLabels"]},
+                "podSelector": {"matchLabels": OPERATOR_PEER["podLabels"]},
+            }
+        ],
+        "ports": [{"protocol": "TCP", "port": COORDINATOR_PORT}],
+    }
+    assert prometheus["ports"] == [{"protocol": "TCP", "port": METRICS_PORT}]
+    assert prometheus["from"][0]["podSelector"]["matchLabels"] == {
+        "app.kubernetes.io/name": "prometheus"
+    }
+    # A client without namespace labels is one of the job's namespace; `{}` is any namespace.
+    assert clients["from"] == [
+        {"podSelector": {"matchLabels": {"spark-role": "driver"}}},
+        {"podSelector": {"matchLabels": {}}, "namespaceSelector": {"matchLabels": {}}},
+    ]
+    assert [p["port"] for p in clients["ports"]] == [COORDINATOR_PORT, 7200]
+
+
+def test_without_spark_clients_or_an_ingest_port_the_policy_has_no_client_rule() -> None:
+    options = {**OPTIONS, "networkPolicy": {"operator": OPERATOR_PEER, "prometheus": {}}}
+    (policy,) = by_kind(build_with(options), "NetworkPolicy").values()
+    assert len(policy["spec"]["ingress"]) == 3
+    # An empty Prometheus peer: any pod of the job's namespace (never the whole cluster).
+    assert policy["spec"]["ingress"][2]["from"] == [{"podSelector": {"matchLabels": {}}}]
+    (policy,) = by_kind(build_with(OPTIONS), "NetworkPolicy").values()  # a generator source
+    assert [p["port"] for p in policy["spec"]["ingress"][3]["ports"]] == [COORDINATOR_PORT]
+
+
+def test_each_stage_gets_a_disruption_budget_over_its_pods() -> None:
+    manifests = build_with(OPTIONS)
+    budgets = by_kind(manifests, "PodDisruptionBudget")
+    sets = by_kind(manifests, "StatefulSet")
+    assert (
+        set(budgets) == set(sets) == {stage_set_name(NAME, s) for s in ("source", "counts", "sink")}
+    )
+    for name, budget in budgets.items():
+        kubernetes_validate.validate(budget, "1.30", strict=True)
+        assert budget["spec"]["maxUnavailable"] == 2
+        # It selects exactly its stage's pods.
+        selector = budget["spec"]["selector"]["matchLabels"].items()
+        matched = [n for n, labels in pods_of(manifests).items() if selector <= labels.items()]
+        assert matched == [name]
+    names = [(m["kind"], m["metadata"]["name"]) for m in manifests]
+    # Each stage's budget right after its StatefulSet.
+    for stage in ("source", "counts", "sink"):
+        at = names.index(("StatefulSet", stage_set_name(NAME, stage)))
+        assert names[at + 1] == ("PodDisruptionBudget", stage_set_name(NAME, stage))
+
+
+def test_a_job_without_an_image_runs_the_operators_job_image() -> None:
+    data = spec_data()
+    del data["image"]
+    spec = StreamingJobSpec.model_validate(data)
+    (problem,) = child_problems(NAME, spec, spec.job_spec())
+    assert "spec.image is not set" in problem and CHILD_OPTIONS_ENV in problem
+    options = ChildOptions.model_validate(OPTIONS)
+    assert child_problems(NAME, spec, spec.job_spec(), options) == []
+    manifests = children(NAME, NAMESPACE, spec, spec.job_spec(), options=options)
+    images = {c["image"] for _, t in pod_templates(manifests) for c in t["spec"]["containers"]}
+    assert images == {OPTIONS["jobImage"]}
+    # A job's own image wins over the operator's.
+    assert {
+        c["image"] for _, t in pod_templates(build_with(OPTIONS)) for c in t["spec"]["containers"]
+    } == {spec_data()["image"]}
+
+
+def test_options_are_read_from_the_environment() -> None:
+    assert child_options_from_env({}) == ChildOptions()
+    assert child_options_from_env({CHILD_OPTIONS_ENV: " "}) == ChildOptions()
+    parsed = child_options_from_env({CHILD_OPTIONS_ENV: json.dumps(OPTIONS)})
+    assert parsed == ChildOptions.model_validate(OPTIONS)
+    assert parsed.network_policy is not None and len(parsed.network_policy.spark_clients) == 2
+
+
+@pytest.mark.parametrize(
+    ("raw", "message"),
+    [
+        ("{", "Invalid JSON"),
+        ('{"networkPolicy": {"operator": {}}}', "networkPolicy.prometheus: Field required"),
+        ('{"podDisruptionBudget": {"maxUnavailable": 0}}', "podDisruptionBudget.maxUnavailable"),
+        ('{"jobImage": ""}', "jobImage"),
+        ('{"networkPolicies": {}}', "networkPolicies: Extra inputs are not permitted"),
+        (
+            '{"networkPolicy": {"operator": {"podLabels": {"a": 1}}, "prometheus": {}}}',
+            "podLabels.a",
+        ),
+    ],
+)
+def test_bad_options_are_refused_naming_the_field(raw: str, message: str) -> None:
+    with pytest.raises(ChildOptionsError, match=re.escape(message)) as failed:
+        child_options_from_env({CHILD_OPTIONS_ENV: raw})
+    assert str(failed.value).startswith(f"{CHILD_OPTIONS_ENV}: ")
+
+
+def test_keyshift_operator_refuses_bad_options_before_it_starts(tmp_path: Path) -> None:
+    """The entry point: a bad KEYSHIFT_CHILD_OPTIONS stops `keyshift operator` at once, naming
+    the field (before it looks for cluster credentials, which this machine has none of)."""
+    bad = '{"podDisruptionBudget": {"maxUnavailable": "two"}}'
+    out = subprocess.run(
+        [KEYSHIFT, "operator"],
+        env={**os.environ, CHILD_OPTIONS_ENV: bad, "KUBECONFIG": str(tmp_path / "none")},
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert out.returncode == 2, out.stdout + out.stderr
+    text = " ".join((out.stdout + out.stderr).split())
+    assert f"{CHILD_OPTIONS_ENV}: podDisruptionBudget.maxUnavailable" in text

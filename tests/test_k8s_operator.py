@@ -18,7 +18,7 @@ import pytest
 import pytest_asyncio
 from kubernetes_asyncio import client as k8s
 
-from keyshift.operator.k8s_children import stage_stateful_set
+from keyshift.operator.k8s_children import ChildOptions, stage_stateful_set
 from keyshift.operator.k8s_operator import OperatorConfig, build_registry, observed_phase
 from keyshift.operator.streamingjob import StreamingJobSpec
 from tests.conftest import BATCHING
@@ -70,7 +70,7 @@ async def emu() -> AsyncIterator[Emulator]:
 
 @contextlib.asynccontextmanager
 async def running_operator(
-    emu: Emulator, coordinator_address: Any = None
+    emu: Emulator, coordinator_address: Any = None, children: ChildOptions | None = None
 ) -> AsyncIterator[OperatorThread]:
     url = str(emu.url)
 
@@ -82,6 +82,8 @@ async def running_operator(
     )
     if coordinator_address is not None:
         config.coordinator_address = coordinator_address
+    if children is not None:
+        config.children = children
     operator = OperatorThread(build_registry(config))
     await operator.start()
     try:
@@ -162,7 +164,8 @@ def job_object(emu: Emulator, name: str = "clicks") -> dict[str, Any]:
 def owned_children(emu: Emulator, name: str = "clicks") -> dict[tuple[str, str], dict[str, Any]]:
     found = {}
     for resource in ("v1/configmaps", "v1/services", "apps/v1/deployments",
-                     "apps/v1/statefulsets"):  # fmt: skip
+                     "apps/v1/statefulsets", "networking.k8s.io/v1/networkpolicies",
+                     "policy/v1/poddisruptionbudgets"):  # fmt: skip
         for obj in listed(emu, resource, NS):
             owners = obj["metadata"].get("ownerReferences", [])
             if any(o["kind"] == "StreamingJob" and o["name"] == name for o in owners):
@@ -251,6 +254,90 @@ async def test_create_update_resume_delete(emu: Emulator) -> None:
         reply = await emu.delete(f"{CR_API}/namespaces/{NS}/streamingjobs/clicks")
         assert reply.status == 200
         await eventually(lambda: stored(emu, CR, NS, "clicks") is None, 20, "the job to go")
+
+
+ISOLATION = ChildOptions.model_validate(
+    {
+        "jobImage": "ghcr.io/keyshift/keyshift@sha256:" + "0f" * 32,
+        "networkPolicy": {
+            "operator": {"namespaceLabels": {"kubernetes.io/metadata.name": "keyshift"},
+                         "podLabels": {"app.kubernetes.io/component": "operator"}},
+            "prometheus": {"namespaceLabels": {}, "podLabels": {"app": "prometheus"}},
+            "sparkClients": [{"podLabels": {"spark-role": "driver"}}],
+        },
+        "podDisruptionBudget": {"maxUnavailable": 1},
+    }
+)  # fmt: skip
+
+
+async def test_network_policy_budgets_and_the_default_image_are_children_too(
+    emu: Emulator,
+) -> None:
+    body = streaming_job()
+    del body["spec"]["image"]
+    async with running_operator(emu, children=ISOLATION):
+        reply = await create(emu, body)
+        assert reply.status in (200, 201), await reply.text()
+        expected = (
+            EXPECTED_CHILDREN
+            | {("NetworkPolicy", "clicks")}
+            | {("PodDisruptionBudget", f"clicks-{stage}") for stage in ("source", "counts", "sink")}
+        )
+        await eventually(lambda: set(owned_children(emu)) == expected, 20, "children")
+        found = owned_children(emu)
+        uid = job_object(emu)["metadata"]["uid"]
+        # Owned by the job: they go with it.
+        assert all(c["metadata"]["ownerReferences"][0]["uid"] == uid for c in found.values())
+        policy = found[("NetworkPolicy", "clicks")]["spec"]
+        assert policy["podSelector"] == {"matchLabels": {"keyshift.io/job": "clicks"}}
+        assert [p["port"] for p in policy["ingress"][3]["ports"]] == [7000]
+        budget = found[("PodDisruptionBudget", "clicks-counts")]["spec"]
+        assert budget["selector"]["matchLabels"] == {
+            "keyshift.io/job": "clicks",
+            "keyshift.io/stage": "counts",
+        }
+        images = {
+            c["spec"]["template"]["spec"]["containers"][0]["image"]
+            for (kind, _), c in found.items()
+            if kind in ("Deployment", "StatefulSet")
+        }
+        assert images == {ISOLATION.job_image}
+
+        # An update reaches the policy: an ingest port is opened to the Spark clients. (Once
+        # kopf has finished with the creation: an edit before that counts as handled.)
+        await eventually(
+            lambda: "kopf.zalando.org/last-handled-configuration"
+            in job_object(emu)["metadata"].get("annotations", {}),
+            20, "kopf to finish the creation",
+        )  # fmt: skip
+        job = {"source": {"config": {"kind": "ingest", "port": 7300, "keys": None,
+                                     "profile": None}}}  # fmt: skip
+        reply = await emu.patch(f"{CR_API}/namespaces/{NS}/streamingjobs/clicks",
+                                json={"spec": {"job": job}}, headers=MERGE)  # fmt: skip
+        assert reply.status == 200, await reply.text()
+
+        def opened() -> bool:
+            policy = owned_children(emu)[("NetworkPolicy", "clicks")]["spec"]
+            return [p["port"] for p in policy["ingress"][3]["ports"]] == [7000, 7300]
+
+        await eventually(opened, 20, "the ingest port in the NetworkPolicy")
+        # The policy is the first child applied: let the reconcile finish before stopping.
+        await eventually(lambda: job_object(emu)["status"].get("observedGeneration") == 2, 20,
+                         "observedGeneration 2")  # fmt: skip
+
+
+async def test_a_job_without_an_image_degrades_when_the_operator_has_none(emu: Emulator) -> None:
+    body = streaming_job()
+    del body["spec"]["image"]
+    async with running_operator(emu):
+        reply = await create(emu, body)
+        assert reply.status in (200, 201), await reply.text()
+        degraded = await eventually(
+            lambda: (c := condition(emu, "Degraded")).get("status") == "True" and c,
+            20, "the Degraded condition",
+        )  # fmt: skip
+        assert "spec.image is not set" in degraded["message"]
+        assert owned_children(emu) == {}
 
 
 @pytest.mark.parametrize(

@@ -66,9 +66,38 @@ app.kubernetes.io/component: operator
 {{- end -}}
 {{- end -}}
 
-{{/* The operator image, repository:tag (the tag defaults to the chart's appVersion). */}}
+{{/*
+The keyshift image: repository@digest when a digest is pinned, else repository:tag (the tag
+defaults to the chart's appVersion).
+*/}}
 {{- define "keyshift.image" -}}
+{{- if .Values.image.digest -}}
+{{- printf "%s@%s" .Values.image.repository .Values.image.digest -}}
+{{- else -}}
 {{- printf "%s:%s" .Values.image.repository (.Values.image.tag | default .Chart.AppVersion) -}}
+{{- end -}}
+{{- end -}}
+
+{{/*
+What the operator puts into the children of every StreamingJob (KEYSHIFT_CHILD_OPTIONS, read by
+keyshift.operator.k8s_children.child_options_from_env): the image of jobs without one, and the
+NetworkPolicy and PodDisruptionBudget settings when they are enabled. JSON.
+*/}}
+{{- define "keyshift.childOptions" -}}
+{{- $options := dict "jobImage" (include "keyshift.image" .) -}}
+{{- if .Values.networkPolicy.enabled -}}
+{{- $operator := dict
+      "namespaceLabels" (dict "kubernetes.io/metadata.name" .Release.Namespace)
+      "podLabels" (include "keyshift.selectorLabels" . | fromYaml) -}}
+{{- $_ := set $options "networkPolicy" (dict
+      "operator" $operator
+      "prometheus" .Values.networkPolicy.prometheus
+      "sparkClients" .Values.networkPolicy.sparkClients) -}}
+{{- end -}}
+{{- if .Values.podDisruptionBudget.enabled -}}
+{{- $_ := set $options "podDisruptionBudget" (dict "maxUnavailable" .Values.podDisruptionBudget.maxUnavailable) -}}
+{{- end -}}
+{{- toJson $options -}}
 {{- end -}}
 
 {{/*
@@ -111,6 +140,18 @@ Helm" and the comments below.
 - apiGroups: [""]
   resources: [events]
   verbs: [create]
+{{- if .Values.networkPolicy.enabled }}
+# Each job's NetworkPolicy (networkPolicy.enabled): created, or patched when it exists.
+- apiGroups: [networking.k8s.io]
+  resources: [networkpolicies]
+  verbs: [create, patch]
+{{- end }}
+{{- if .Values.podDisruptionBudget.enabled }}
+# Each stage's PodDisruptionBudget (podDisruptionBudget.enabled): created, or patched.
+- apiGroups: [policy]
+  resources: [poddisruptionbudgets]
+  verbs: [create, patch]
+{{- end }}
 {{- end -}}
 
 {{/* What kopf reads cluster-wide whatever the namespaces served. */}}
