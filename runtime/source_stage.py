@@ -19,7 +19,7 @@ import pyarrow as pa
 
 from keyshift.runtime.checkpointing import CHECKPOINT_COMPLETE, SOURCE_ACK
 from keyshift.runtime.generator import KeyGenerator, Pacer, instance_total, rate_at
-from keyshift.runtime.ingest import REMEMBERED_BATCH_IDS, IngestService
+from keyshift.runtime.ingest import REMEMBERED_BATCH_IDS, IngestLimits, IngestService
 from keyshift.runtime.ingest_log import IngestLog, ingest_log_url
 from keyshift.runtime.instance import InstanceContext
 from keyshift.runtime.job import GeneratorSource, IngestSource, JobSpec, resolve_function
@@ -82,7 +82,7 @@ def apply_transforms(
             continue
         if current is not None:
             results.append(current)
-    checked = check_records(results, fields)
+    checked = check_records(results, fields, ctx.spec.allow_non_finite)
     for bad, reason in checked.rejected:
         ctx.reject(f"schema {reason}", bad)
     kept = checked.kept
@@ -258,6 +258,8 @@ def run_ingest(ctx: InstanceContext, config: IngestSource, emitter: Emitter) -> 
         on_reject=lambda reason, sample, count: ctx.reject(f"ingest {reason}", sample, count),
         durable=durable,
         position=position,
+        limits=IngestLimits.of(config),
+        non_finite=spec.allow_non_finite,
     )
     emitter.start_at(service.next_seq)
     emitter.on_complete = service.trim
