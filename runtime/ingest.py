@@ -484,7 +484,7 @@ def _decode(
     limits: IngestLimits,
 ) -> CheckedRows:
     if len(payload) > limits.max_request_bytes:
-        raise _too_big(f"a payload of {len(payload):,} bytes", "max_request_bytes", limits)
+        raise _too_big(f"{len(payload):,} bytes of payload", "max_request_bytes", limits)
     if fmt == "arrow":
         try:
             table = pa.ipc.open_stream(pa.py_buffer(payload)).read_all()
@@ -507,8 +507,8 @@ def _decode(
 def _too_big(what: str, limit: str, limits: IngestLimits) -> IngestRefused:
     return IngestRefused(
         grpc.StatusCode.INVALID_ARGUMENT,
-        f"{what} is more than this endpoint takes in one push ({limit} is "
-        f"{getattr(limits, limit):,}); split it into several pushes",
+        f"the push has {what}, over this endpoint's {limit} ({getattr(limits, limit):,}); "
+        "split it into several pushes",
     )
 
 
