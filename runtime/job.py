@@ -241,7 +241,7 @@ class IngestSource(_Model):
     max_request_bytes: int = Field(
         default=DEFAULT_MAX_REQUEST_BYTES,
         ge=1024,
-        le=MAX_MESSAGE,
+        le=MAX_MESSAGE - (1 << 20),  # a push's header must fit beside it in a gRPC message
         description="bytes of one push's payload; a larger push is refused whole",
     )
     max_staged_bytes: int = Field(

@@ -15,11 +15,10 @@ import pyarrow as pa
 import pytest
 
 from keyshift.runtime.generator import KeyGenerator
+from keyshift.runtime.ingest import IngestService, pack_request
 from keyshift.runtime.ingest_client import IngestClient
-from keyshift.runtime.job import GeneratorSource
+from keyshift.runtime.job import GeneratorSource, JobError, parse_job
 from tests.conftest import count_job, latest_by_version, running_job, wait_for
-
-pytestmark = pytest.mark.slow
 
 
 def invalid_utf8_users(users: list[bytes]) -> pa.Array:
@@ -59,6 +58,7 @@ def ingest_address(local: Any) -> str | None:
     return instances[0]["stats"].get("ingest_address") if instances else None
 
 
+@pytest.mark.slow
 def test_poison_rows_at_the_endpoint_are_rejected_alone_and_the_job_goes_on(
     tmp_path: Path,
 ) -> None:
@@ -101,6 +101,7 @@ def test_poison_rows_at_the_endpoint_are_rejected_alone_and_the_job_goes_on(
     assert {u: n for u, (n, _) in latest.items()} == {"ann": 3, "bob": 2, "cid": 2}
 
 
+@pytest.mark.slow
 def test_poison_records_made_by_a_transform_are_rejected_alone(tmp_path: Path) -> None:
     total = 3000
     source = {"kind": "generator", "keys": 50, "seed": 4, "total": total}
@@ -121,3 +122,29 @@ def test_poison_records_made_by_a_transform_are_rejected_alone(tmp_path: Path) -
     truth = Counter(int(k) for seq, k in enumerate(keys) if seq % 5 != 0)
     latest = latest_by_version(tmp_path / "out")
     assert {k: v for k, (_, v) in latest.items()} == {k: float(n) for k, n in truth.items()}
+
+
+def test_allow_non_finite_lets_named_float_fields_hold_nan_and_infinity() -> None:
+    fields = {"user": "str", "amount": "float", "ratio": "float"}
+    service = IngestService(fields, 0, 8, lambda *_: None, non_finite={"ratio"})
+    rows = [{"user": "a", "amount": 1.0, "ratio": math.nan},
+            {"user": "b", "amount": math.inf, "ratio": 1.0},
+            {"user": "c", "amount": 2.0, "ratio": -math.inf}]  # fmt: skip
+    for body in (json.dumps(rows).encode(), ingest_ipc(pa.Table.from_pylist(rows))):
+        fmt = "json" if body.startswith(b"[") else "arrow"
+        reply = service.push(pack_request({"format": fmt}, body))
+        assert (reply["accepted"], reply["rejected"]) == (2, 1)
+        assert reply["reasons"][0].startswith("field 'amount' is not a finite number")
+    job = {"name": "x", "fields": fields, "source": {"config": {"kind": "ingest"}},
+           "keyed": {"key_by": "user"}}  # fmt: skip
+    with pytest.raises(JobError, match=r"allow_non_finite names \['user'\], which are not float"):
+        parse_job({**job, "allow_non_finite": ["user"]})
+    spec = parse_job({**job, "allow_non_finite": ["ratio"]})
+    assert spec.allow_non_finite == ["ratio"]
+
+
+def ingest_ipc(table: pa.Table) -> bytes:
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, table.schema) as writer:
+        writer.write_table(table)
+    return bytes(sink.getvalue().to_pybytes())
