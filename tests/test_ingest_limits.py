@@ -3,12 +3,14 @@ gRPC server: a push above the row or byte cap is refused whole with INVALID_ARGU
 the limit and nothing of it is accepted; the client splits its pushes under the caps so its
 users never meet them, and a retried split push is applied once; staged parts are capped, the
 least recently staged transaction making room with a clear error at its commit; JSON parsed in
-chunks gives the same rows, reasons and order as in one piece."""
+chunks gives the same rows, reasons and order as in one piece. Last, the same in a running job
+with checkpoints: it keeps running and counts every row once."""
 
 from __future__ import annotations
 
 import re
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -19,6 +21,8 @@ from keyshift.runtime import ingest
 from keyshift.runtime.ingest import IngestLimits, IngestService
 from keyshift.runtime.ingest_client import IngestClient, IngestError, encode_rows, split_rows
 from keyshift.runtime.transport import start_server
+from tests.conftest import count_job, latest_by_version, running_job, wait_for
+from tests.test_poison_rows import ingest_address
 
 FIELDS = {"user": "str", "clicks": "int"}
 LIMITS = IngestLimits(max_request_rows=100, max_request_bytes=4096, max_staged_bytes=4096)
@@ -202,3 +206,49 @@ def test_the_spark_writer_stages_parts_under_the_caps(endpoint: Endpoint) -> Non
     for name, value in (("maxrequestrows", "0"), ("maxrequestbytes", "lots")):
         with pytest.raises(ValueError, match=f"option '{name}' must be a positive whole number"):
             WriterOptions.parse({"endpoint": address, name: value})
+
+
+@pytest.mark.slow
+def test_a_job_with_tight_limits_keeps_running_and_counts_every_row_once(
+    tmp_path: Path,
+) -> None:
+    out = tmp_path / "out"
+    limits = {"max_request_rows": 500, "max_request_bytes": 16384, "max_staged_bytes": 16384}
+    job = count_job(
+        fields=FIELDS,
+        source={"parallelism": 1, "config": {"kind": "ingest", **limits}},
+        keyed={"key_by": "user", "operator": {"function": "sum", "field": "clicks"}},
+        sink={"config": {"kind": "log", "path": str(out), "format": "parquet"}},
+        checkpoints={"interval": 0.5, "storage": str(tmp_path / "checkpoints")},
+    )
+    with running_job(tmp_path, job) as local:
+        address = wait_for(lambda: ingest_address(local), 60, "the ingest endpoint")
+        with IngestClient(address) as unaware:  # the default caps: larger than this job's
+            with pytest.raises(
+                IngestError, match=r"over this endpoint.s max_request_bytes \(16,384\)"
+            ) as caught:
+                unaware.push(rows(0, 3000), batch_id="too-big")
+            assert caught.value.code == grpc.StatusCode.INVALID_ARGUMENT
+        with IngestClient(address, 500, 16384) as client:
+            reply = client.push(rows(0, 3000), batch_id="split")
+            assert (reply.accepted, reply.rejected) == (3000, 0)
+            assert client.push(rows(0, 3000), batch_id="split").duplicate  # a retry: once
+            # Three transactions of ~7 KB staged at once: the first is pushed out.
+            for transaction in ("t1", "t2", "t3"):
+                client.stage(rows(3000, 3500), transaction, "0-0")
+            with pytest.raises(IngestError, match="max_staged_bytes") as caught:
+                client.commit("t1", ["0-0"])
+            assert caught.value.code == grpc.StatusCode.FAILED_PRECONDITION
+            for transaction in ("t2", "t3"):
+                assert client.commit(transaction, ["0-0"]).accepted == 500
+            client.stage(rows(3000, 3500), "t1", "0-0")  # the writer retries the batch whole
+            assert client.commit("t1", ["0-0"]).accepted == 500
+        assert local.status()["phase"] == "running" and not local.recoveries
+        local.drain()
+        wait_for(lambda: local.status()["phase"] == "finished", 60, "the job to drain")
+    truth: dict[str, int] = {}
+    for row in rows(0, 3000) + rows(3000, 3500) * 3:
+        truth[row["user"]] = truth.get(row["user"], 0) + row["clicks"]
+    latest = latest_by_version(out)
+    assert {u: v for u, (_, v) in latest.items()} == truth
+    assert sum(n for n, _ in latest.values()) == 4500
