@@ -29,7 +29,7 @@ from pydantic import (
 )
 
 from keyshift.policies.settings import AutoscalerSettings
-from keyshift.runtime.job_file import JobFileError, read_job_file
+from keyshift.runtime.job_file import JobFileError, check_data, read_job_file
 from keyshift.runtime.records import READER_NAME, RESERVED_FIELDS
 from keyshift.runtime.transport import MAX_MESSAGE
 
@@ -498,6 +498,10 @@ def parse_job(data: Any, origin: str = "definition", resolve_functions: bool = T
     Without `resolve_functions`, user functions are checked for their form only."""
     if not isinstance(data, dict):
         raise JobError(f"invalid job {origin}: the top level must be a mapping")
+    try:
+        check_data(data)
+    except JobFileError as exc:
+        raise JobError(f"invalid job {origin}: {exc}") from None
     try:
         return JobSpec.model_validate(data, context={"resolve_functions": resolve_functions})
     except ValidationError as exc:

@@ -5,7 +5,9 @@ duplicate keys (which YAML would resolve silently to the last one).
 
 Called by `keyshift.runtime.job.load_job` (the CLI, the coordinator) and by the Spark log
 reader, which reads a job file for its schema; every error is a JobFileError naming the file
-and, where there is one, the line.
+and, where there is one, the line. `check_data` holds job data from elsewhere (a StreamingJob's
+spec, a registration reply, the Python API) to the same depth and size limits; `parse_job`
+calls it.
 """
 
 from __future__ import annotations
@@ -119,6 +121,24 @@ def _children(node: Node) -> list[Node]:
     if isinstance(node, MappingNode):
         return [n for pair in node.value for n in pair]
     return []
+
+
+def check_data(data: Any) -> None:
+    """JobFileError if plain data (dicts, lists, scalars) nests deeper than MAX_DEPTH or holds
+    more than MAX_NODES values; iterative, and it stops at the first limit it passes."""
+    count = 0
+    stack: list[tuple[Any, int]] = [(data, 1)]
+    while stack:
+        value, depth = stack.pop()
+        count += 1
+        if count > MAX_NODES:
+            raise JobFileError(f"more than {MAX_NODES:,} values")
+        if depth > MAX_DEPTH:
+            raise JobFileError(f"nesting deeper than {MAX_DEPTH} levels")
+        if isinstance(value, dict):
+            stack.extend((v, depth + 1) for pair in value.items() for v in pair)
+        elif isinstance(value, list | tuple):
+            stack.extend((v, depth + 1) for v in value)
 
 
 def read_job_file(path: str | Path) -> Any:

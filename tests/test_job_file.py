@@ -133,3 +133,15 @@ def test_rescale_exit_codes_match_the_readme(tmp_path: Path) -> None:
         status = local.status()
         assert status["phase"] == "running" and status["stages"][1]["parallelism"] == 2
         assert status["rescales"] == []  # refused requests change nothing
+
+
+def test_job_data_from_elsewhere_is_held_to_the_same_limits() -> None:
+    # A StreamingJob's spec or a registration reply arrives as JSON, not as a file.
+    deep: dict[str, object] = {}
+    for _ in range(5000):
+        deep = {"k": deep}
+    wide = {"endpoint": "x", "options": [[1, 2, 3]] * 40_000}
+    for data, message in ((deep, "nesting deeper than 32 levels"), (wide, "more than 100,000")):
+        job = {"name": "x", "checkpoints": {"storage_options": data}}
+        with pytest.raises(JobError, match=f"invalid job spec.job: {message}"):
+            parse_job(job, origin="spec.job", resolve_functions=False)
