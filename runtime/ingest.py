@@ -518,18 +518,19 @@ def _json_rows(payload: memoryview, limits: IngestLimits) -> Iterator[list[Any]]
     has more rows than the limit."""
     text = str(payload, "utf-8")
     decoder = json.JSONDecoder()
-    at = _JSON_SPACE.match(text).end()  # type: ignore[union-attr]
+    at = _skip_space(text, 0)
     if not text.startswith("[", at):
         value, _ = decoder.raw_decode(text, at)
         raise IngestRefused(
             grpc.StatusCode.INVALID_ARGUMENT,
             f"JSON payload must be an array of row objects, got {type(value).__name__}",
         )
-    at = _JSON_SPACE.match(text, at + 1).end()  # type: ignore[union-attr]
+    at = _skip_space(text, at + 1)
     rows: list[Any] = []
     count = 0
     closed = text.startswith("]", at)
-    at += closed
+    if closed:
+        at += 1
     while not closed:
         row, at = decoder.raw_decode(text, at)
         rows.append(row)
@@ -538,9 +539,9 @@ def _json_rows(payload: memoryview, limits: IngestLimits) -> Iterator[list[Any]]
             raise _too_big(
                 f"more than {limits.max_request_rows:,} rows", "max_request_rows", limits
             )
-        at = _JSON_SPACE.match(text, at).end()  # type: ignore[union-attr]
+        at = _skip_space(text, at)
         if text.startswith(",", at):
-            at = _JSON_SPACE.match(text, at + 1).end()  # type: ignore[union-attr]
+            at = _skip_space(text, at + 1)
             if len(rows) >= JSON_CHUNK_ROWS:
                 yield rows
                 rows = []
@@ -549,9 +550,16 @@ def _json_rows(payload: memoryview, limits: IngestLimits) -> Iterator[list[Any]]
             closed = True
         else:
             raise ValueError(f"expected ',' or ']' at character {at}")
-    if _JSON_SPACE.match(text, at).end() != len(text):  # type: ignore[union-attr]
+    if _skip_space(text, at) != len(text):
         raise ValueError(f"extra data after the array at character {at}")
     yield rows
+
+
+def _skip_space(text: str, at: int) -> int:
+    """The position of the first character from `at` on that is not JSON whitespace."""
+    space = _JSON_SPACE.match(text, at)
+    assert space is not None  # `*` matches the empty string too
+    return space.end()
 
 
 # --- the service -----------------------------------------------------------------------------
