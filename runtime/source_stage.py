@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import grpc
@@ -72,7 +72,9 @@ def apply_transforms(
                 if kind == "map":
                     meta = {f: current[f] for f in METADATA_FIELDS}
                     current = fn(current)
-                    if isinstance(current, dict):
+                    # Any mapping becomes a dict here, inside the try: one whose reads fail
+                    # is this record's error, not the stage's.
+                    if isinstance(current, Mapping):
                         current = {**current, **meta}
                 elif not fn(current):
                     current = None
