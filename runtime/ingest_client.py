@@ -68,6 +68,7 @@ def encode_rows(rows: Rows) -> tuple[str, bytes]:
 def split_rows(rows: Rows, max_rows: int, max_bytes: int) -> Iterator[tuple[str, bytes, int]]:
     """(format, payload, row count) of consecutive pieces of `rows`, each at most `max_rows`
     rows and `max_bytes` bytes of payload; ValueError if one row alone is larger."""
+    _check_limits(max_rows, max_bytes)
     total = rows.num_rows if isinstance(rows, pa.Table | pa.RecordBatch) else len(rows)
     if total == 0:
         yield (*encode_rows(rows), 0)
@@ -93,6 +94,14 @@ def split_rows(rows: Rows, max_rows: int, max_bytes: int) -> Iterator[tuple[str,
             count = max(1, min(count - 1, count * max_bytes // len(payload) * 9 // 10))
 
 
+def _check_limits(max_rows: int, max_bytes: int) -> None:
+    if max_rows < 1 or max_bytes < 1:
+        raise ValueError(
+            f"an endpoint's limits are positive: got max_request_rows={max_rows}, "
+            f"max_request_bytes={max_bytes}"
+        )
+
+
 def _plain(value: Any) -> Any:
     """numpy scalars (which pandas and users' code often hand over) as Python values."""
     item = getattr(value, "item", None)
@@ -112,6 +121,7 @@ class IngestClient:
     ) -> None:
         """`max_request_rows` and `max_request_bytes`: the endpoint's limits (the ingest
         source's settings in the job file); pushes are split within them."""
+        _check_limits(max_request_rows, max_request_bytes)
         self.address = address
         self.max_request_rows = max_request_rows
         self.max_request_bytes = max_request_bytes

@@ -121,6 +121,11 @@ def test_split_rows_keeps_every_piece_within_the_caps() -> None:
     assert [count for *_, count in split_rows([], 64, 2048)] == [0]
     with pytest.raises(ValueError, match="row 1 alone takes"):
         list(split_rows([{"user": "a"}, {"user": "b" * 3000}], 64, 2048))
+    for limits in ((0, 2048), (64, 0)):
+        with pytest.raises(ValueError, match="an endpoint's limits are positive"):
+            list(split_rows(varied, *limits))
+        with pytest.raises(ValueError, match="an endpoint's limits are positive"):
+            IngestClient("127.0.0.1:1", *limits)
 
 
 def staged_bytes(service: IngestService) -> int:
