@@ -2,8 +2,9 @@
 crds` writes the StreamingJob CRD generated from the models and `keyshift dashboards` the Grafana
 dashboards built in keyshift.operator.dashboards (both take `--check` for CI).
 
-Entry point of the console script. Bad arguments and bad job files get a one-paragraph error
-and exit code 2 before anything starts; a run that fails exits 1.
+Entry point of the console script. Bad arguments, bad job files (see keyshift.runtime.job_file
+for the limits a job file must keep) and requests the coordinator refuses get a one-paragraph
+error and exit code 2 before anything starts; a run or rescale that fails exits 1.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from keyshift.policies.settings import AutoscalerSettings
 from keyshift.runtime.job import JobError, JobSpec, load_job
 from keyshift.runtime.lifecycle import allow_user_code
 from keyshift.runtime.rescale import STRATEGIES
-from keyshift.runtime.transport import JsonClient, TransportError
+from keyshift.runtime.transport import JsonClient, RequestRefused, TransportError
 
 
 def _error(console: Console, problem: object) -> None:
@@ -49,6 +50,16 @@ def _positive(text: str) -> float:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
     if value <= 0:
         raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value
+
+
+def _parallelism(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"parallelism must be at least 1, got {text}")
     return value
 
 
@@ -96,7 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
     rescale = sub.add_parser("rescale", help="change a keyed stage's parallelism, live")
     rescale.add_argument("job", help="job name (as run by `keyshift run` here) or HOST:PORT")
     rescale.add_argument("stage", help="the keyed stage")
-    rescale.add_argument("parallelism", type=int)
+    rescale.add_argument("parallelism", type=_parallelism)
     rescale.add_argument(
         "--strategy",
         choices=STRATEGIES,
@@ -195,7 +206,7 @@ def cmd_rescale(args: argparse.Namespace, console: Console) -> int:
             {"stage": args.stage, "parallelism": args.parallelism,
              "strategy": args.strategy, "options": options},
         )  # fmt: skip
-    except (ValueError, RegistryError) as exc:
+    except (ValueError, RegistryError, RequestRefused) as exc:
         _error(console, exc)
         return 2
     except TransportError as exc:

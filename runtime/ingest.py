@@ -14,9 +14,16 @@ Rows must carry every field of the job's schema (extra columns are ignored). An 
 `event_time` column (int64 microseconds; an Arrow timestamp column is converted) is the rows'
 event time; without it, or where it is null, the event time is the ingest time. Rows that do
 not fit are rejected one by one with a reason (the same reasons as
-`keyshift.runtime.schema_check.why_invalid`); the valid rows around them are kept, in order.
-A body that cannot be parsed at all is refused with INVALID_ARGUMENT and nothing in it is
-accepted.
+`keyshift.runtime.schema_check.why_invalid`: strings must be valid UTF-8, floats finite unless
+the job's `allow_non_finite` names the field); the valid rows around them are kept, in order,
+and nothing accepted can fail a stage later. A body that cannot be parsed at all is refused
+with INVALID_ARGUMENT and nothing in it is accepted.
+
+Limits (`IngestLimits`, from the ingest source's job settings): a push of more than
+`max_request_bytes` of payload or `max_request_rows` rows is refused whole with
+INVALID_ARGUMENT naming the limit (the clients split their pushes under the defaults). JSON is
+parsed in chunks of rows straight into Arrow columns, so a push takes about its Arrow size in
+memory beside its body, not that of a Python object per value.
 
 The accepted rows of one request become one record batch with consecutive sequence numbers,
 put on a bounded queue that the source loop drains with `take`. While the queue is full, Push
@@ -30,6 +37,10 @@ and stages its rows (a later Push of the same part replaces them: a retried task
 at once, and answers `duplicate: true` for a transaction committed before, so a Spark
 micro-batch that is retried or committed twice is applied once; `keyshift.Ingest/Abort` with
 `{"transaction": t}` drops the staged parts. Parts nobody commits expire after `staged_ttl`.
+Staged parts take at most `max_staged_bytes` (in Arrow): a part that would go past it drops the
+least recently staged other transactions first (their commit is then refused with
+FAILED_PRECONDITION saying so, and the client retries the whole batch); a transaction that
+alone would exceed it is refused with INVALID_ARGUMENT.
 Batch ids and committed transactions are remembered (the last 100,000), so any retry of the
 client is applied once.
 
@@ -44,11 +55,12 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import struct
 import threading
 import time
 from collections import OrderedDict, deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -59,8 +71,14 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from keyshift.runtime.ingest_log import IngestLog, IngestLogError
+from keyshift.runtime.job import (
+    DEFAULT_MAX_REQUEST_BYTES,
+    DEFAULT_MAX_REQUEST_ROWS,
+    DEFAULT_MAX_STAGED_BYTES,
+    IngestSource,
+)
 from keyshift.runtime.records import ARROW_TYPES, EVENT_TIME, SEQ, now_us, record_schema
-from keyshift.runtime.schema_check import check_records, why_invalid
+from keyshift.runtime.schema_check import check_records, non_finite_reason, why_invalid
 
 log = logging.getLogger("keyshift.ingest")
 
@@ -72,10 +90,26 @@ FORMATS = ("arrow", "json")
 MAX_REASONS = 5
 REMEMBERED_BATCH_IDS = 100_000
 STAGED_TTL = 900.0  # seconds an uncommitted transaction's parts are kept
+JSON_CHUNK_ROWS = 16_384  # JSON rows decoded to Python objects at a time
+REMEMBERED_DROPS = 1000  # why recently dropped transactions were dropped, for their commit
+_JSON_SPACE = re.compile(r"[ \t\n\r]*")
 _HEADER_LENGTH = struct.Struct("<I")
 _INT64_MAX = 2**63 - 1
 
 Mask = npt.NDArray[np.bool_]
+
+
+@dataclass(frozen=True)
+class IngestLimits:
+    """What one endpoint takes at most (see the module docstring); the job file sets them."""
+
+    max_request_rows: int = DEFAULT_MAX_REQUEST_ROWS
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+    max_staged_bytes: int = DEFAULT_MAX_STAGED_BYTES
+
+    @classmethod
+    def of(cls, config: IngestSource) -> IngestLimits:
+        return cls(config.max_request_rows, config.max_request_bytes, config.max_staged_bytes)
 
 
 class IngestRefused(Exception):
@@ -175,6 +209,35 @@ class CheckedRows:
     def rejected(self) -> int:
         return sum(r.count for r in self.rejections)
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the valid rows' Arrow buffers."""
+        times = 0 if self.event_time is None else self.event_time.nbytes
+        return int(sum(c.nbytes for c in self.columns)) + times
+
+    @classmethod
+    def concat(cls, parts: Sequence[CheckedRows]) -> CheckedRows:
+        """The rows of consecutive parts as one, each reason's first sample and total count."""
+        found: dict[str, Rejection] = {}
+        for rejection in (r for p in parts for r in p.rejections):
+            if rejection.reason in found:
+                found[rejection.reason].count += rejection.count
+            else:
+                found[rejection.reason] = Rejection(
+                    rejection.reason, rejection.sample, rejection.count
+                )
+        kept = [p for p in parts if p.num_rows]
+        if not kept:
+            return cls([], None, 0, list(found.values()))
+        columns = [pa.concat_arrays(list(c)) for c in zip(*(p.columns for p in kept), strict=True)]
+        event_time = None
+        if any(p.event_time is not None for p in kept):
+            event_time = pa.concat_arrays(
+                [p.event_time if p.event_time is not None else pa.nulls(p.num_rows, pa.int64())
+                 for p in kept]
+            )  # fmt: skip
+        return cls(columns, event_time, sum(p.num_rows for p in kept), list(found.values()))
+
     def to_table(self, fields: Sequence[str]) -> pa.Table:
         """The valid rows as a table (rejections are not kept: they were answered)."""
         columns = dict(zip(fields, self.columns, strict=True)) if self.num_rows else {}
@@ -248,14 +311,64 @@ def _convert(column: pa.Array, kind: str, name: str, verdicts: _Verdicts) -> pa.
     source = column.type
     if source == arrow_type:
         return column
+    if kind == "str" and pa.types.is_large_string(source):
+        # Narrowed only after its UTF-8 is checked (the cast does not look at the bytes).
+        return column
     if kind == "int":
         return _as_int64(column, name, verdicts)
     if kind == "float" and (pa.types.is_floating(source) or pa.types.is_integer(source)):
         # Like float(int) on the JSON path: large integers round to the nearest double.
         return column.cast(pa.float64(), safe=pa.types.is_floating(source))
-    if kind == "str" and (pa.types.is_large_string(source) or str(source) == "string_view"):
+    if kind == "str" and str(source) == "string_view":
         return column.cast(pa.string())
     return None
+
+
+def _invalid_utf8(column: pa.Array, name: str) -> Mask | None:
+    """Rows of a string column whose bytes are not UTF-8 (None when all are); IngestRefused
+    when the column is broken in another way (offsets outside its data)."""
+    try:
+        column.validate(full=True)
+        return None
+    except pa.ArrowInvalid:
+        pass
+    raw = column.view(pa.large_binary() if pa.types.is_large_string(column.type) else pa.binary())
+    try:
+        raw.validate(full=True)
+    except pa.ArrowInvalid as exc:
+        raise IngestRefused(
+            grpc.StatusCode.INVALID_ARGUMENT, f"column {name!r} is not a valid Arrow array: {exc}"
+        ) from None
+    return np.fromiter((v is not None and not _is_utf8(v) for v in raw.to_pylist()), np.bool_)
+
+
+def _is_utf8(value: bytes) -> bool:
+    try:
+        value.decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return True
+
+
+def _check_values(
+    column: pa.Array, kind: str, name: str, non_finite: bool, verdicts: _Verdicts
+) -> pa.Array:
+    """Reject the rows whose values cannot be processed; `column` has its field's type
+    (a large string column is narrowed here, once its UTF-8 is checked)."""
+    if kind == "str":
+        bad = _invalid_utf8(column, name)
+        if bad is not None:
+            verdicts.reject(bad, f"field {name!r} is not valid UTF-8")
+        return column.cast(pa.string()) if column.type != pa.string() else column
+    try:
+        column.validate(full=True)
+    except pa.ArrowInvalid as exc:
+        raise IngestRefused(
+            grpc.StatusCode.INVALID_ARGUMENT, f"column {name!r} is not a valid Arrow array: {exc}"
+        ) from None
+    if kind == "float" and not non_finite:
+        verdicts.reject(_mask(pc.invert(pc.is_finite(column))), non_finite_reason(name))
+    return column
 
 
 def _event_time(table: pa.Table, verdicts: _Verdicts) -> pa.Array | None:
@@ -282,8 +395,14 @@ def _event_time(table: pa.Table, verdicts: _Verdicts) -> pa.Array | None:
     return converted
 
 
-def check_table(table: pa.Table, fields: Mapping[str, str]) -> CheckedRows:
-    """Vectorized check of an Arrow table: whole-column type checks, per-row null checks."""
+def check_table(
+    table: pa.Table, fields: Mapping[str, str], non_finite: Collection[str] = ()
+) -> CheckedRows:
+    """Vectorized check of an Arrow table: whole-column type checks, per-row null and value
+    checks. Columns that are not the job's are dropped unseen."""
+    table = table.select(
+        [i for i, f in enumerate(table.schema) if f.name in fields or f.name == EVENT_TIME]
+    )
     n = table.num_rows
     verdicts = _Verdicts(bad=np.zeros(n, np.bool_))
     converted: list[pa.Array | None] = []
@@ -299,6 +418,8 @@ def check_table(table: pa.Table, fields: Mapping[str, str]) -> CheckedRows:
             verdicts.reject(
                 np.ones(n, np.bool_), f"field {name!r} should be {kind}, got {column.type}"
             )
+        else:
+            as_field = _check_values(as_field, kind, name, name in non_finite, verdicts)
         converted.append(as_field)
     event_time = _event_time(table, verdicts)
     rejections = [
@@ -324,27 +445,22 @@ def _row(table: pa.Table, index: int) -> Any:
         return f"row {index}"
 
 
-def _extra_problem(record: Any, fields: Mapping[str, str]) -> str | None:
-    """Problems of a JSON row that `why_invalid` does not look for."""
-    for name, kind in fields.items():
-        value = record[name]
-        if kind == "float" and isinstance(value, int):
-            try:
-                float(value)
-            except OverflowError:
-                return f"field {name!r} is out of the float range"
+def _event_time_problem(record: Mapping[str, Any]) -> str | None:
+    """The problem of a JSON row's event time, which `why_invalid` does not look at."""
     value = record.get(EVENT_TIME)
     if value is None:
         return None
     return why_invalid({EVENT_TIME: value}, {EVENT_TIME: "int"})
 
 
-def check_rows(rows: Sequence[Any], fields: Mapping[str, str]) -> CheckedRows:
+def check_rows(
+    rows: Sequence[Any], fields: Mapping[str, str], non_finite: Collection[str] = ()
+) -> CheckedRows:
     """Per-row check of decoded JSON rows."""
     valid: list[Mapping[str, Any]] = []
     found: dict[str, Rejection] = {}
     for row in rows:
-        reason = why_invalid(row, fields) or _extra_problem(row, fields)
+        reason = why_invalid(row, fields, non_finite) or _event_time_problem(row)
         if reason is None:
             valid.append(row)
         elif reason in found:
@@ -353,14 +469,22 @@ def check_rows(rows: Sequence[Any], fields: Mapping[str, str]) -> CheckedRows:
             found[reason] = Rejection(reason, row, 1)
     if not valid:
         return CheckedRows([], None, 0, list(found.values()))
-    checked = check_records(valid, fields)
+    checked = check_records(valid, fields, non_finite)
     columns = [checked.columns[name] for name in fields]
     times = [row.get(EVENT_TIME) for row in valid]
     event_time = None if all(t is None for t in times) else pa.array(times, pa.int64())
     return CheckedRows(columns, event_time, len(valid), list(found.values()))
 
 
-def _decode(fmt: str, payload: memoryview, fields: Mapping[str, str]) -> CheckedRows:
+def _decode(
+    fmt: str,
+    payload: memoryview,
+    fields: Mapping[str, str],
+    non_finite: Collection[str],
+    limits: IngestLimits,
+) -> CheckedRows:
+    if len(payload) > limits.max_request_bytes:
+        raise _too_big(f"{len(payload):,} bytes of payload", "max_request_bytes", limits)
     if fmt == "arrow":
         try:
             table = pa.ipc.open_stream(pa.py_buffer(payload)).read_all()
@@ -368,19 +492,74 @@ def _decode(fmt: str, payload: memoryview, fields: Mapping[str, str]) -> Checked
             raise IngestRefused(
                 grpc.StatusCode.INVALID_ARGUMENT, f"payload is not an Arrow IPC stream: {exc}"
             ) from None
-        return check_table(table, fields)
+        if table.num_rows > limits.max_request_rows:
+            raise _too_big(f"{table.num_rows:,} rows", "max_request_rows", limits)
+        return check_table(table, fields, non_finite)
     try:
-        rows = json.loads(bytes(payload))
+        parts = [check_rows(rows, fields, non_finite) for rows in _json_rows(payload, limits)]
     except (ValueError, RecursionError) as exc:  # RecursionError: nesting too deep
         raise IngestRefused(
             grpc.StatusCode.INVALID_ARGUMENT, f"payload is not JSON: {exc}"
         ) from None
-    if not isinstance(rows, list):
+    return CheckedRows.concat(parts)
+
+
+def _too_big(what: str, limit: str, limits: IngestLimits) -> IngestRefused:
+    return IngestRefused(
+        grpc.StatusCode.INVALID_ARGUMENT,
+        f"the push has {what}, over this endpoint's {limit} ({getattr(limits, limit):,}); "
+        "split it into several pushes",
+    )
+
+
+def _json_rows(payload: memoryview, limits: IngestLimits) -> Iterator[list[Any]]:
+    """The rows of a JSON array, JSON_CHUNK_ROWS at a time: only a chunk of them is ever held
+    as Python objects. ValueError if it is not JSON; IngestRefused if it is not an array or
+    has more rows than the limit."""
+    text = str(payload, "utf-8")
+    decoder = json.JSONDecoder()
+    at = _skip_space(text, 0)
+    if not text.startswith("[", at):
+        value, _ = decoder.raw_decode(text, at)
         raise IngestRefused(
             grpc.StatusCode.INVALID_ARGUMENT,
-            f"JSON payload must be an array of row objects, got {type(rows).__name__}",
+            f"JSON payload must be an array of row objects, got {type(value).__name__}",
         )
-    return check_rows(rows, fields)
+    at = _skip_space(text, at + 1)
+    rows: list[Any] = []
+    count = 0
+    closed = text.startswith("]", at)
+    if closed:
+        at += 1
+    while not closed:
+        row, at = decoder.raw_decode(text, at)
+        rows.append(row)
+        count += 1
+        if count > limits.max_request_rows:
+            raise _too_big(
+                f"more than {limits.max_request_rows:,} rows", "max_request_rows", limits
+            )
+        at = _skip_space(text, at)
+        if text.startswith(",", at):
+            at = _skip_space(text, at + 1)
+            if len(rows) >= JSON_CHUNK_ROWS:
+                yield rows
+                rows = []
+        elif text.startswith("]", at):
+            at += 1
+            closed = True
+        else:
+            raise ValueError(f"expected ',' or ']' at character {at}")
+    if _skip_space(text, at) != len(text):
+        raise ValueError(f"extra data after the array at character {at}")
+    yield rows
+
+
+def _skip_space(text: str, at: int) -> int:
+    """The position of the first character from `at` on that is not JSON whitespace."""
+    space = _JSON_SPACE.match(text, at)
+    assert space is not None  # `*` matches the empty string too
+    return space.end()
 
 
 # --- the service -----------------------------------------------------------------------------
@@ -392,6 +571,10 @@ class _Staged:
 
     parts: dict[str, CheckedRows] = field(default_factory=dict)
     touched: float = field(default_factory=time.monotonic)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(rows.nbytes for rows in self.parts.values())
 
 
 class IngestService:
@@ -407,13 +590,18 @@ class IngestService:
         staged_ttl: float = STAGED_TTL,
         durable: IngestLog | None = None,
         position: int | None = None,
+        limits: IngestLimits = IngestLimits(),
+        non_finite: Collection[str] = (),
     ) -> None:
         """With `durable`, accepted rows are logged there before they are acknowledged, and the
         service starts from what the log holds: after a recovery (`position`, the checkpoint's
-        sequence number) the rows from there on are taken first."""
+        sequence number) the rows from there on are taken first. `non_finite` names the float
+        fields that may hold NaN and infinities."""
         if max_pending < 1:
             raise ValueError(f"max_pending must be at least 1, got {max_pending}")
         self.fields = dict(fields)
+        self.limits = limits
+        self.non_finite = frozenset(non_finite)
         self.source_id = source_id
         self.max_pending = max_pending
         self.push_timeout = push_timeout
@@ -428,6 +616,8 @@ class IngestService:
         self._seen: OrderedDict[str, None] = OrderedDict()
         self._in_flight: set[str] = set()
         self._staged: dict[str, _Staged] = {}
+        # Why transactions were dropped before their commit (expired, or pushed out).
+        self._dropped: OrderedDict[str, str] = OrderedDict()
         self._log = durable
         self._replay: deque[pa.RecordBatch] = deque()
         if durable is not None:
@@ -516,7 +706,7 @@ class IngestService:
         """
         self._refuse_if_closed()
         header, payload = unpack_request(body)
-        rows = _decode(header.format, payload, self.fields)
+        rows = _decode(header.format, payload, self.fields, self.non_finite, self.limits)
         if header.transaction is not None:
             assert header.part is not None
             done = self._stage(header.transaction, header.part, rows)
@@ -567,10 +757,13 @@ class IngestService:
                 staged = self._staged.get(transaction, _Staged())
                 missing = sorted(str(p) for p in parts if p not in staged.parts)
                 if missing:
+                    why = self._dropped.get(
+                        transaction, "the endpoint restarted or the parts expired"
+                    )
                     raise IngestRefused(
                         grpc.StatusCode.FAILED_PRECONDITION,
                         f"parts {missing} of transaction {transaction!r} are not staged here "
-                        "(the endpoint restarted or the parts expired); retry the whole batch",
+                        f"({why}); retry the whole batch",
                     )
                 chosen = [staged.parts[p] for p in dict.fromkeys(parts)]
                 first_seq = self._enqueue(chosen, deadline, active, once)
@@ -606,6 +799,7 @@ class IngestService:
             self._expire_staged()
             if f"transaction {transaction}" in self._seen:
                 return True
+            self._make_room(transaction, part, rows.nbytes)
             if self._log is not None:
                 try:
                     self._log.stage(transaction, part, rows.to_table(list(self.fields)))
@@ -616,7 +810,41 @@ class IngestService:
             staged = self._staged.setdefault(transaction, _Staged())
             staged.parts[part] = rows
             staged.touched = time.monotonic()
+            self._dropped.pop(transaction, None)
             return False
+
+    # Called with self._cv held.
+    def _make_room(self, transaction: str, part: str, nbytes: int) -> None:
+        """Keep the staged bytes within the limit once `part` is staged: refuse a transaction
+        that alone would exceed it; drop the least recently staged others to make room."""
+        cap = self.limits.max_staged_bytes
+        own = self._staged.get(transaction, _Staged())
+        mine = nbytes + sum(r.nbytes for p, r in own.parts.items() if p != part)
+        if mine > cap:
+            raise IngestRefused(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"transaction {transaction!r} would stage {mine:,} bytes, more than this "
+                f"endpoint holds (max_staged_bytes is {cap:,}); write smaller batches",
+            )
+        others = sorted((s.touched, t) for t, s in self._staged.items() if t != transaction)
+        total = mine + sum(self._staged[t].nbytes for _, t in others)
+        for _, victim in others:
+            if total <= cap:
+                break
+            total -= self._staged[victim].nbytes
+            self._drop(
+                victim,
+                f"dropped uncommitted to make room for newer staging: max_staged_bytes is {cap:,}",
+            )
+
+    # Called with self._cv held.
+    def _drop(self, transaction: str, why: str) -> None:
+        log.warning("dropping transaction %r: %s", transaction, why)
+        del self._staged[transaction]
+        self._unstage(transaction)
+        self._dropped[transaction] = why
+        while len(self._dropped) > REMEMBERED_DROPS:
+            self._dropped.popitem(last=False)
 
     # Called with self._cv held.
     def _expire_staged(self) -> None:
@@ -625,11 +853,7 @@ class IngestService:
         for transaction in [
             t for t, s in self._staged.items() if now - s.touched > self.staged_ttl
         ]:
-            log.warning(
-                "dropping transaction %r: not committed within %.0f s", transaction, self.staged_ttl
-            )
-            del self._staged[transaction]
-            self._unstage(transaction)
+            self._drop(transaction, f"not committed within {self.staged_ttl:.0f} s")
 
     # Called with self._cv held.
     def _unstage(self, transaction: str) -> None:

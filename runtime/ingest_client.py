@@ -6,12 +6,16 @@ sequences of dicts travel as JSON. The server (keyshift.runtime.ingest) answers 
 accepted and rejected and why; a request it refuses as a whole raises IngestError, a
 TransportError carrying the gRPC status code (RESOURCE_EXHAUSTED and UNAVAILABLE are worth a
 retry with the same batch_id; INVALID_ARGUMENT is not).
+
+`push` splits rows into pushes within the endpoint's limits (`max_request_rows`,
+`max_request_bytes`; the client's defaults are the ingest source's); a split push with a
+batch_id sends its pieces as `<batch_id>#<n>`, so a retry of the same rows is applied once.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, TypeAlias
@@ -19,7 +23,14 @@ from typing import Any, TypeAlias
 import grpc
 import pyarrow as pa
 
-from keyshift.runtime.ingest import ABORT_METHOD, COMMIT_METHOD, PUSH_METHOD, pack_request
+from keyshift.runtime.ingest import (
+    ABORT_METHOD,
+    COMMIT_METHOD,
+    MAX_REASONS,
+    PUSH_METHOD,
+    pack_request,
+)
+from keyshift.runtime.job import DEFAULT_MAX_REQUEST_BYTES, DEFAULT_MAX_REQUEST_ROWS
 from keyshift.runtime.transport import GRPC_OPTIONS, TransportError
 
 Rows: TypeAlias = pa.Table | pa.RecordBatch | Sequence[Mapping[str, Any]]
@@ -54,6 +65,43 @@ def encode_rows(rows: Rows) -> tuple[str, bytes]:
     return "json", json.dumps(list(rows), default=_plain).encode()
 
 
+def split_rows(rows: Rows, max_rows: int, max_bytes: int) -> Iterator[tuple[str, bytes, int]]:
+    """(format, payload, row count) of consecutive pieces of `rows`, each at most `max_rows`
+    rows and `max_bytes` bytes of payload; ValueError if one row alone is larger."""
+    _check_limits(max_rows, max_bytes)
+    total = rows.num_rows if isinstance(rows, pa.Table | pa.RecordBatch) else len(rows)
+    if total == 0:
+        yield (*encode_rows(rows), 0)
+        return
+    start, count = 0, min(max_rows, total)
+    while start < total:
+        count = min(count, total - start)
+        piece = (
+            rows.slice(start, count)
+            if isinstance(rows, pa.Table | pa.RecordBatch)
+            else (rows[start : start + count])
+        )
+        fmt, payload = encode_rows(piece)
+        if len(payload) <= max_bytes:
+            yield fmt, payload, count
+            start += count
+        elif count == 1:
+            raise ValueError(
+                f"row {start} alone takes {len(payload):,} bytes, more than an ingest endpoint "
+                f"takes in one push ({max_bytes:,})"
+            )
+        else:  # shrink in proportion, with a margin for rows larger than the average
+            count = max(1, min(count - 1, count * max_bytes // len(payload) * 9 // 10))
+
+
+def _check_limits(max_rows: int, max_bytes: int) -> None:
+    if max_rows < 1 or max_bytes < 1:
+        raise ValueError(
+            f"an endpoint's limits are positive: got max_request_rows={max_rows}, "
+            f"max_request_bytes={max_bytes}"
+        )
+
+
 def _plain(value: Any) -> Any:
     """numpy scalars (which pandas and users' code often hand over) as Python values."""
     item = getattr(value, "item", None)
@@ -65,17 +113,48 @@ def _plain(value: Any) -> Any:
 class IngestClient:
     """Pushes rows to one ingest endpoint (host:port). Thread-safe; reuse it for many pushes."""
 
-    def __init__(self, address: str) -> None:
+    def __init__(
+        self,
+        address: str,
+        max_request_rows: int = DEFAULT_MAX_REQUEST_ROWS,
+        max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+    ) -> None:
+        """`max_request_rows` and `max_request_bytes`: the endpoint's limits (the ingest
+        source's settings in the job file); pushes are split within them."""
+        _check_limits(max_request_rows, max_request_bytes)
         self.address = address
+        self.max_request_rows = max_request_rows
+        self.max_request_bytes = max_request_bytes
         self._channel = grpc.insecure_channel(address, options=GRPC_OPTIONS)
         self._push = self._channel.unary_unary(PUSH_METHOD, None, None)
         self._commit = self._channel.unary_unary(COMMIT_METHOD, None, None)
         self._abort = self._channel.unary_unary(ABORT_METHOD, None, None)
 
     def push(self, rows: Rows, batch_id: str | None = None, timeout: float = 60.0) -> IngestReply:
-        """Push rows; with a batch_id, a batch the endpoint accepted before is not applied again."""
-        fmt, payload = encode_rows(rows)
-        return self.push_payload(fmt, payload, batch_id, timeout)
+        """Push rows; with a batch_id, a batch the endpoint accepted before is not applied again.
+        Rows beyond the endpoint's limits go in several pushes, and the reply sums theirs
+        (`first_seq` is the first piece's; `duplicate` only if every piece was one)."""
+        pieces = list(self.pieces(rows))
+        if len(pieces) == 1:
+            return self.push_payload(pieces[0][0], pieces[0][1], batch_id, timeout)
+        replies = [
+            self.push_payload(
+                fmt, payload, None if batch_id is None else f"{batch_id}#{i}", timeout
+            )
+            for i, (fmt, payload, _) in enumerate(pieces)
+        ]
+        reasons = tuple(dict.fromkeys(r for reply in replies for r in reply.reasons))
+        return IngestReply(
+            accepted=sum(r.accepted for r in replies),
+            rejected=sum(r.rejected for r in replies),
+            reasons=reasons[:MAX_REASONS],
+            duplicate=all(r.duplicate for r in replies),
+            first_seq=next((r.first_seq for r in replies if r.first_seq is not None), None),
+        )
+
+    def pieces(self, rows: Rows) -> Iterator[tuple[str, bytes, int]]:
+        """`rows` encoded in pieces within this endpoint's limits: (format, payload, rows)."""
+        return split_rows(rows, self.max_request_rows, self.max_request_bytes)
 
     def push_payload(
         self, fmt: str, payload: bytes, batch_id: str | None = None, timeout: float = 60.0
@@ -89,8 +168,15 @@ class IngestClient:
 
     def stage(self, rows: Rows, transaction: str, part: str, timeout: float = 60.0) -> IngestReply:
         """Validate and stage rows as one part of a transaction; nothing flows until `commit`.
-        Staging the same part again replaces it (a retried task)."""
+        Staging the same part again replaces it (a retried task). A part is one push: split
+        larger rows with `pieces` and stage each as its own part."""
         fmt, payload = encode_rows(rows)
+        return self.stage_payload(fmt, payload, transaction, part, timeout)
+
+    def stage_payload(
+        self, fmt: str, payload: bytes, transaction: str, part: str, timeout: float = 60.0
+    ) -> IngestReply:
+        """`stage` of an already encoded payload (see `push_payload`)."""
         header = {"format": fmt, "transaction": transaction, "part": part}
         return _ingest_reply(self._call("push", self._push, pack_request(header, payload), timeout))
 

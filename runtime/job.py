@@ -3,17 +3,19 @@
 A job is source -> stateless map/filter (chained into the source stage) -> key_by -> one keyed
 stateful operator -> sink. The local host validates a job file with `load_job` before it starts
 anything; the coordinator and every instance receive the same validated model. The Python API
-in `keyshift.runtime.pipeline` builds these models too.
+in `keyshift.runtime.pipeline` builds these models too. Job files are read by
+`keyshift.runtime.job_file` (size, nesting, alias and duplicate-key limits).
 """
 
 from __future__ import annotations
 
 import importlib
+import inspect
+import types
 from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-import yaml
 from pydantic import (
     BaseModel,
     ConfigDict,
@@ -28,7 +30,9 @@ from pydantic import (
 
 from keyshift.policies.settings import MAX_PARALLELISM as MAX_PARALLELISM
 from keyshift.policies.settings import AutoscalerSettings
+from keyshift.runtime.job_file import JobFileError, check_data, read_job_file
 from keyshift.runtime.records import READER_NAME, RESERVED_FIELDS
+from keyshift.runtime.transport import MAX_MESSAGE
 
 FieldType = Literal["int", "float", "str", "bool"]
 AggregateFunction = Literal["count", "sum", "min", "max", "mean"]
@@ -87,20 +91,62 @@ def _tag(kind: str) -> str:
     return f"{_TAG_PREFIX}{kind}"
 
 
-def _check_function_path(path: str, info: ValidationInfo) -> str:
-    """Import the function now, so a job that cannot run fails before anything starts; unless
-    the validation context says the functions live elsewhere (the Kubernetes operator checks a
-    job whose functions are in the job's image: there only the form is checked)."""
+def check_signature(
+    path: str, function: Callable[..., Any], arguments: int, per_record: bool
+) -> None:
+    """JobError unless `function` can be called with `arguments` positional arguments.
+
+    Built-in (C) functions are refused for per-record use (map, filter, process): they would be
+    called with a record dict (and a state), which no built-in function is written for, and an
+    arity check cannot tell (`os:system` takes one argument, and would fail on every record).
+    A sink function takes a batch, as `print` can; its arity is checked where it has a
+    signature. Callables without a readable signature are checked when called."""
+    if per_record and isinstance(function, types.BuiltinFunctionType):
+        raise JobError(
+            f"{path!r} is a built-in function; keyshift calls it with "
+            f"{_ARGUMENTS[arguments]}: wrap it in a Python function that takes those"
+        )
+    try:
+        signature = inspect.signature(function)
+    except (TypeError, ValueError):  # no signature to read (some C types): checked when called
+        return
+    try:
+        signature.bind(*range(arguments))
+    except TypeError:
+        raise JobError(
+            f"{path!r} has the signature {signature}, but keyshift calls it with "
+            f"{_ARGUMENTS[arguments]}"
+        ) from None
+
+
+_ARGUMENTS = {1: "one argument", 2: "two arguments (state, record)"}
+
+
+def _check_function_path(
+    path: str, info: ValidationInfo, arguments: int, per_record: bool = True
+) -> str:
+    """Import the function now and check it takes `arguments` positional arguments, so a job
+    that cannot run fails before anything starts; unless the validation context says the
+    functions live elsewhere (the Kubernetes operator checks a job whose functions are in the
+    job's image: there only the form is checked)."""
     if not (info.context or {}).get("resolve_functions", True):
         module, sep, name = path.partition(":")
         if not (sep and module and name):
             raise ValueError(f"{path!r} is not of the form 'module:function'")
         return path
     try:
-        resolve_function(path)
+        check_signature(path, resolve_function(path), arguments, per_record)
     except JobError as exc:
         raise ValueError(str(exc)) from exc
     return path
+
+
+def _sink_function(path: str, info: ValidationInfo) -> str:
+    return _check_function_path(path, info, 1, per_record=False)
+
+
+def _process_function(path: str, info: ValidationInfo) -> str:
+    return _check_function_path(path, info, 2)
 
 
 class ConstantProfile(_Model):
@@ -177,11 +223,34 @@ class GeneratorSource(_Model):
     )
 
 
+DEFAULT_MAX_REQUEST_ROWS = 1_000_000
+DEFAULT_MAX_REQUEST_BYTES = 32 << 20
+DEFAULT_MAX_STAGED_BYTES = 128 << 20
+
+
 class IngestSource(_Model):
     """Rows pushed by clients (PySpark writers, `keyshift.runtime.ingest_client`)."""
 
     kind: Literal["ingest"]
     port: int = Field(default=0, ge=0, le=65535, description="0 picks a free port")
+    max_request_rows: int = Field(
+        default=DEFAULT_MAX_REQUEST_ROWS,
+        ge=1,
+        le=100_000_000,
+        description="rows in one push; a larger push is refused whole (clients split theirs)",
+    )
+    max_request_bytes: int = Field(
+        default=DEFAULT_MAX_REQUEST_BYTES,
+        ge=1024,
+        le=MAX_MESSAGE - (1 << 20),  # a push's header must fit beside it in a gRPC message
+        description="bytes of one push's payload; a larger push is refused whole",
+    )
+    max_staged_bytes: int = Field(
+        default=DEFAULT_MAX_STAGED_BYTES,
+        ge=1024,
+        description="bytes (in Arrow) of the parts staged by uncommitted transactions; past it "
+        "the oldest other transactions are dropped (their commit fails and is retried whole)",
+    )
 
 
 SourceConfig = Annotated[
@@ -230,7 +299,7 @@ class FunctionSink(_Model):
     kind: Literal["function"]
     function: str = Field(description="module:function called with each pyarrow.RecordBatch")
 
-    _check = field_validator("function")(_check_function_path)
+    _check = field_validator("function")(_sink_function)
 
 
 SinkConfig = Annotated[
@@ -247,7 +316,7 @@ class Transform(_Model):
     def _exactly_one(self, info: ValidationInfo) -> Transform:
         if (self.map is None) == (self.filter is None):
             raise ValueError("a transform has exactly one of 'map' or 'filter'")
-        _check_function_path(self.map or self.filter or "", info)
+        _check_function_path(self.map or self.filter or "", info, 1)
         return self
 
 
@@ -261,7 +330,7 @@ class ProcessOperator(_Model):
     kind: Literal["process"]
     function: str = Field(description="module:function(state, record) -> (state, output or None)")
 
-    _check = field_validator("function")(_check_function_path)
+    _check = field_validator("function")(_process_function)
 
 
 OperatorConfig = Annotated[
@@ -351,6 +420,10 @@ class JobSpec(_Model):
         default_factory=lambda: dict[str, FieldType](key="int", value="float"),
         description="the record schema after the transforms",
     )
+    allow_non_finite: list[str] = Field(
+        default_factory=list,
+        description="float fields that may hold NaN and infinities (others reject such records)",
+    )
     source: SourceStage = Field(default_factory=SourceStage)
     keyed: KeyedStage = Field(default_factory=KeyedStage)
     sink: SinkStage = Field(default_factory=SinkStage)
@@ -407,6 +480,9 @@ class JobSpec(_Model):
                 f"the generator makes records {generated}; with no transforms to reshape "
                 f"them, fields must be exactly that (got {self.fields})"
             )
+        not_floats = [f for f in self.allow_non_finite if self.fields.get(f) != "float"]
+        if not_floats:
+            raise ValueError(f"allow_non_finite names {not_floats}, which are not float fields")
         if self.keyed.parallelism > self.max_key_groups:
             raise ValueError("keyed.parallelism must not exceed max_key_groups")
         return self
@@ -444,24 +520,19 @@ def parse_job(data: Any, origin: str = "definition", resolve_functions: bool = T
     if not isinstance(data, dict):
         raise JobError(f"invalid job {origin}: the top level must be a mapping")
     try:
+        check_data(data)
+    except JobFileError as exc:
+        raise JobError(f"invalid job {origin}: {exc}") from None
+    try:
         return JobSpec.model_validate(data, context={"resolve_functions": resolve_functions})
     except ValidationError as exc:
         raise JobError(_format_errors(exc, origin)) from None
 
 
-def load_job(path: str | Path) -> JobSpec:
-    """Read and validate a YAML job file."""
-    p = Path(path)
+def load_job(path: str | Path, resolve_functions: bool = True) -> JobSpec:
+    """Read (within the limits of keyshift.runtime.job_file) and validate a YAML job file."""
     try:
-        text = p.read_text(encoding="utf-8")
-    except OSError as exc:
-        raise JobError(f"cannot read job file {p}: {exc.strerror}") from None
-    except UnicodeDecodeError as exc:
-        raise JobError(
-            f"job file {p} is not UTF-8 text: {exc.reason} at byte {exc.start}"
-        ) from None
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        raise JobError(f"job file {p} is not valid YAML: {exc}") from None
-    return parse_job(data, origin=f"file {p}")
+        data = read_job_file(path)
+    except JobFileError as exc:
+        raise JobError(str(exc)) from None
+    return parse_job(data, origin=f"file {path}", resolve_functions=resolve_functions)

@@ -1,14 +1,18 @@
 """Checks records against the job's schema and turns the valid ones into Arrow columns.
 
-Records produced by user functions (and, later, rows ingested from clients) may not fit the job's
-`fields`. Each bad record is rejected with a reason; the valid records around it are kept.
-Used by the source stage instances.
+Records produced by user functions and rows ingested from clients (keyshift.runtime.ingest) may
+not fit the job's `fields`. Each bad record is rejected with a reason; the valid records around
+it are kept. Whatever `why_invalid` accepts can be made into Arrow columns and processed by every
+stage: strings are valid Unicode (no lone surrogates, which UTF-8 cannot encode), floats are
+finite unless the field is in the job's `allow_non_finite`, and ints fit their field's type.
+Used by the source stage instances and the ingest endpoint.
 """
 
 from __future__ import annotations
 
+import math
 import numbers
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,8 +38,11 @@ class Checked:
     rejected: list[tuple[Mapping[str, Any] | Any, str]] = field(default_factory=list)
 
 
-def why_invalid(record: Any, fields: Mapping[str, str]) -> str | None:
-    """The reason a record does not fit `fields`, or None when it does."""
+def why_invalid(
+    record: Any, fields: Mapping[str, str], non_finite: Collection[str] = ()
+) -> str | None:
+    """The reason a record does not fit `fields`, or None when it does. Float fields named in
+    `non_finite` may hold NaN and infinities; other float fields must be finite."""
     if not isinstance(record, Mapping):
         return f"not a record (got {type(record).__name__})"
     for name, kind in fields.items():
@@ -48,18 +55,47 @@ def why_invalid(record: Any, fields: Mapping[str, str]) -> str | None:
         in_range = not isinstance(value, numbers.Integral) or _INT64[0] <= int(value) <= _INT64[1]
         if kind == "int" and not in_range:
             return f"field {name!r} is out of the 64-bit integer range"
+        if kind == "float" and (problem := _float_problem(name, value, name in non_finite)):
+            return problem
+        if isinstance(value, str) and not _encodable(value):
+            return f"field {name!r} is not valid UTF-8 (it holds a lone surrogate)"
     return None
+
+
+def _float_problem(name: str, value: Any, non_finite: bool) -> str | None:
+    try:
+        number = float(value)
+    except OverflowError:  # an int beyond the double range
+        return f"field {name!r} is out of the float range"
+    if not non_finite and not math.isfinite(number):
+        return non_finite_reason(name)
+    return None
+
+
+def non_finite_reason(name: str) -> str:
+    """The reason a NaN or infinity in a float field that does not allow them is rejected."""
+    return f"field {name!r} is not a finite number (add it to allow_non_finite to accept NaN/inf)"
+
+
+def _encodable(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _as_float(value: Any) -> float:
     return float(value)
 
 
-def check_records(records: Sequence[Any], fields: Mapping[str, str]) -> Checked:
+def check_records(
+    records: Sequence[Any], fields: Mapping[str, str], non_finite: Collection[str] = ()
+) -> Checked:
     kept: list[int] = []
     rejected: list[tuple[Any, str]] = []
     for i, record in enumerate(records):
-        reason = why_invalid(record, fields)
+        reason = why_invalid(record, fields, non_finite)
         if reason is None:
             kept.append(i)
         else:

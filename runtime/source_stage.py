@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import grpc
@@ -19,7 +19,7 @@ import pyarrow as pa
 
 from keyshift.runtime.checkpointing import CHECKPOINT_COMPLETE, SOURCE_ACK
 from keyshift.runtime.generator import KeyGenerator, Pacer, instance_total, rate_at
-from keyshift.runtime.ingest import REMEMBERED_BATCH_IDS, IngestService
+from keyshift.runtime.ingest import REMEMBERED_BATCH_IDS, IngestLimits, IngestService
 from keyshift.runtime.ingest_log import IngestLog, ingest_log_url
 from keyshift.runtime.instance import InstanceContext
 from keyshift.runtime.job import GeneratorSource, IngestSource, JobSpec, resolve_function
@@ -72,7 +72,9 @@ def apply_transforms(
                 if kind == "map":
                     meta = {f: current[f] for f in METADATA_FIELDS}
                     current = fn(current)
-                    if isinstance(current, dict):
+                    # Any mapping becomes a dict here, inside the try: one whose reads fail
+                    # is this record's error, not the stage's.
+                    if isinstance(current, Mapping):
                         current = {**current, **meta}
                 elif not fn(current):
                     current = None
@@ -82,7 +84,7 @@ def apply_transforms(
             continue
         if current is not None:
             results.append(current)
-    checked = check_records(results, fields)
+    checked = check_records(results, fields, ctx.spec.allow_non_finite)
     for bad, reason in checked.rejected:
         ctx.reject(f"schema {reason}", bad)
     kept = checked.kept
@@ -258,6 +260,8 @@ def run_ingest(ctx: InstanceContext, config: IngestSource, emitter: Emitter) -> 
         on_reject=lambda reason, sample, count: ctx.reject(f"ingest {reason}", sample, count),
         durable=durable,
         position=position,
+        limits=IngestLimits.of(config),
+        non_finite=spec.allow_non_finite,
     )
     emitter.start_at(service.next_seq)
     emitter.on_complete = service.trim

@@ -56,6 +56,19 @@ class PortInUseError(TransportError):
     pass
 
 
+class RequestRefused(TransportError):
+    """The peer answered, and refused the request as wrong or not possible now (ControlError)."""
+
+
+REFUSALS = frozenset(
+    {
+        grpc.StatusCode.INVALID_ARGUMENT,
+        grpc.StatusCode.FAILED_PRECONDITION,
+        grpc.StatusCode.NOT_FOUND,
+    }
+)
+
+
 class NoCredit(TransportError):
     """The receiver granted no credit before the sender's deadline: it is backpressuring."""
 
@@ -144,7 +157,9 @@ class JsonClient:
         try:
             reply = stub(json.dumps(body or {}).encode(), timeout=timeout)
         except grpc.RpcError as exc:
-            raise TransportError(_describe(exc, self.address, method)) from None
+            refused = isinstance(exc, grpc.Call) and exc.code() in REFUSALS
+            error = RequestRefused if refused else TransportError
+            raise error(_describe(exc, self.address, method)) from None
         return json.loads(reply)
 
     def stream(self, method: str, body: dict[str, Any]) -> Iterator[dict[str, Any]]:

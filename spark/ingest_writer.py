@@ -3,7 +3,8 @@
 Built by keyshift.spark.datasource.KeyshiftDataSource on the driver; `write` runs in Spark's
 Python workers, `commit` / `abort` on the driver. Two phases, like Flink's two-phase-commit
 sinks: each task stages its partition's rows at the job's ingest endpoint under the micro-
-batch's transaction (`<query id>:<batch id>`) and part (`<partition>-<attempt>`); the driver's
+batch's transaction (`<query id>:<batch id>`) and parts (`<partition>-<attempt>-<n>`, each a
+push within the endpoint's limits `maxRequestRows` / `maxRequestBytes`); the driver's
 `commit` applies the parts of the successful attempts at once, and the endpoint applies a
 transaction only once. So a retried task replaces its part, a micro-batch that Spark re-runs
 after a restart from its checkpoint is not counted twice, and a failed micro-batch leaves
@@ -34,11 +35,11 @@ from pyspark.sql.datasource import (
 )
 
 from keyshift.runtime.ingest_client import IngestClient, IngestError, IngestReply
+from keyshift.runtime.job import DEFAULT_MAX_REQUEST_BYTES, DEFAULT_MAX_REQUEST_ROWS
 
 # Statuses worth retrying: the job pushes back (its queue is full) or is briefly unreachable.
 RETRYABLE = frozenset({grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE})
 BAD_ROWS = ("fail", "drop")
-PART_BYTES = 64 << 20  # staged parts stay well under the gRPC message limit
 
 
 class KeyshiftRejectedRows(ValueError):
@@ -54,6 +55,8 @@ class WriterOptions:
     endpoints: tuple[str, ...]
     bad_rows: str
     timeout: float  # seconds to keep retrying a backpressured or unreachable endpoint
+    max_request_rows: int = DEFAULT_MAX_REQUEST_ROWS  # the job's ingest source's limits
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
 
     @classmethod
     def parse(cls, options: dict[str, str]) -> WriterOptions:
@@ -81,7 +84,16 @@ class WriterOptions:
             ) from None
         if timeout <= 0:
             raise ValueError(f"option 'timeout' must be positive, got {timeout}")
-        return cls(endpoints, bad_rows, timeout)
+        rows = _positive_int(options, "maxrequestrows", DEFAULT_MAX_REQUEST_ROWS)
+        size = _positive_int(options, "maxrequestbytes", DEFAULT_MAX_REQUEST_BYTES)
+        return cls(endpoints, bad_rows, timeout, rows, size)
+
+
+def _positive_int(options: dict[str, str], name: str, default: int) -> int:
+    raw = options.get(name, str(default))
+    if not raw.isdigit() or int(raw) < 1:
+        raise ValueError(f"option {name!r} must be a positive whole number, got {raw!r}")
+    return int(raw)
 
 
 @dataclass
@@ -125,17 +137,19 @@ class _IngestWriter:
         attempt = context.attemptNumber() if context else 0
         endpoint = self.options.endpoints[partition % len(self.options.endpoints)]
         staged = StagedParts(transaction, endpoint, [])
-        with IngestClient(endpoint) as client:
-            for chunk, rows in enumerate(_chunks(batches)):
-                part = f"{partition}-{attempt}-{chunk}"
+        limits = (self.options.max_request_rows, self.options.max_request_bytes)
+        with IngestClient(endpoint, *limits) as client:
+            pieces = (p for rows in _chunks(batches, limits[1]) for p in client.pieces(rows))
+            for index, (fmt, payload, count) in enumerate(pieces):
+                part = f"{partition}-{attempt}-{index}"
                 reply = _retrying(
                     "staging",
                     endpoint,
                     self.options.timeout,
-                    partial(client.stage, rows, transaction, part),
+                    partial(client.stage_payload, fmt, payload, transaction, part),
                 )
                 staged.parts.append(part)
-                staged.rows += rows.num_rows - reply.rejected
+                staged.rows += count - reply.rejected
                 staged.rejected += reply.rejected
                 staged.reasons += [r for r in reply.reasons if r not in staged.reasons]
         return staged
@@ -177,8 +191,9 @@ class _IngestWriter:
                 pass  # staged parts expire at the endpoint by themselves
 
 
-def _chunks(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.Table]:
-    """The task's rows as tables of about PART_BYTES at most; none for an empty partition."""
+def _chunks(batches: Iterator[pa.RecordBatch], max_bytes: int) -> Iterator[pa.Table]:
+    """The task's rows as tables of about `max_bytes` (a push's worth: the task holds no more
+    than that at once); none for an empty partition."""
     pending: list[pa.RecordBatch] = []
     size = 0
     for batch in batches:
@@ -186,7 +201,7 @@ def _chunks(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.Table]:
             continue
         pending.append(batch)
         size += batch.nbytes
-        if size >= PART_BYTES:
+        if size >= max_bytes:
             yield pa.Table.from_batches(pending)
             pending, size = [], 0
     if pending:

@@ -32,7 +32,7 @@ from pyspark.sql.streaming.datasource import (
 )
 from pyspark.sql.types import StructType
 
-from keyshift.runtime.job import JobError, parse_job
+from keyshift.runtime.job import JobError, load_job
 from keyshift.runtime.keyed_stage import sink_schema
 from keyshift.runtime.output_log import (
     OFFSET_COLUMN,
@@ -67,12 +67,9 @@ def spark_schema(options: dict[str, str]) -> StructType:
 
 
 def _load_job(job_file: str) -> Any:
-    import yaml  # only needed for this option
-
     try:
-        data = yaml.safe_load(Path(job_file).read_text(encoding="utf-8"))
-        return parse_job(data, origin=f"file {job_file}", resolve_functions=False)
-    except (OSError, yaml.YAMLError, JobError) as exc:
+        return load_job(job_file, resolve_functions=False)
+    except JobError as exc:
         raise ValueError(f"option 'job': cannot read the job file {job_file}: {exc}") from None
 
 
