@@ -33,7 +33,8 @@ from keyshift.operator.k8s_children import (
     stage_selector,
     stage_set_name,
 )
-from keyshift.operator.k8s_scaling import KubeJob, kube_job, timestamp
+from keyshift.operator.k8s_scaling import KubeJob, Memory, kube_job, remembered, timestamp
+from keyshift.operator.rescale_executor import MigrationPlan
 from keyshift.operator.streamingjob import GROUP, PLURAL, VERSION, StreamingJobSpec
 from keyshift.runtime.job import JobSpec
 from keyshift.runtime.metrics import AutoscalerMetrics, OperatorMetrics
@@ -194,12 +195,22 @@ def build_registry(config: OperatorConfig) -> kopf.OperatorRegistry:
                 config.metrics.reconciled(namespace, name, "error")
                 raise  # kopf retries with back-off
         config.metrics.reconciled(namespace, name, "applied")
+        for warning in parsed.deprecations():
+            kopf.warn(body, reason="Deprecated", message=warning)
         old = memo.get("job")
         if isinstance(old, KubeJob):
+            # A re-reconcile goes on from the live memory; a (re)started operator from the
+            # status its predecessor wrote.
+            memory = Memory(old.loop.state if old.loop else None, old.executor.handled)
             old.close()
+        else:
+            memory, unreadable = remembered(status)
+            for problem in unreadable:
+                kopf.warn(body, reason="MemoryLost", message=problem)
+        plan = MigrationPlan(parsed.strategy(), dict(parsed.migration.options))
         memo["job"] = kube_job(
             name, namespace, job, config.coordinator_address(name, namespace),
-            config.metrics_for(f"{namespace}/{name}"),
+            config.metrics_for(f"{namespace}/{name}"), plan, memory,
         )  # fmt: skip
         memo["spec"] = parsed
         patch.status["observedGeneration"] = generation
@@ -230,7 +241,7 @@ def build_registry(config: OperatorConfig) -> kopf.OperatorRegistry:
         if current == new:
             return
         try:
-            await asyncio.to_thread(kube.executor.apply, keyed, int(new), parsed.migration.strategy)
+            await asyncio.to_thread(kube.executor.apply, keyed, int(new))
         except Exception as exc:  # RescaleRefused, or the coordinator not up yet
             raise kopf.TemporaryError(f"rescale to {new} not started: {exc}", delay=5) from exc
         kopf.info(body, reason="ManualRescale", message=f"{keyed}: {current} -> {new}")
@@ -367,6 +378,7 @@ def _write_status(
     ]
     patch.status["conditions"] = _merge_conditions(list(status.get("conditions") or []), conditions)
     patch.status["message"] = kube.events.last_problem or errors
+    patch.status.update(kube.memory())
 
 
 async def in_cluster_api() -> k8s.ApiClient:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import datetime
 import threading
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,9 +21,15 @@ from kubernetes_asyncio import client as k8s
 from keyshift.operator.autoscaler import AutoscalingLoop
 from keyshift.operator.k8s_children import stage_set_name
 from keyshift.operator.local_scaling import WallClock
-from keyshift.operator.rescale_executor import CoordinatorExecutor, LatestStatus
+from keyshift.operator.rescale_executor import (
+    CoordinatorExecutor,
+    LatestStatus,
+    MigrationPlan,
+    RescaleMark,
+)
 from keyshift.operator.scaling_metrics import ScrapeSource, metrics_source
 from keyshift.policies import make_policy
+from keyshift.policies.guards import GuardState
 from keyshift.policies.model import Decision
 from keyshift.runtime.job import JobSpec
 from keyshift.runtime.metrics import AutoscalerMetrics
@@ -53,6 +59,9 @@ class StatefulSetPool:
     def shrink(self, stage: str, parallelism: int) -> None:
         with self._lock:
             self._wanted[stage] = parallelism
+
+    def match(self, stage: str, parallelism: int) -> None:
+        self.shrink(stage, parallelism)
 
     async def flush(self, api: k8s.ApiClient) -> list[tuple[str, int]]:
         with self._lock:
@@ -132,16 +141,57 @@ class KubeJob:
             self.scrape.close()
         self.client.close()
 
+    def memory(self) -> dict[str, Any]:
+        """What a restarted operator reads back (`remembered`): the guards' state and the last
+        rescale whose outcome was taken, as the StreamingJob status keeps them."""
+        handled = self.executor.handled
+        return {
+            "guards": self.loop.state.to_json() if self.loop is not None else {},
+            "handledRescale": handled.to_json() if handled is not None else None,
+        }
+
+
+@dataclass(frozen=True)
+class Memory:
+    """The parts of a job's control state that outlive an operator process."""
+
+    guards: GuardState | None = None
+    handled: RescaleMark | None = None
+
+
+def remembered(status: Mapping[str, Any]) -> tuple[Memory, list[str]]:
+    """The memory kept in a StreamingJob's status, and what could not be read back (each part
+    that is unreadable starts afresh; the message says which)."""
+    problems = []
+    guards = handled = None
+    if status.get("guards"):
+        try:
+            guards = GuardState.from_json(status["guards"])
+        except ValueError as exc:
+            problems.append(f"status.guards ignored: {exc}")
+    if status.get("handledRescale"):
+        try:
+            handled = RescaleMark.from_json(status["handledRescale"])
+        except ValueError as exc:
+            problems.append(f"status.handledRescale ignored: {exc}")
+    return Memory(guards, handled), problems
+
 
 def kube_job(
-    name: str, namespace: str, job: JobSpec, coordinator: str, exported: AutoscalerMetrics
+    name: str,
+    namespace: str,
+    job: JobSpec,
+    coordinator: str,
+    exported: AutoscalerMetrics,
+    plan: MigrationPlan,
+    memory: Memory,
 ) -> KubeJob:
-    """Wire the parts for one StreamingJob."""
+    """Wire the parts for one StreamingJob, going on from `memory`."""
     client = JsonClient(coordinator, "keyshift.Coordinator")
     latest = LatestStatus()
     pool = StatefulSetPool(name, namespace)
     scalable = frozenset({job.keyed.name})
-    executor = CoordinatorExecutor(client, pool, latest, scalable)
+    executor = CoordinatorExecutor(client, pool, latest, scalable, plan, memory.handled)
     events = KubeEvents(scalable=scalable)
     settings = job.autoscaler
     if settings is None:
@@ -149,6 +199,6 @@ def kube_job(
     clock = WallClock()
     source, scrape = metrics_source(job, settings.prometheus_url, latest, clock)
     loop = AutoscalingLoop(
-        settings, source, make_policy(settings), executor, events, clock, exported
+        settings, source, make_policy(settings), executor, events, clock, exported, memory.guards
     )
     return KubeJob(client, latest, pool, executor, events, loop, scrape)
