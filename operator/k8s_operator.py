@@ -5,7 +5,9 @@ cannot express, `StreamingJobSpec.problems`, becomes a Degraded condition and an
 child is created), then create or patch the children (`k8s_children`), owned by the job. A
 change of the keyed stage's parallelism (an edit or `kubectl scale`) rescales the running job
 live. A timer per job reads the coordinator's status, runs the autoscaling loop
-(`k8s_scaling`), applies replica changes and writes the status; delete releases the job's parts.
+(`k8s_scaling`), applies replica changes and writes the status, with the memory a restarted
+operator reads back (the guards' state, the last rescale it handled); delete releases the
+job's parts.
 `keyshift operator` runs it (`run_operator`); tests build it with `build_registry` against an
 API emulator.
 """
@@ -372,7 +374,17 @@ def _write_status(
     patch.status["rescales"] = [
         {
             k: r.get(k)
-            for k in ("id", "stage", "from", "to", "strategy", "phase", "duration", "error")
+            for k in (
+                "id",
+                "stage",
+                "from",
+                "to",
+                "strategy",
+                "options",
+                "phase",
+                "duration",
+                "error",
+            )
         }
         for r in current.get("rescales", [])[-10:]
     ]

@@ -198,6 +198,9 @@ class RescaleStatus(_Model):
     from_: int = Field(alias="from")
     to: int
     strategy: str
+    options: dict[str, float] = Field(
+        default_factory=dict, description="the strategy's options the rescale ran with"
+    )
     phase: str
     duration: float
     error: str | None = None
