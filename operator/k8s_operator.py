@@ -203,7 +203,11 @@ def build_registry(config: OperatorConfig) -> kopf.OperatorRegistry:
         if isinstance(old, KubeJob):
             # A re-reconcile goes on from the live memory; a (re)started operator from the
             # status its predecessor wrote.
-            memory = Memory(old.loop.state if old.loop else None, old.executor.handled)
+            memory = Memory(
+                old.loop.state if old.loop else None,
+                old.executor.handled,
+                tuple(old.events.kept),
+            )
             old.close()
         else:
             memory, unreadable = remembered(status)

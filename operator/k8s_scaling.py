@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kubernetes_asyncio import client as k8s
+from pydantic import ValidationError
 
 from keyshift.operator.autoscaler import AutoscalingLoop
 from keyshift.operator.k8s_children import stage_set_name
@@ -28,6 +29,7 @@ from keyshift.operator.rescale_executor import (
     RescaleMark,
 )
 from keyshift.operator.scaling_metrics import ScrapeSource, metrics_source
+from keyshift.operator.streamingjob import DecisionStatus
 from keyshift.policies import make_policy
 from keyshift.policies.guards import GuardState
 from keyshift.policies.model import Decision
@@ -79,7 +81,7 @@ class KubeEvents:
     """Collects what the loop decided; the kopf timer turns it into status and Events."""
 
     latest: dict[str, Decision] = field(default_factory=dict)
-    kept: deque[Decision] = field(default_factory=lambda: deque(maxlen=KEPT_DECISIONS))
+    kept: deque[dict[str, Any]] = field(default_factory=lambda: deque(maxlen=KEPT_DECISIONS))
     pending_actions: list[Decision] = field(default_factory=list)
     last_problem: str | None = None
     pending_problems: list[str] = field(default_factory=list)
@@ -95,7 +97,7 @@ class KubeEvents:
             if decision.action != "hold":
                 self.pending_actions.append(decision)
             if decision.action != "hold" or before is None or _gist(before) != _gist(decision):
-                self.kept.append(decision)
+                self.kept.append(_status_entry(decision))
 
     def problem(self, at: float, reason: str) -> None:
         if reason != self.last_problem:
@@ -103,18 +105,20 @@ class KubeEvents:
         self.last_problem = reason
 
     def status_decisions(self) -> list[dict[str, Any]]:
-        return [
-            {
-                "time": timestamp(d.at),
-                "stage": d.stage,
-                "from": d.current,
-                "to": d.target,
-                "action": d.action,
-                "reason": d.reason,
-                "inputs": {k: round(v, 3) for k, v in d.inputs.items()},
-            }
-            for d in self.kept
-        ]
+        return list(self.kept)
+
+
+def _status_entry(d: Decision) -> dict[str, Any]:
+    """A decision as the StreamingJob status lists it (`DecisionStatus`)."""
+    return {
+        "time": timestamp(d.at),
+        "stage": d.stage,
+        "from": d.current,
+        "to": d.target,
+        "action": d.action,
+        "reason": d.reason,
+        "inputs": {k: round(v, 3) for k, v in d.inputs.items()},
+    }
 
 
 def _gist(decision: Decision) -> tuple[str, int, str]:
@@ -157,6 +161,7 @@ class Memory:
 
     guards: GuardState | None = None
     handled: RescaleMark | None = None
+    decisions: tuple[dict[str, Any], ...] = ()  # the latest, as the status lists them
 
 
 def remembered(status: Mapping[str, Any]) -> tuple[Memory, list[str]]:
@@ -174,7 +179,16 @@ def remembered(status: Mapping[str, Any]) -> tuple[Memory, list[str]]:
             handled = RescaleMark.from_json(status["handledRescale"])
         except ValueError as exc:
             problems.append(f"status.handledRescale ignored: {exc}")
-    return Memory(guards, handled), problems
+    decisions: tuple[dict[str, Any], ...] = ()
+    if status.get("decisions"):
+        try:
+            decisions = tuple(
+                DecisionStatus.model_validate(d).model_dump(by_alias=True)
+                for d in status["decisions"]
+            )
+        except (ValidationError, TypeError) as exc:
+            problems.append(f"status.decisions ignored: {exc}")
+    return Memory(guards, handled, decisions), problems
 
 
 def kube_job(
@@ -192,7 +206,8 @@ def kube_job(
     pool = StatefulSetPool(name, namespace)
     scalable = frozenset({job.keyed.name})
     executor = CoordinatorExecutor(client, pool, latest, scalable, plan, memory.handled)
-    events = KubeEvents(scalable=scalable)
+    kept = deque(memory.decisions, maxlen=KEPT_DECISIONS)
+    events = KubeEvents(kept=kept, scalable=scalable)
     settings = job.autoscaler
     if settings is None:
         return KubeJob(client, latest, pool, executor, events, None, None)

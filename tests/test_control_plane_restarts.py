@@ -187,7 +187,17 @@ async def test_operator_restarts_mid_and_just_after_rescales_lose_nothing(
                     lambda: job_object(emu)["status"]["guards"]["track"]["rescaledAt"] > guards,
                     30, "the warm-up of the scale-out",
                 )  # fmt: skip
-                kept = job_object(emu)["status"]
+
+                def warming_up() -> dict[str, Any] | None:
+                    """The status once the loop has decided in the warm-up (every stage then
+                    has its memory, which the warm-up leaves as it is)."""
+                    status = job_object(emu)["status"]
+                    last = (status.get("decisions") or [{}])[-1]
+                    if "warming up" in last.get("reason", "") and len(status["guards"]) == 3:
+                        return status
+                    return None
+
+                kept = await eventually(warming_up, 30, "a decision in the warm-up")
 
             # Just after a rescale: the new operator goes on with the same memory. The warm-up
             # still holds the stage, and the rescale it had taken is not taken again.
@@ -202,6 +212,7 @@ async def test_operator_restarts_mid_and_just_after_rescales_lose_nothing(
                 status = job_object(emu)["status"]
                 assert status["guards"] == kept["guards"]
                 assert status["handledRescale"] == kept["handledRescale"]
+                assert kept["decisions"] and kept["decisions"][-1] in status["decisions"]
                 assert len(coordinator(client)["rescales"]) == 2
 
                 # A later scale-in is acted on.

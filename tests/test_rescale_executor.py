@@ -164,6 +164,12 @@ def test_an_unreadable_memory_in_the_status_starts_that_part_afresh() -> None:
     assert memory.guards is None and memory.handled == RescaleMark("a", 4)
     assert problems == ["status.guards ignored: stage 'counts': failures must be a count, got "
                         "'many'"]  # fmt: skip
+    decision = {"time": "2026-01-01T00:00:00+00:00", "stage": "counts", "from": 2, "to": 3,
+                "action": "scale_up", "reason": "r", "inputs": {"busy": 0.9}}  # fmt: skip
+    memory, problems = remembered({"decisions": [decision]})
+    assert memory.decisions == (decision,) and problems == []
+    memory, problems = remembered({"decisions": [{**decision, "to": "many"}]})
+    assert memory.decisions == () and problems[0].startswith("status.decisions ignored")
     memory, problems = remembered({"handledRescale": {"id": 4}})
     assert memory.handled is None and "status.handledRescale ignored" in problems[0]
     assert remembered({}) == (type(memory)(), [])
