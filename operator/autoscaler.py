@@ -50,8 +50,9 @@ class MetricsSource(Protocol):
 class RescaleExecutor(Protocol):
     scalable: frozenset[str]  # the stages this host can rescale live
 
-    def apply(self, stage: str, parallelism: int, strategy: str) -> None:
-        """Start a rescale (workers first, then the coordinator); raises RescaleRefused."""
+    def apply(self, stage: str, parallelism: int) -> None:
+        """Start a rescale, with the host's migration strategy and options (the coordinator
+        first, then the workers a scale-out needs); raises RescaleRefused."""
         ...
 
     def running(self) -> str | None:
@@ -87,7 +88,10 @@ class AutoscalingLoop:
         events: EventSink,
         clock: Clock,
         exported: AutoscalerMetrics,
+        state: GuardState | None = None,
     ) -> None:
+        """`state`: the guards' memory a previous loop of this job left (a restarted host
+        keeps it), so a cooldown or back-off in progress goes on."""
         self.settings = settings
         self.metrics = metrics
         self.policy = policy
@@ -95,7 +99,7 @@ class AutoscalingLoop:
         self.events = events
         self.clock = clock
         self.exported = exported
-        self.state = GuardState()
+        self.state = state if state is not None else GuardState()
         self.decisions: deque[Decision] = deque(maxlen=KEPT_DECISIONS)
         self._next_tick: float | None = None
 
@@ -139,7 +143,7 @@ class AutoscalingLoop:
 
     def _execute(self, decision: Decision, now: float) -> None:
         try:
-            self.executor.apply(decision.stage, decision.target, self.settings.strategy)
+            self.executor.apply(decision.stage, decision.target)
         except RescaleRefused as exc:
             self.state = self.state.failed(decision.stage, now, self.settings)
             self._problem(now, "rescale", f"rescale of {decision.stage} not started: {exc}")

@@ -5,7 +5,9 @@ cannot express, `StreamingJobSpec.problems`, becomes a Degraded condition and an
 child is created), then apply the children (`k8s_children`, server-side: `k8s_apply`). A
 change of the keyed stage's parallelism (an edit or `kubectl scale`) rescales the running job
 live. A timer per job reads the coordinator's status, runs the autoscaling loop
-(`k8s_scaling`), applies replica changes and writes the status; delete releases the job's parts.
+(`k8s_scaling`), applies replica changes and writes the status, with the memory a restarted
+operator reads back (the guards' state, the last rescale it handled); delete releases the
+job's parts.
 `keyshift operator` runs it (`run_operator`); tests build it with `build_registry` against an
 API emulator.
 """
@@ -38,7 +40,8 @@ from keyshift.operator.k8s_children import (
     stage_selector,
     stage_set_name,
 )
-from keyshift.operator.k8s_scaling import KubeJob, kube_job
+from keyshift.operator.k8s_scaling import KubeJob, Memory, kube_job, remembered
+from keyshift.operator.rescale_executor import MigrationPlan
 from keyshift.operator.streamingjob import GROUP, PLURAL, VERSION, StreamingJobSpec
 from keyshift.runtime.job import JobSpec
 from keyshift.runtime.metrics import AutoscalerMetrics, OperatorMetrics
@@ -161,12 +164,26 @@ def build_registry(config: OperatorConfig) -> kopf.OperatorRegistry:
                 config.metrics.reconciled(namespace, name, "error")
                 raise  # kopf retries with back-off
         config.metrics.reconciled(namespace, name, "applied")
+        for warning in parsed.deprecations():
+            kopf.warn(body, reason="Deprecated", message=warning)
         old = memo.get("job")
         if isinstance(old, KubeJob):
+            # A re-reconcile goes on from the live memory; a (re)started operator from the
+            # status its predecessor wrote.
+            memory = Memory(
+                old.loop.state if old.loop else None,
+                old.executor.handled,
+                tuple(old.events.kept),
+            )
             old.close()
+        else:
+            memory, unreadable = remembered(status)
+            for problem in unreadable:
+                kopf.warn(body, reason="MemoryLost", message=problem)
+        plan = MigrationPlan(parsed.strategy(), dict(parsed.migration.options))
         memo["job"] = kube_job(
             name, namespace, job, config.coordinator_address(name, namespace),
-            config.metrics_for(namespace, name),
+            config.metrics_for(namespace, name), plan, memory,
         )  # fmt: skip
         memo["spec"] = parsed
         patch.status["observedGeneration"] = generation
@@ -197,7 +214,7 @@ def build_registry(config: OperatorConfig) -> kopf.OperatorRegistry:
         if current == new:
             return
         try:
-            await asyncio.to_thread(kube.executor.apply, keyed, int(new), parsed.migration.strategy)
+            await asyncio.to_thread(kube.executor.apply, keyed, int(new))
         except Exception as exc:  # RescaleRefused, or the coordinator not up yet
             raise kopf.TemporaryError(f"rescale to {new} not started: {exc}", delay=5) from exc
         kopf.info(body, reason="ManualRescale", message=f"{keyed}: {current} -> {new}")
@@ -328,7 +345,17 @@ def _write_status(
     patch.status["rescales"] = [
         {
             k: r.get(k)
-            for k in ("id", "stage", "from", "to", "strategy", "phase", "duration", "error")
+            for k in (
+                "id",
+                "stage",
+                "from",
+                "to",
+                "strategy",
+                "options",
+                "phase",
+                "duration",
+                "error",
+            )
         }
         for r in current.get("rescales", [])[-10:]
     ]
@@ -338,6 +365,7 @@ def _write_status(
         list(status.get("conditions") or []), conditions, generation, time.time()
     )
     patch.status["message"] = kube.events.last_problem or errors
+    patch.status.update(kube.memory())
 
 
 async def in_cluster_api() -> k8s.ApiClient:

@@ -12,19 +12,27 @@ from __future__ import annotations
 import datetime
 import threading
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from kubernetes_asyncio import client as k8s
+from pydantic import ValidationError
 
 from keyshift.operator.autoscaler import AutoscalingLoop
 from keyshift.operator.k8s_apply import apply_replicas
 from keyshift.operator.k8s_children import stage_set_name
 from keyshift.operator.local_scaling import WallClock
-from keyshift.operator.rescale_executor import CoordinatorExecutor, LatestStatus
+from keyshift.operator.rescale_executor import (
+    CoordinatorExecutor,
+    LatestStatus,
+    MigrationPlan,
+    RescaleMark,
+)
 from keyshift.operator.scaling_metrics import ScrapeSource, metrics_source
+from keyshift.operator.streamingjob import DecisionStatus
 from keyshift.policies import make_policy
+from keyshift.policies.guards import GuardState
 from keyshift.policies.model import Decision
 from keyshift.runtime.job import JobSpec
 from keyshift.runtime.metrics import AutoscalerMetrics
@@ -55,6 +63,9 @@ class StatefulSetPool:
         with self._lock:
             self._wanted[stage] = parallelism
 
+    def match(self, stage: str, parallelism: int) -> None:
+        self.shrink(stage, parallelism)
+
     async def flush(self, api: k8s.ApiClient) -> list[tuple[str, int]]:
         with self._lock:
             wanted, self._wanted = self._wanted, {}
@@ -68,7 +79,7 @@ class KubeEvents:
     """Collects what the loop decided; the kopf timer turns it into status and Events."""
 
     latest: dict[str, Decision] = field(default_factory=dict)
-    kept: deque[Decision] = field(default_factory=lambda: deque(maxlen=KEPT_DECISIONS))
+    kept: deque[dict[str, Any]] = field(default_factory=lambda: deque(maxlen=KEPT_DECISIONS))
     pending_actions: list[Decision] = field(default_factory=list)
     last_problem: str | None = None
     pending_problems: list[str] = field(default_factory=list)
@@ -84,7 +95,7 @@ class KubeEvents:
             if decision.action != "hold":
                 self.pending_actions.append(decision)
             if decision.action != "hold" or before is None or _gist(before) != _gist(decision):
-                self.kept.append(decision)
+                self.kept.append(_status_entry(decision))
 
     def problem(self, at: float, reason: str) -> None:
         if reason != self.last_problem:
@@ -92,18 +103,20 @@ class KubeEvents:
         self.last_problem = reason
 
     def status_decisions(self) -> list[dict[str, Any]]:
-        return [
-            {
-                "time": timestamp(d.at),
-                "stage": d.stage,
-                "from": d.current,
-                "to": d.target,
-                "action": d.action,
-                "reason": d.reason,
-                "inputs": {k: round(v, 3) for k, v in d.inputs.items()},
-            }
-            for d in self.kept
-        ]
+        return list(self.kept)
+
+
+def _status_entry(d: Decision) -> dict[str, Any]:
+    """A decision as the StreamingJob status lists it (`DecisionStatus`)."""
+    return {
+        "time": timestamp(d.at),
+        "stage": d.stage,
+        "from": d.current,
+        "to": d.target,
+        "action": d.action,
+        "reason": d.reason,
+        "inputs": {k: round(v, 3) for k, v in d.inputs.items()},
+    }
 
 
 def _gist(decision: Decision) -> tuple[str, int, str]:
@@ -130,23 +143,75 @@ class KubeJob:
             self.scrape.close()
         self.client.close()
 
+    def memory(self) -> dict[str, Any]:
+        """What a restarted operator reads back (`remembered`): the guards' state and the last
+        rescale whose outcome was taken, as the StreamingJob status keeps them."""
+        handled = self.executor.handled
+        return {
+            "guards": self.loop.state.to_json() if self.loop is not None else {},
+            "handledRescale": handled.to_json() if handled is not None else None,
+        }
+
+
+@dataclass(frozen=True)
+class Memory:
+    """The parts of a job's control state that outlive an operator process."""
+
+    guards: GuardState | None = None
+    handled: RescaleMark | None = None
+    decisions: tuple[dict[str, Any], ...] = ()  # the latest, as the status lists them
+
+
+def remembered(status: Mapping[str, Any]) -> tuple[Memory, list[str]]:
+    """The memory kept in a StreamingJob's status, and what could not be read back (each part
+    that is unreadable starts afresh; the message says which)."""
+    problems = []
+    guards = handled = None
+    if status.get("guards"):
+        try:
+            guards = GuardState.from_json(status["guards"])
+        except ValueError as exc:
+            problems.append(f"status.guards ignored: {exc}")
+    if status.get("handledRescale"):
+        try:
+            handled = RescaleMark.from_json(status["handledRescale"])
+        except ValueError as exc:
+            problems.append(f"status.handledRescale ignored: {exc}")
+    decisions: tuple[dict[str, Any], ...] = ()
+    if status.get("decisions"):
+        try:
+            decisions = tuple(
+                DecisionStatus.model_validate(d).model_dump(by_alias=True)
+                for d in status["decisions"]
+            )
+        except (ValidationError, TypeError) as exc:
+            problems.append(f"status.decisions ignored: {exc}")
+    return Memory(guards, handled, decisions), problems
+
 
 def kube_job(
-    name: str, namespace: str, job: JobSpec, coordinator: str, exported: AutoscalerMetrics
+    name: str,
+    namespace: str,
+    job: JobSpec,
+    coordinator: str,
+    exported: AutoscalerMetrics,
+    plan: MigrationPlan,
+    memory: Memory,
 ) -> KubeJob:
-    """Wire the parts for one StreamingJob."""
+    """Wire the parts for one StreamingJob, going on from `memory`."""
     client = JsonClient(coordinator, "keyshift.Coordinator")
     latest = LatestStatus()
     pool = StatefulSetPool(name, namespace)
     scalable = frozenset({job.keyed.name})
-    executor = CoordinatorExecutor(client, pool, latest, scalable)
-    events = KubeEvents(scalable=scalable)
+    executor = CoordinatorExecutor(client, pool, latest, scalable, plan, memory.handled)
+    kept = deque(memory.decisions, maxlen=KEPT_DECISIONS)
+    events = KubeEvents(kept=kept, scalable=scalable)
     settings = job.autoscaler
     if settings is None:
         return KubeJob(client, latest, pool, executor, events, None, None)
     clock = WallClock()
     source, scrape = metrics_source(job, settings.prometheus_url, latest, clock, namespace)
     loop = AutoscalingLoop(
-        settings, source, make_policy(settings), executor, events, clock, exported
+        settings, source, make_policy(settings), executor, events, clock, exported, memory.guards
     )
     return KubeJob(client, latest, pool, executor, events, loop, scrape)

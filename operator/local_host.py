@@ -173,6 +173,10 @@ class LocalJob:
         """Nothing to do: retired instances exit by themselves (and `ensure` may start their
         indexes again later)."""
 
+    def match(self, stage: str, parallelism: int) -> None:
+        """Nothing to do: the run loop starts what the coordinator wants on every status
+        (`ensure_instances`), and retired instances exit by themselves."""
+
     def start_instance(self, stage: str, index: int) -> Child:
         name = f"{stage}/{index}"
         if name in self.instances:

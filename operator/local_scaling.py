@@ -17,7 +17,12 @@ from pathlib import Path
 from typing import Any
 
 from keyshift.operator.autoscaler import AutoscalingLoop
-from keyshift.operator.rescale_executor import CoordinatorExecutor, LatestStatus, WorkerPool
+from keyshift.operator.rescale_executor import (
+    CoordinatorExecutor,
+    LatestStatus,
+    MigrationPlan,
+    WorkerPool,
+)
 from keyshift.operator.scaling_metrics import ScrapeSource, members_of, metrics_source
 from keyshift.policies import make_policy
 from keyshift.policies.model import Decision
@@ -130,7 +135,8 @@ def local_autoscaler(
     latest = LatestStatus()
 
     source, scrape = metrics_source(spec, settings.prometheus_url, latest, clock)
-    executor = CoordinatorExecutor(client, pool, latest, frozenset({spec.keyed.name}))
+    plan = MigrationPlan(settings.strategy)  # a job file's one place for the loop's strategy
+    executor = CoordinatorExecutor(client, pool, latest, frozenset({spec.keyed.name}), plan)
     loop = AutoscalingLoop(
         settings, source, make_policy(settings), executor, events, clock, exported
     )

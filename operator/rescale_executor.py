@@ -11,12 +11,15 @@ the stage's StatefulSet replicas (`keyshift.operator.k8s_scaling`).
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from keyshift.operator.autoscaler import RescaleOutcome, RescaleRefused
 from keyshift.runtime.transport import JsonClient, TransportError
 
 Status = Callable[[], Mapping[str, Any]]
+# The coordinator's phases in which its desired parallelism is what the pool must run.
+RECONCILED_PHASES = ("starting", "running")
 
 
 class WorkerPool(Protocol):
@@ -28,27 +31,83 @@ class WorkerPool(Protocol):
         """Remove the workers of `stage` from index `parallelism` on: they are retired."""
         ...
 
+    def match(self, stage: str, parallelism: int) -> None:
+        """Run exactly `parallelism` workers of `stage`: the coordinator's desired one, met
+        again after a restart of the host or of the coordinator."""
+        ...
+
+
+@dataclass(frozen=True)
+class MigrationPlan:
+    """How state moves in every rescale this host starts, manual or the autoscaler's."""
+
+    strategy: str = "hot-first"
+    options: Mapping[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class RescaleMark:
+    """The last rescale a host has taken the outcome of: a coordinator process (its
+    incarnation) and the rescale's id in it, so a restarted coordinator's ids (from 1 again)
+    are new, and a restarted host knows what it has handled."""
+
+    incarnation: str
+    id: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {"incarnation": self.incarnation, "id": self.id}
+
+    @classmethod
+    def from_json(cls, value: Any) -> RescaleMark:
+        """Raises ValueError saying what is wrong."""
+        if not isinstance(value, Mapping):
+            raise ValueError(f"a rescale mark is a mapping, got {value!r}")
+        incarnation, id_ = value.get("incarnation"), value.get("id")
+        if not isinstance(incarnation, str) or not incarnation:
+            raise ValueError(f"incarnation must be a non-empty string, got {incarnation!r}")
+        if not isinstance(id_, int) or isinstance(id_, bool) or id_ < 0:
+            raise ValueError(f"id must be a rescale number, got {id_!r}")
+        return cls(incarnation, id_)
+
 
 class CoordinatorExecutor:
     """Starts a rescale at the job's coordinator, then the workers a scale-out needs: the
-    coordinator refuses a worker before it expects one. Reads progress from the status."""
+    coordinator refuses a worker before it expects one. Reads progress from the status.
+
+    `handled` is the last rescale a predecessor took the outcome of (a restarted host reads it
+    back from where it kept it): the rescales after it are reported; without one, what ended
+    before this executor existed counts as handled. Whenever it meets a coordinator process
+    for the first time (its own start, a coordinator restart), it sets the pool to the
+    coordinator's desired parallelism once no rescale runs: what ended while nobody watched
+    (a scale-in, a restore to a checkpoint's parallelism) is not left to crash-loop."""
 
     def __init__(
-        self, client: JsonClient, pool: WorkerPool, status: Status, scalable: frozenset[str]
+        self,
+        client: JsonClient,
+        pool: WorkerPool,
+        status: Status,
+        scalable: frozenset[str],
+        plan: MigrationPlan = MigrationPlan(),
+        handled: RescaleMark | None = None,
     ) -> None:
         self.client = client
         self.pool = pool
         self.status = status
         self.scalable = scalable
-        self._reported: set[int] | None = None
+        self.plan = plan
+        self.handled = handled
+        self._incarnation: str | None = None
+        self._reconcile = True
 
-    def apply(self, stage: str, parallelism: int, strategy: str) -> None:
+    def apply(self, stage: str, parallelism: int) -> None:
+        request = {
+            "stage": stage,
+            "parallelism": parallelism,
+            "strategy": self.plan.strategy,
+            "options": dict(self.plan.options),
+        }
         try:
-            self.client.call(
-                "Rescale",
-                {"stage": stage, "parallelism": parallelism, "strategy": strategy},
-                timeout=10.0,
-            )
+            self.client.call("Rescale", request, timeout=10.0)
         except TransportError as exc:
             raise RescaleRefused(str(exc)) from None
         self.pool.ensure(stage, parallelism)
@@ -58,23 +117,47 @@ class CoordinatorExecutor:
         return str(rescale["stage"]) if rescale else None
 
     def finished(self) -> list[RescaleOutcome]:
-        history = self.status().get("rescales", [])
-        if self._reported is None:
-            # What ended before this executor existed (an operator restart, a re-reconcile) was
-            # handled by its predecessor: replaying a scale-in would shrink a pool grown since.
-            self._reported = {r["id"] for r in history}
-            return []
+        status = self.status()
+        incarnation = status.get("incarnation")
+        if not isinstance(incarnation, str):
+            return []  # no status from a coordinator yet
+        history = status.get("rescales", [])
+        if incarnation != self._incarnation:
+            if self._incarnation is None and self.handled is None:
+                last = max((int(r["id"]) for r in history), default=0)
+                self.handled = RescaleMark(incarnation, last)
+            self._incarnation = incarnation
+            self._reconcile = True
         outcomes = []
         for rescale in history:
-            if rescale["id"] in self._reported:
+            if self.handled is not None and (
+                self.handled.incarnation == incarnation and rescale["id"] <= self.handled.id
+            ):
                 continue
-            self._reported.add(rescale["id"])
+            self.handled = RescaleMark(incarnation, int(rescale["id"]))
             ok = rescale["phase"] == "done"
             if ok and rescale["to"] < rescale["from"]:
                 self.pool.shrink(rescale["stage"], rescale["to"])
             detail = rescale.get("error") or rescale["phase"]
             outcomes.append(RescaleOutcome(rescale["stage"], ok, str(detail)))
+        if self._reconcile:
+            self._match_pool(status)
         return outcomes
+
+    def _match_pool(self, status: Mapping[str, Any]) -> None:
+        """Every stage's pool at the coordinator's desired parallelism, once no rescale runs
+        (a scale-in's retiring workers still hold state); a running scale-out gets its new
+        workers now (the host that asked for them may have died before starting them)."""
+        if status.get("phase") not in RECONCILED_PHASES:
+            return
+        running = status.get("rescale")
+        if running is not None:
+            if running["to"] > running["from"]:
+                self.pool.ensure(running["stage"], int(running["to"]))
+            return
+        for stage in status.get("stages", []):
+            self.pool.match(stage["name"], int(stage["desired"]))
+        self._reconcile = False
 
 
 class LatestStatus:

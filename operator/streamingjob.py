@@ -47,15 +47,18 @@ class Resources(_Model):
 
 
 class Migration(_Model):
-    """How keyed state moves between instances when the keyed stage rescales."""
+    """How keyed state moves between instances when the keyed stage rescales: the one place
+    for every rescale of the job, manual (`kubectl scale`, an edit) or the autoscaler's."""
 
     strategy: Literal["hot-first", "all-at-once", "batched", "lazy"] = Field(
-        default="hot-first", description="how keyed state moves in a rescale"
+        default="hot-first",
+        description="how keyed state moves in every rescale, manual or the autoscaler's "
+        "(spec.job.autoscaler.strategy is a deprecated alias)",
     )
     options: dict[str, Annotated[float, Field(gt=0)]] = Field(
         default_factory=dict,
         description="strategy options (positive numbers), e.g. batch_groups: 256; which ones "
-        "apply depends on the strategy",
+        "apply depends on the strategy; sent with every rescale",
     )
 
 
@@ -140,6 +143,30 @@ class StreamingJobSpec(_Model):
         functions (they live in the image): raises JobError naming each bad field."""
         return parse_job(self.job, origin="spec.job", resolve_functions=False)
 
+    def _alias_strategy(self) -> str | None:
+        """spec.job.autoscaler.strategy, the deprecated place of the loop's strategy."""
+        autoscaler = self.job.get("autoscaler")
+        strategy = autoscaler.get("strategy") if isinstance(autoscaler, dict) else None
+        return str(strategy) if strategy is not None else None
+
+    def strategy(self) -> str:
+        """The strategy of every rescale: spec.migration.strategy, or the deprecated
+        spec.job.autoscaler.strategy when only that one is set (`problems` refuses the two
+        set apart)."""
+        alias = self._alias_strategy()
+        if alias is not None and "strategy" not in self.migration.model_fields_set:
+            return alias
+        return self.migration.strategy
+
+    def deprecations(self) -> list[str]:
+        """Fields that still work but should move; one warning each."""
+        if self._alias_strategy() is None:
+            return []
+        return [
+            "spec.job.autoscaler.strategy is deprecated: set spec.migration.strategy, the one "
+            "strategy of every rescale (manual and the autoscaler's)"
+        ]
+
     def problems(self) -> list[str]:
         """What the schema cannot express but makes the job unrunnable; every problem found,
         one message each (empty when the spec can run)."""
@@ -150,8 +177,19 @@ class StreamingJobSpec(_Model):
         except JobError as exc:
             spec = None
             found.append(str(exc))
+        alias = self._alias_strategy()
+        if (
+            alias is not None
+            and "strategy" in self.migration.model_fields_set
+            and alias != self.migration.strategy
+        ):
+            found.append(
+                f"spec.job.autoscaler.strategy ({alias}) disagrees with spec.migration.strategy "
+                f"({self.migration.strategy}): one strategy applies to every rescale; set it in "
+                "spec.migration.strategy only"
+            )
         try:
-            options_for(self.migration.strategy, dict(self.migration.options))
+            options_for(self.strategy(), dict(self.migration.options))
         except RescaleError as exc:
             found.append(f"spec.migration: {exc}")
         found += template_problems(self.pod_template)
@@ -191,9 +229,37 @@ class RescaleStatus(_Model):
     from_: int = Field(alias="from")
     to: int
     strategy: str
+    options: dict[str, float] = Field(
+        default_factory=dict, description="the strategy's options the rescale ran with"
+    )
     phase: str
     duration: float
     error: str | None = None
+
+
+class GuardStatus(_Model):
+    """What the autoscaler's guards remember of one stage (keyshift.policies.guards), kept so
+    a restarted operator goes on with it; times in seconds since the epoch."""
+
+    rescaled_at: float | None = Field(
+        default=None, alias="rescaledAt", description="when its last rescale ended (warm-up)"
+    )
+    direction: Literal["scale_up", "scale_down", "hold"] = "hold"
+    streak: list[int] = Field(
+        default_factory=list, description="consecutive recommendations in that direction"
+    )
+    failures: int = Field(default=0, ge=0, description="consecutive failed rescales")
+    blocked_until: float | None = Field(
+        default=None, alias="blockedUntil", description="no rescale before this (back-off)"
+    )
+
+
+class RescaleMarkStatus(_Model):
+    """The last rescale whose outcome the operator has taken: the coordinator process
+    (incarnation) and the rescale's id in it."""
+
+    incarnation: str
+    id: int = Field(ge=0)
 
 
 class Condition(_Model):
@@ -237,6 +303,14 @@ class StreamingJobStatus(_Model):
         json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]},
     )
     message: str = ""
+    guards: dict[str, GuardStatus] = Field(
+        default_factory=dict, description="the autoscaler's memory per stage, read back on start"
+    )
+    handled_rescale: RescaleMarkStatus | None = Field(
+        default=None,
+        alias="handledRescale",
+        description="the last rescale the operator took the outcome of, read back on start",
+    )
 
 
 class StreamingJob(_Model):
@@ -261,8 +335,10 @@ __all__ = [
     "VERSION",
     "Condition",
     "DecisionStatus",
+    "GuardStatus",
     "Migration",
     "OutputLocation",
+    "RescaleMarkStatus",
     "RescaleStatus",
     "Resources",
     "SparkApp",

@@ -2,13 +2,17 @@
 noise threshold, activation (and a slower scale-down), one rescale at a time, dry run.
 
 Pure: the loop passes in what happened so far as a `GuardState` value and gets the next one
-back with the decisions. Called by keyshift.operator.autoscaler and the simulation harness.
+back with the decisions. Called by keyshift.operator.autoscaler and the simulation harness; the
+Kubernetes operator keeps the state in the StreamingJob's status (`to_json` / `from_json`), so
+a restarted operator goes on with the same warm-up, streaks and back-off.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from typing import Any, get_args
 
 from keyshift.policies.model import Action, Decision, Recommendation
 from keyshift.policies.settings import AutoscalerSettings
@@ -24,6 +28,49 @@ class StageHistory:
     failures: int = 0  # consecutive failed rescales
     blocked_until: float = float("-inf")  # no rescale before this (back-off)
 
+    def to_json(self) -> dict[str, Any]:
+        """A plain value. JSON has no infinity: no back-off is a null `blockedUntil` (every key
+        is always there, so a merge patch of it also clears what no longer holds)."""
+        return {
+            "rescaledAt": self.rescaled_at,
+            "direction": self.direction,
+            "streak": list(self.streak),
+            "failures": self.failures,
+            "blockedUntil": self.blocked_until if math.isfinite(self.blocked_until) else None,
+        }
+
+    @classmethod
+    def from_json(cls, value: Mapping[str, Any]) -> StageHistory:
+        """The inverse of `to_json`; raises ValueError naming what is wrong."""
+        direction = value.get("direction", "hold")
+        if direction not in get_args(Action):
+            raise ValueError(f"direction must be one of {get_args(Action)}, got {direction!r}")
+        rescaled_at = value.get("rescaledAt")
+        blocked_until = value.get("blockedUntil")
+        failures = value.get("failures", 0)
+        streak = value.get("streak", [])
+        if not isinstance(failures, int) or isinstance(failures, bool) or failures < 0:
+            raise ValueError(f"failures must be a count, got {failures!r}")
+        if not isinstance(streak, list) or not all(
+            isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in streak
+        ):
+            raise ValueError(f"streak must be a list of parallelisms, got {streak!r}")
+        return cls(
+            rescaled_at=None if rescaled_at is None else _time(rescaled_at, "rescaledAt"),
+            direction=direction,
+            streak=tuple(streak),
+            failures=failures,
+            blocked_until=(
+                float("-inf") if blocked_until is None else _time(blocked_until, "blockedUntil")
+            ),
+        )
+
+
+def _time(value: Any, name: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise ValueError(f"{name} must be a time in seconds, got {value!r}")
+    return float(value)
+
 
 @dataclass(frozen=True)
 class GuardState:
@@ -31,6 +78,24 @@ class GuardState:
 
     def of(self, stage: str) -> StageHistory:
         return self.stages.get(stage, StageHistory())
+
+    def to_json(self) -> dict[str, Any]:
+        return {stage: history.to_json() for stage, history in sorted(self.stages.items())}
+
+    @classmethod
+    def from_json(cls, value: Any) -> GuardState:
+        """The inverse of `to_json`; raises ValueError naming the stage and what is wrong."""
+        if not isinstance(value, Mapping):
+            raise ValueError(f"guard state must be a mapping of stages, got {value!r}")
+        stages = {}
+        for stage, history in value.items():
+            if not isinstance(history, Mapping):
+                raise ValueError(f"stage {stage!r}: expected a mapping, got {history!r}")
+            try:
+                stages[str(stage)] = StageHistory.from_json(history)
+            except ValueError as exc:
+                raise ValueError(f"stage {stage!r}: {exc}") from None
+        return cls(stages)
 
     def with_stage(self, stage: str, history: StageHistory) -> GuardState:
         return GuardState({**self.stages, stage: history})

@@ -16,6 +16,7 @@ import signal
 import sys
 import threading
 import time
+import uuid
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -89,6 +90,7 @@ class Coordinator:
         self.restart = False  # set when the job must start again from its checkpoint
         self.register_timeout = register_timeout
         self.started = time.time()
+        self.incarnation = uuid.uuid4().hex[:12]  # this process; with an id, names a rescale
         self._phase = "starting"
         self.errors: list[str] = []
         self.assignment = Assignment.contiguous(spec.max_key_groups, spec.keyed.parallelism)
@@ -420,6 +422,7 @@ class Coordinator:
                 )
             self._wait_for_checkpoint()
             status = RescaleStatus(
+                incarnation=self.incarnation,
                 id=len(self.rescale_history) + 1,
                 stage=stage,
                 from_parallelism=self.desired[stage],
@@ -598,6 +601,7 @@ class Coordinator:
                 rescale = self.rescale_status.to_json()
             return {
                 "job": self.spec.name,
+                "incarnation": self.incarnation,
                 "phase": self.phase,
                 "errors": list(self.errors),
                 "epoch": self.assignment.epoch,

@@ -84,6 +84,9 @@ class RescaleHost(Protocol):
 
 @dataclass
 class RescaleStatus:
+    # (incarnation, id) names a rescale across coordinator restarts: ids start at 1 again in
+    # every coordinator process, and a host must not take a new rescale for one it has seen.
+    incarnation: str
     id: int
     stage: str
     from_parallelism: int
@@ -102,6 +105,7 @@ class RescaleStatus:
 
     def to_json(self) -> dict[str, Any]:
         return {
+            "incarnation": self.incarnation,
             "id": self.id,
             "stage": self.stage,
             "from": self.from_parallelism,

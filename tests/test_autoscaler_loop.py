@@ -50,13 +50,13 @@ class ScriptedMetrics:
 class ScriptedExecutor:
     refuse: str | None = None
     outcomes: list[RescaleOutcome] = field(default_factory=list)
-    applied: list[tuple[str, int, str]] = field(default_factory=list)
+    applied: list[tuple[str, int]] = field(default_factory=list)
     scalable: frozenset[str] = frozenset({"keyed"})
 
-    def apply(self, stage: str, parallelism: int, strategy: str) -> None:
+    def apply(self, stage: str, parallelism: int) -> None:
         if self.refuse:
             raise RescaleRefused(self.refuse)
-        self.applied.append((stage, parallelism, strategy))
+        self.applied.append((stage, parallelism))
 
     def running(self) -> str | None:
         return None
@@ -115,7 +115,7 @@ def test_an_overloaded_stage_is_scaled_in_one_step_and_the_decision_exported() -
     decisions = loop.tick(0.0)
     keyed = next(d for d in decisions if d.stage == "keyed")
     assert (keyed.action, keyed.target) == ("scale_up", 4)  # ceil(30k / (10k x 0.8))
-    assert executor.applied == [("keyed", 4, "hot-first")]
+    assert executor.applied == [("keyed", 4)]
     assert "true rate 10k/s per instance, target 30k/s" in keyed.reason
     keyed_stage = {**OWNER, "stage": "keyed"}
     assert exported_value(exported, MetricName.AUTOSCALER_RECOMMENDED, keyed_stage) == 4

@@ -410,7 +410,7 @@ async def test_full_loop_ds2_scales_out_a_running_job_and_its_output_stays_exact
         "batching": {**BATCHING, "max_records": 1024},
         "autoscaler": {"interval": 1, "metrics_window": 5, "warmup": 5,
                        "bounds": {"max_parallelism": 3}},
-    })  # fmt: skip
+    }, migration={"strategy": "batched", "options": {"batch_groups": 64}})  # fmt: skip
     async with job_running_in_cluster(emu, tmp_path, body):
         # Instances register before their rescale is done: wait for both.
         await eventually(
@@ -424,6 +424,9 @@ async def test_full_loop_ds2_scales_out_a_running_job_and_its_output_stays_exact
         ups = [d for d in status["decisions"] if d["action"] == "scale_up"]
         assert ups and "true rate" in ups[0]["reason"] and ups[0]["inputs"]["target_rate"] > 0
         assert any(r["phase"] == "done" for r in status["rescales"]), status["rescales"]
+        # The autoscaler's rescales carry spec.migration to the coordinator.
+        assert all(r["strategy"] == "batched" and r["options"]["batch_groups"] == 64
+                   for r in status["rescales"]), status["rescales"]  # fmt: skip
         await eventually(
             lambda: any(e["reason"] == "AutoscalerDecision" for e in events_of(emu)), 20,
             "an AutoscalerDecision event",

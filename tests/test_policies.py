@@ -3,6 +3,7 @@ right answer is worked out in each test, the guards, and the settings."""
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Mapping, Sequence
 
@@ -520,6 +521,41 @@ def test_guard_failure_backs_off_without_a_warm_up() -> None:
     after = GuardState().rescaled("x", 0.0).failed("x", 1.0, config)
     warming, _ = one(rec(), config, after, now=20.0)
     assert "warming up after a rescale (30 s left)" in warming.reason
+
+
+def test_guard_state_survives_a_round_trip_through_json_and_goes_on_alike() -> None:
+    """What the operator keeps in the CR status: the state read back decides exactly as the
+    state it was written from (back-off, warm-up, a streak part-way)."""
+    config = guard_settings(warmup=10.0, activation=3, failure_backoff=30.0)
+    state = GuardState().rescaled("x", 50.0).failed("x", 90.0, config)
+    _, state = one(rec("y"), config, state, now=95.0)  # y: a streak of 1 of 3
+    written = json.loads(json.dumps(state.to_json()))
+    assert written["x"]["blockedUntil"] == 120.0 and written["x"]["rescaledAt"] == 50.0
+    assert written["y"] == {"rescaledAt": None, "direction": "scale_up", "streak": [4],
+                            "failures": 0, "blockedUntil": None}  # fmt: skip
+    read = GuardState.from_json(written)
+    assert read == state
+    for now in (100.0, 121.0):
+        assert guard([rec("x"), rec("y")], read, config, now, "ds2") == guard(
+            [rec("x"), rec("y")], state, config, now, "ds2"
+        )
+
+
+@pytest.mark.parametrize(
+    ("bad", "message"),
+    [
+        ([], "a mapping of stages"),
+        ({"x": 3}, "stage 'x': expected a mapping"),
+        ({"x": {"direction": "sideways"}}, "stage 'x': direction must be one of"),
+        ({"x": {"failures": -1}}, "stage 'x': failures must be a count"),
+        ({"x": {"streak": [2, "3"]}}, "streak must be a list of parallelisms"),
+        ({"x": {"rescaledAt": "yesterday"}}, "rescaledAt must be a time in seconds"),
+        ({"x": {"blockedUntil": float("inf")}}, "blockedUntil must be a time in seconds"),
+    ],
+)
+def test_guard_state_from_bad_json_is_refused_with_the_reason(bad: object, message: str) -> None:
+    with pytest.raises(ValueError, match=message.replace("(", r"\(")):
+        GuardState.from_json(bad)
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,299 @@
+"""Restarts of the control plane lose nothing: the operator (in process, against the API
+emulator, tests/kube_emulator.py) and the coordinator (a real process run by the test kubelet,
+tests/kube_pods.py) are restarted in the middle of a rescale and just after one, with the job's
+real processes running. Afterwards every StatefulSet runs the coordinator's parallelism, no
+retired pod is left crash-looping at registration, a later scale-in is acted on, the
+autoscaler's memory (warm-up, the rescale it has taken) is the one from before the restart,
+every rescale carried spec.migration's strategy and options, and the output is exactly once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import kmock
+import pytest
+import pytest_asyncio
+
+from keyshift.runtime.transport import JsonClient, TransportError
+from tests.conftest import BATCHING
+from tests.kube_emulator import CR_API, Emulator, eventually, register_resources, stored
+from tests.kube_pods import PodRunner
+from tests.test_k8s_operator import (
+    NS,
+    create,
+    events_of,
+    job_object,
+    running_operator,
+    status_writes,
+    streaming_job,
+)
+from tests.test_rescale import check_output
+
+pytestmark = [
+    pytest.mark.asyncio,
+    pytest.mark.alone,
+    pytest.mark.slow,
+    pytest.mark.filterwarnings("ignore:read_binary is deprecated:DeprecationWarning"),
+]
+
+SOURCE = {"kind": "generator", "keys": 2000, "distribution": "zipf", "seed": 7,
+          "profile": {"rate": 1000}}  # fmt: skip
+PLAN = {"strategy": "batched", "options": {"batch_groups": 64}}
+
+
+@pytest_asyncio.fixture
+async def emu() -> AsyncIterator[Emulator]:
+    async with Emulator() as handler, kmock.Server(handler):
+        register_resources(handler)
+        yield handler
+
+
+@contextlib.asynccontextmanager
+async def kubelet(emu: Emulator, tmp_path: Path) -> AsyncIterator[PodRunner]:
+    """The test kubelet, running the job's pods as real processes until the block ends."""
+    runner = PodRunner(emu, NS, tmp_path)
+
+    async def sync() -> None:
+        while True:
+            await runner.sync()
+            await asyncio.sleep(0.2)
+
+    task = asyncio.create_task(sync())
+    try:
+        yield runner
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        runner.stop()
+
+
+def tracked(out: Path, parallelism: int, **job: Any) -> dict[str, Any]:
+    return streaming_job(
+        job={
+            "name": "clicks",
+            "source": {"config": SOURCE},
+            "keyed": {"name": "track", "parallelism": parallelism,
+                      "operator": {"kind": "process", "function": "tests.job_fns:track"}},
+            "sink": {"config": {"kind": "log", "path": str(out), "format": "jsonl"}},
+            "batching": BATCHING,
+            **job,
+        },
+        migration=PLAN,
+    )  # fmt: skip
+
+
+async def scale(emu: Emulator, to: int) -> None:
+    """`kubectl scale sj clicks --replicas N`; the caller waits for what it expects."""
+    reply = await emu.patch(
+        f"{CR_API}/namespaces/{NS}/streamingjobs/clicks/scale",
+        json={"spec": {"replicas": to}},
+        headers={"Content-Type": "application/merge-patch+json"},
+    )
+    assert reply.status == 200, await reply.text()
+
+
+def replicas(emu: Emulator, stage: str) -> int | None:
+    sts = stored(emu, "apps/v1/statefulsets", NS, f"clicks-{stage}") or {}
+    return sts.get("spec", {}).get("replicas")
+
+
+def coordinator(client: JsonClient) -> dict[str, Any]:
+    status: dict[str, Any] = client.call("Status", None, 3.0)
+    return status
+
+
+async def settled(
+    emu: Emulator, runner: PodRunner, client: JsonClient, keyed: int, what: str
+) -> None:
+    """Wait until the running coordinator's keyed stage is at `keyed`, every StatefulSet runs
+    what the coordinator wants, and no pod above that is left (a retired one would crash-loop
+    at registration)."""
+
+    def check() -> bool:
+        try:
+            status = coordinator(client)
+        except TransportError:  # a restarting coordinator does not answer yet
+            return False
+        if status["phase"] != "running" or status["rescale"] is not None:
+            return False
+        for stage in status["stages"]:
+            wanted = stage["desired"]
+            if replicas(emu, stage["name"]) != wanted or stage["parallelism"] != wanted:
+                return False
+            if f"clicks-{stage['name']}-{wanted}" in runner.pods:
+                return False
+        return bool(status["stages"][1]["parallelism"] == keyed)
+
+    await eventually(check, 120, what)
+
+
+async def drain_and_check(client: JsonClient, out: Path) -> None:
+    """Stop the sources, wait for the job to finish, and check its output is exactly once."""
+    client.call("Drain", None, 5.0)
+    final = await eventually(
+        lambda: (s := coordinator(client))["phase"] == "finished" and s, 120, "the job to drain"
+    )
+    emitted = [i["stats"]["emitted"] for i in final["stages"][0]["instances"]]
+    check_output(out, SOURCE, emitted)
+
+
+def rescales_carried_the_plan(client: JsonClient) -> None:
+    for rescale in coordinator(client)["rescales"]:
+        assert rescale["strategy"] == "batched", rescale
+        assert rescale["options"]["batch_groups"] == 64.0, rescale
+
+
+async def test_operator_restarts_mid_and_just_after_rescales_lose_nothing(
+    emu: Emulator, tmp_path: Path
+) -> None:
+    out = tmp_path / "out"
+    # Dry run: the loop decides and keeps its memory, the test alone rescales.
+    body = tracked(out, 3, autoscaler={"interval": 1, "warmup": 600, "dry_run": True})
+    async with kubelet(emu, tmp_path) as runner:
+        client = JsonClient(runner.address("clicks", NS), "keyshift.Coordinator")
+        try:
+            async with running_operator(emu, runner.address):
+                reply = await create(emu, body)
+                assert reply.status in (200, 201), await reply.text()
+                await eventually(lambda: job_object(emu).get("status", {}).get("phase")
+                                 == "Running", 90, "the job to run")  # fmt: skip
+                await eventually(lambda: job_object(emu)["status"].get("handledRescale"), 30,
+                                 "the operator's memory in the status")  # fmt: skip
+
+            # A scale-in the operator started and did not see end (it was down): the one
+            # started next shrinks the StatefulSet and takes the rescale's outcome (warm-up).
+            client.call("Rescale", {"stage": "track", "parallelism": 2, **PLAN}, 10.0)
+            await eventually(lambda: coordinator(client)["rescales"], 90, "the scale-in")
+            async with running_operator(emu, runner.address):
+                await settled(emu, runner, client, 2, "the StatefulSet shrunk")
+                guards = await eventually(
+                    lambda: (job_object(emu)["status"].get("guards") or {}).get("track", {})
+                    .get("rescaledAt"), 30, "the warm-up of the scale-in",
+                )  # fmt: skip
+
+                # Restarted in the middle of a scale-out: the new operator finishes its part.
+                # (The spec still says 3: the scale-in above was not made through it.)
+                await scale(emu, 4)
+                await eventually(lambda: coordinator(client)["rescale"], 60, "the scale-out")
+            async with running_operator(emu, runner.address):
+                await settled(emu, runner, client, 4, "the scale-out")
+                await eventually(
+                    lambda: job_object(emu)["status"]["guards"]["track"]["rescaledAt"] > guards,
+                    30, "the warm-up of the scale-out",
+                )  # fmt: skip
+
+                def warming_up() -> dict[str, Any] | None:
+                    """The status once the loop has decided in the warm-up (every stage then
+                    has its memory, which the warm-up leaves as it is)."""
+                    status = job_object(emu)["status"]
+                    last = (status.get("decisions") or [{}])[-1]
+                    if "warming up" in last.get("reason", "") and len(status["guards"]) == 3:
+                        return status
+                    return None
+
+                kept = await eventually(warming_up, 30, "a decision in the warm-up")
+
+            # Just after a rescale: the new operator goes on with the same memory. The warm-up
+            # still holds the stage, and the rescale it had taken is not taken again.
+            async with running_operator(emu, runner.address):
+                writes = status_writes(emu)
+                await eventually(lambda: status_writes(emu) >= writes + 3, 30, "status writes")
+                held = await eventually(
+                    lambda: (d := job_object(emu)["status"].get("decisions")) and d[-1], 30,
+                    "a decision of the new operator",
+                )  # fmt: skip
+                assert "warming up after a rescale" in held["reason"], held
+                status = job_object(emu)["status"]
+                assert status["guards"] == kept["guards"]
+                assert status["handledRescale"] == kept["handledRescale"]
+                assert kept["decisions"] and kept["decisions"][-1] in status["decisions"]
+                assert len(coordinator(client)["rescales"]) == 2
+
+                # A later scale-in is acted on.
+                await scale(emu, 2)
+                await settled(emu, runner, client, 2, "the later scale-in")
+                rescales_carried_the_plan(client)
+                await drain_and_check(client, out)
+        finally:
+            client.close()
+
+
+async def test_coordinator_restarts_mid_and_just_after_rescales_lose_nothing(
+    emu: Emulator, tmp_path: Path
+) -> None:
+    out = tmp_path / "out"
+    checkpoints = {"interval": 2, "storage": str(tmp_path / "checkpoints")}
+    body = tracked(out, 2, checkpoints=checkpoints)
+    body["spec"]["checkpointClaim"] = "checkpoints"  # the kubelet runs on one file system
+    async with kubelet(emu, tmp_path) as runner, running_operator(emu, runner.address):
+        client = JsonClient(runner.address("clicks", NS), "keyshift.Coordinator")
+        try:
+            reply = await create(emu, body)
+            assert reply.status in (200, 201), await reply.text()
+            await eventually(lambda: job_object(emu).get("status", {}).get("phase") == "Running",
+                             90, "the job to run")  # fmt: skip
+            await scale(emu, 3)
+            await settled(emu, runner, client, 3, "the scale-out")
+            rescales_carried_the_plan(client)
+
+            # Just after a rescale, once a checkpoint holds it: the restored coordinator
+            # numbers its rescales from 1 again, and its scale-in (started as the autoscaler
+            # or `keyshift rescale` would, not by a spec change that re-reconciles) is still
+            # taken: the StatefulSet shrinks.
+            done = coordinator(client)["checkpoints"]["completed"]
+            await eventually(lambda: coordinator(client)["checkpoints"]["completed"] > done + 1,
+                             60, "a checkpoint after the scale-out")  # fmt: skip
+            first = coordinator(client)["incarnation"]
+            runner.pods["clicks-coordinator-0"].stop(grace=0)
+            await eventually(lambda: _incarnation(client) not in (None, first), 90,
+                             "the coordinator to restart")  # fmt: skip
+            await settled(emu, runner, client, 3, "the restored job")
+            client.call("Rescale", {"stage": "track", "parallelism": 2, **PLAN}, 10.0)
+            await settled(emu, runner, client, 2, "the scale-in after the restart")
+            assert [r["id"] for r in coordinator(client)["rescales"]] == [1]
+
+            # In the middle of a scale-out the operator has seen start: the job goes on from
+            # its checkpoint, at the parallelism the checkpoint had, and the StatefulSet
+            # follows it.
+            second = coordinator(client)["incarnation"]
+            done = coordinator(client)["checkpoints"]["completed"]
+            await eventually(lambda: coordinator(client)["checkpoints"]["completed"] > done + 1,
+                             60, "a checkpoint after the scale-in")  # fmt: skip
+            await scale(emu, 4)  # the spec still says 3
+            await eventually(lambda: job_object(emu)["status"].get("phase") == "Rescaling", 60,
+                             "the operator to see the scale-out")  # fmt: skip
+            runner.pods["clicks-coordinator-0"].stop(grace=0)
+            await eventually(lambda: _incarnation(client) not in (None, second), 90,
+                             "the coordinator to restart")  # fmt: skip
+            await settled(emu, runner, client, 2, "the job restored mid-rescale")
+            await eventually(lambda: job_object(emu)["status"]["parallelism"] == 2, 30,
+                             "the status to say so")  # fmt: skip
+            await drain_and_check(client, out)
+        finally:
+            client.close()
+
+
+def _incarnation(client: JsonClient) -> str | None:
+    try:
+        return str(coordinator(client)["incarnation"])
+    except TransportError:  # not answering while it restarts
+        return None
+
+
+async def test_the_deprecated_alias_warns_on_the_job(emu: Emulator) -> None:
+    body = streaming_job(job={"name": "clicks", "autoscaler": {"strategy": "batched"}})
+    async with running_operator(emu):
+        reply = await create(emu, body)
+        assert reply.status in (200, 201), await reply.text()
+        event = await eventually(
+            lambda: next((e for e in events_of(emu) if e["reason"] == "Deprecated"), None),
+            20, "a Deprecated event",
+        )  # fmt: skip
+        assert event["type"] == "Warning"
+        assert "spec.job.autoscaler.strategy is deprecated" in event["message"]

@@ -1,0 +1,203 @@
+"""The RescaleExecutor both hosts share (keyshift.operator.rescale_executor) across restarts of
+either side of it: which finished rescales it reports (a rescale is named by the coordinator's
+incarnation and its id), when it sets the pool to the coordinator's desired parallelism, and
+the migration plan it sends with every rescale.
+
+The coordinator's status is scripted here so each restart can be produced exactly, and the pool
+records what it is asked (the real pools, a StatefulSet and the local processes, are exercised
+by tests/test_control_plane_restarts.py). The last test starts rescales at a real coordinator.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from keyshift.operator.autoscaler import RescaleOutcome, RescaleRefused
+from keyshift.operator.k8s_scaling import remembered
+from keyshift.operator.rescale_executor import (
+    CoordinatorExecutor,
+    LatestStatus,
+    MigrationPlan,
+    RescaleMark,
+)
+from keyshift.runtime.transport import JsonClient
+from tests.conftest import count_job, running_job, wait_for
+from tests.prometheus_server import free_port
+
+
+@dataclass
+class RecordingPool:
+    calls: list[tuple[str, str, int]] = field(default_factory=list)
+
+    def ensure(self, stage: str, parallelism: int) -> None:
+        self.calls.append(("ensure", stage, parallelism))
+
+    def shrink(self, stage: str, parallelism: int) -> None:
+        self.calls.append(("shrink", stage, parallelism))
+
+    def match(self, stage: str, parallelism: int) -> None:
+        self.calls.append(("match", stage, parallelism))
+
+
+def rescale(id_: int, before: int, after: int, phase: str = "done") -> dict[str, Any]:
+    return {"id": id_, "stage": "counts", "from": before, "to": after, "phase": phase,
+            "error": None if phase == "done" else "boom"}  # fmt: skip
+
+
+def status(
+    incarnation: str,
+    rescales: list[dict[str, Any]],
+    desired: int,
+    running: dict[str, Any] | None = None,
+    phase: str = "running",
+) -> dict[str, Any]:
+    return {
+        "incarnation": incarnation,
+        "phase": phase,
+        "stages": [{"name": "src", "desired": 1}, {"name": "counts", "desired": desired}],
+        "rescale": running,
+        "rescales": rescales,
+    }
+
+
+@pytest.fixture
+def nobody() -> JsonClient:
+    """A client of no coordinator: these tests only read the scripted status."""
+    return JsonClient(f"127.0.0.1:{free_port()}", "keyshift.Coordinator")
+
+
+def executor(
+    client: JsonClient, handled: RescaleMark | None = None
+) -> tuple[CoordinatorExecutor, LatestStatus, RecordingPool]:
+    latest, pool = LatestStatus(), RecordingPool()
+    made = CoordinatorExecutor(
+        client, pool, latest, frozenset({"counts"}), MigrationPlan(), handled
+    )
+    return made, latest, pool
+
+
+def test_a_new_host_without_memory_matches_the_pool_and_replays_nothing(nobody: JsonClient) -> None:
+    """An operator restarted after a scale-in it never saw end: the pool goes to the
+    coordinator's desired parallelism (not left at 3, its retired worker crash-looping)."""
+    made, latest, pool = executor(nobody)
+    assert made.finished() == []  # no status yet: nothing, not even a match
+    latest.value = status("a", [rescale(1, 2, 3), rescale(2, 3, 2)], desired=2)
+    assert made.finished() == []
+    assert pool.calls == [("match", "src", 1), ("match", "counts", 2)]
+    assert made.handled == RescaleMark("a", 2)
+    pool.calls.clear()
+    latest.value = status("a", [rescale(1, 2, 3), rescale(2, 3, 2), rescale(3, 2, 4)], desired=4)
+    assert made.finished() == [RescaleOutcome("counts", True, "done")]
+    assert pool.calls == []  # matched once; a scale-out grew the pool when it was applied
+
+
+def test_a_host_with_memory_reports_what_ended_while_it_was_away(nobody: JsonClient) -> None:
+    made, latest, pool = executor(nobody, RescaleMark("a", 1))
+    latest.value = status("a", [rescale(1, 2, 3), rescale(2, 3, 2)], desired=2)
+    assert made.finished() == [RescaleOutcome("counts", True, "done")]
+    assert pool.calls == [("shrink", "counts", 2), ("match", "src", 1), ("match", "counts", 2)]
+    assert made.handled == RescaleMark("a", 2)
+    assert made.finished() == []  # reported once
+
+
+def test_a_restarted_coordinators_ids_are_new_rescales(nobody: JsonClient) -> None:
+    """Ids start at 1 again in a new coordinator process: its scale-in is acted on."""
+    made, latest, pool = executor(nobody)
+    latest.value = status("a", [rescale(1, 2, 3)], desired=3)
+    made.finished()
+    pool.calls.clear()
+    latest.value = status("b", [], desired=2, phase="starting")  # restored at 2
+    assert made.finished() == []
+    assert pool.calls == [("match", "src", 1), ("match", "counts", 2)]
+    pool.calls.clear()
+    latest.value = status("b", [rescale(1, 2, 3), rescale(2, 3, 1)], desired=1)
+    outcomes = made.finished()
+    assert outcomes == [RescaleOutcome("counts", True, "done")] * 2
+    assert pool.calls == [("shrink", "counts", 1)]
+    assert made.handled == RescaleMark("b", 2)
+
+
+def test_the_pool_is_not_matched_while_a_rescale_runs_nor_after_the_job_ends(
+    nobody: JsonClient,
+) -> None:
+    made, latest, pool = executor(nobody)
+    # A scale-in in flight: its retiring workers hold state until it ends.
+    latest.value = status("a", [], desired=2, running=rescale(1, 3, 2, "moving"))
+    assert made.finished() == [] and pool.calls == []
+    latest.value = status("a", [rescale(1, 3, 2, "failed")], desired=3)
+    assert made.finished() == [RescaleOutcome("counts", False, "boom")]
+    assert pool.calls == [("match", "src", 1), ("match", "counts", 3)]
+    # A scale-out in flight gets its workers at once; a finished job is left to its host.
+    made, latest, pool = executor(nobody)
+    latest.value = status("a", [], desired=4, running=rescale(1, 2, 4, "starting-instances"))
+    made.finished()
+    assert pool.calls == [("ensure", "counts", 4)]
+    made, latest, pool = executor(nobody)
+    latest.value = status("a", [], desired=4, phase="finished")
+    made.finished()
+    assert pool.calls == []
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        (None, "a mapping"),
+        ({"incarnation": "", "id": 1}, "incarnation must be a non-empty string"),
+        ({"incarnation": "a", "id": "1"}, "id must be a rescale number"),
+        ({"incarnation": "a", "id": -1}, "id must be a rescale number"),
+    ],
+)
+def test_a_bad_rescale_mark_is_refused_with_the_reason(value: Any, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        RescaleMark.from_json(value)
+    assert RescaleMark.from_json({"incarnation": "a", "id": 3}) == RescaleMark("a", 3)
+
+
+def test_an_unreadable_memory_in_the_status_starts_that_part_afresh() -> None:
+    kept = {"guards": {"counts": {"failures": "many"}},
+            "handledRescale": {"incarnation": "a", "id": 4}}  # fmt: skip
+    memory, problems = remembered(kept)
+    assert memory.guards is None and memory.handled == RescaleMark("a", 4)
+    assert problems == ["status.guards ignored: stage 'counts': failures must be a count, got "
+                        "'many'"]  # fmt: skip
+    decision = {"time": "2026-01-01T00:00:00+00:00", "stage": "counts", "from": 2, "to": 3,
+                "action": "scale_up", "reason": "r", "inputs": {"busy": 0.9}}  # fmt: skip
+    memory, problems = remembered({"decisions": [decision]})
+    assert memory.decisions == (decision,) and problems == []
+    memory, problems = remembered({"decisions": [{**decision, "to": "many"}]})
+    assert memory.decisions == () and problems[0].startswith("status.decisions ignored")
+    memory, problems = remembered({"handledRescale": {"id": 4}})
+    assert memory.handled is None and "status.handledRescale ignored" in problems[0]
+    assert remembered({}) == (type(memory)(), [])
+
+
+@pytest.mark.slow
+def test_the_plan_travels_with_every_rescale_to_the_coordinator(tmp_path: Path) -> None:
+    """A real coordinator gets the strategy and options; a plan it refuses changes nothing."""
+    job = count_job(source={"config": {"kind": "generator", "keys": 500, "profile": {"rate": 500}}})
+    with running_job(tmp_path, job) as local:
+        assert local.client is not None
+        wait_for(lambda: local.status()["phase"] == "running", 60, "the job to run")
+        latest = LatestStatus()
+        plan = MigrationPlan("batched", {"batch_groups": 64, "chunk_keys": 1000})
+        made = CoordinatorExecutor(local.client, local, latest, frozenset({"counts"}), plan)
+        made.apply("counts", 3)
+        done = wait_for(
+            lambda: (s := local.status())["rescales"] and s["rescales"][-1], 90, "the rescale"
+        )
+        assert done["phase"] == "done", done["error"]
+        assert done["strategy"] == "batched"
+        assert done["options"] == {"batch_groups": 64.0, "chunk_keys": 1000.0}
+        refused = CoordinatorExecutor(
+            local.client, local, latest, frozenset({"counts"}),
+            MigrationPlan("lazy", {"batch_groups": 64}),
+        )  # fmt: skip
+        with pytest.raises(RescaleRefused, match="'batch_groups' does not apply to lazy"):
+            refused.apply("counts", 2)
+        after = local.status()
+        assert len(after["rescales"]) == 1 and after["rescale"] is None
+        assert after["stages"][1]["desired"] == 3
