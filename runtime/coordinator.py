@@ -25,6 +25,7 @@ from typing import Any
 import grpc
 import numpy as np
 
+from keyshift.runtime.auth import AuthError, Security
 from keyshift.runtime.checkpoint_store import CheckpointError, CheckpointMeta, CheckpointStore
 from keyshift.runtime.checkpointing import (
     CHECKPOINT_COMPLETE,
@@ -740,7 +741,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
         spec = load_job(args.job)
-    except JobError as exc:
+        security = Security.from_env()
+    except (JobError, AuthError) as exc:
         print(exc, file=sys.stderr)
         return 2
     restore = None
@@ -765,7 +767,9 @@ def main(argv: list[str] | None = None) -> int:
             log.info("restoring from checkpoint %s", restore.id if restore else "(none)")
     coordinator = Coordinator(spec, args.register_timeout, restore, store)
     try:
-        server, port = start_server(f"{args.host}:{args.port}", [coordinator.handler()])
+        server, port = start_server(
+            f"{args.host}:{args.port}", [coordinator.handler()], security=security
+        )
         metrics_port = coordinator.metrics.serve(args.host, args.metrics_port)
     except (PortInUseError, OSError) as exc:
         print(f"coordinator: {exc}", file=sys.stderr)

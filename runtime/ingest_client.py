@@ -19,6 +19,7 @@ from typing import Any, TypeAlias
 import grpc
 import pyarrow as pa
 
+from keyshift.runtime.auth import Security
 from keyshift.runtime.ingest import ABORT_METHOD, COMMIT_METHOD, PUSH_METHOD, pack_request
 from keyshift.runtime.transport import GRPC_OPTIONS, TransportError
 
@@ -65,9 +66,10 @@ def _plain(value: Any) -> Any:
 class IngestClient:
     """Pushes rows to one ingest endpoint (host:port). Thread-safe; reuse it for many pushes."""
 
-    def __init__(self, address: str) -> None:
+    def __init__(self, address: str, security: Security | None = None) -> None:
+        """`security`: the job's token and TLS settings; by default from the environment."""
         self.address = address
-        self._channel = grpc.insecure_channel(address, options=GRPC_OPTIONS)
+        self._channel = (security or Security.from_env()).channel(address, GRPC_OPTIONS)
         self._push = self._channel.unary_unary(PUSH_METHOD, None, None)
         self._commit = self._channel.unary_unary(COMMIT_METHOD, None, None)
         self._abort = self._channel.unary_unary(ABORT_METHOD, None, None)

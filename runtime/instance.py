@@ -26,6 +26,7 @@ from typing import Any
 import grpc
 import numpy as np
 
+from keyshift.runtime.auth import AuthError, Security
 from keyshift.runtime.checkpoint_store import CheckpointError, CheckpointMeta
 from keyshift.runtime.checkpointing import open_store
 from keyshift.runtime.job import JobSpec, parse_job
@@ -87,8 +88,17 @@ class Stopped(Exception):
 class InstanceContext:
     """What every stage loop uses: spec, metrics, inbox, outlets, commands, time accounting."""
 
-    def __init__(self, spec: JobSpec, stage: str, index: int, control: JsonClient, inbox: Inbox):
+    def __init__(
+        self,
+        spec: JobSpec,
+        stage: str,
+        index: int,
+        control: JsonClient,
+        inbox: Inbox,
+        security: Security | None = None,
+    ):
         self.spec = spec
+        self.security = security or Security.from_env()
         self.stage = stage
         self.index = index
         self.name = f"{stage}/{index}"
@@ -164,7 +174,7 @@ class InstanceContext:
         return {int(i): a for i, a in self.wait_topology()["stages"][stage].items()}
 
     def outlet(self, address: str) -> Outlet:
-        outlet = Outlet(address, self.name)
+        outlet = Outlet(address, self.name, self.security)
         self._outlets.append(outlet)
         return outlet
 
@@ -317,7 +327,12 @@ def main(argv: list[str] | None = None) -> int:
     name = f"{args.stage}/{args.index}"
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {name} %(levelname)s %(message)s")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    control = JsonClient(args.coordinator, COORDINATOR_SERVICE)
+    try:
+        security = Security.from_env()
+    except AuthError as exc:
+        print(f"instance {name}: {exc}", file=sys.stderr)
+        return 2
+    control = JsonClient(args.coordinator, COORDINATOR_SERVICE, security)
     try:
         control.wait_ready(args.connect_timeout)
     except TransportError as exc:
@@ -329,7 +344,9 @@ def main(argv: list[str] | None = None) -> int:
     holder: list[InstanceContext] = []
     try:
         server, port = start_server(
-            f"{args.host}:{args.port}", [inbox.handler(), migrate_handler(holder)]
+            f"{args.host}:{args.port}",
+            [inbox.handler(), migrate_handler(holder)],
+            security=security,
         )
         # The spec comes from the coordinator, so every process runs the same definition.
         reply = control.call(
@@ -347,7 +364,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     spec = parse_job(reply["job"], origin="from the coordinator")
     inbox.open(spec.batching.credits)
-    ctx = InstanceContext(spec, args.stage, args.index, control, inbox)
+    ctx = InstanceContext(spec, args.stage, args.index, control, inbox, security)
     ctx.host = args.host
     if reply.get("restore") is not None and spec.checkpoints is not None:
         try:

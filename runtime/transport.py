@@ -23,6 +23,9 @@ from typing import Any
 
 import grpc
 
+from keyshift.runtime.auth import Security
+from keyshift.runtime.metrics import UNAUTHENTICATED
+
 log = logging.getLogger(__name__)
 
 MAX_MESSAGE = 256 * 1024 * 1024
@@ -61,16 +64,22 @@ class NoCredit(TransportError):
 
 
 def start_server(
-    address: str, handlers: list[grpc.GenericRpcHandler[Any, Any]], max_workers: int = 64
+    address: str,
+    handlers: list[grpc.GenericRpcHandler[Any, Any]],
+    max_workers: int = 64,
+    security: Security | None = None,
 ) -> tuple[grpc.Server, int]:
-    """Start a gRPC server on host:port (port 0 = any free one); return it and its port."""
+    """Start a gRPC server on host:port (port 0 = any free one); return it and its port. Calls
+    without the job's token are refused (`security`, by default this process's settings)."""
+    security = security or Security.from_env()
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grpc"),
         handlers=handlers,
+        interceptors=security.interceptors(UNAUTHENTICATED.refused),
         options=GRPC_OPTIONS,
     )
     try:
-        port = server.add_insecure_port(address)
+        port = security.add_port(server, address)
     except RuntimeError as exc:
         raise PortInUseError(f"cannot listen on {address}: port already in use ({exc})") from None
     if port == 0:
@@ -127,10 +136,10 @@ class ControlError(Exception):
 class JsonClient:
     """Calls a JSON control service; every failure becomes a TransportError naming the peer."""
 
-    def __init__(self, address: str, service: str) -> None:
+    def __init__(self, address: str, service: str, security: Security | None = None) -> None:
         self.address = address
         self.service = service
-        self._channel = grpc.insecure_channel(address, options=GRPC_OPTIONS)
+        self._channel = (security or Security.from_env()).channel(address, GRPC_OPTIONS)
 
     def call(self, method: str, body: dict[str, Any] | None = None, timeout: float = 10.0) -> Any:
         stub = self._channel.unary_unary(f"/{self.service}/{method}", None, None)
@@ -249,9 +258,9 @@ class Inbox:
 class Outlet:
     """The sending end of one data channel, to one downstream instance."""
 
-    def __init__(self, address: str, sender: str) -> None:
+    def __init__(self, address: str, sender: str, security: Security | None = None) -> None:
         self.address = address
-        self._channel = grpc.insecure_channel(address, options=GRPC_OPTIONS)
+        self._channel = (security or Security.from_env()).channel(address, GRPC_OPTIONS)
         self._requests: queue.Queue[bytes | None] = queue.Queue()
         self._credits = 0
         self._cv = threading.Condition()

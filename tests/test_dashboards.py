@@ -57,6 +57,7 @@ GRAFANA_BUILTINS = {"__rate_interval", "__interval", "__range"}
 NOT_ON_A_DASHBOARD = {
     MetricName.IDLE_SECONDS: "idle = 1 - busy - backpressured, which the overview shows",
     MetricName.PARALLELISM: "each instance's copy of keyshift_job_stage_parallelism",
+    MetricName.RPC_UNAUTHENTICATED: "a security signal, queried directly (README: Security)",
 }
 
 
