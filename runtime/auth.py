@@ -20,7 +20,7 @@ import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 
@@ -91,13 +91,13 @@ class Security:
         if self.tls is None:
             return server.add_insecure_port(address)
         if self.tls.cert is None or self.tls.key is None:
-            raise AuthError(
-                f"TLS is configured but this server has no {TLS_CERT_ENV}/{TLS_KEY_ENV}"
-            )
+            raise AuthError(f"a TLS server needs {TLS_CERT_ENV} and {TLS_KEY_ENV}")
         credentials = grpc.ssl_server_credentials([(self.tls.key, self.tls.cert)])
         return server.add_secure_port(address, credentials)
 
-    def interceptors(self, refused: Callable[[str], None]) -> list[grpc.ServerInterceptor]:
+    def interceptors(
+        self, refused: Callable[[str], None]
+    ) -> list[grpc.ServerInterceptor[Any, Any]]:
         """The server side: refuse calls without the token, telling `refused` their service."""
         token = self.token
         return [] if token is None else [_RequireToken(token, refused)]
@@ -126,8 +126,23 @@ def _tls_from_env(environ: Mapping[str, str]) -> Tls | None:
     )
 
 
+# grpc's interceptor classes are generic in its type stubs only.
+if TYPE_CHECKING:
+    _UnaryUnaryClientInterceptor = grpc.UnaryUnaryClientInterceptor[Any, Any]
+    _UnaryStreamClientInterceptor = grpc.UnaryStreamClientInterceptor[Any, Any]
+    _StreamStreamClientInterceptor = grpc.StreamStreamClientInterceptor[Any, Any]
+    _ServerInterceptor = grpc.ServerInterceptor[Any, Any]
+else:
+    _UnaryUnaryClientInterceptor = grpc.UnaryUnaryClientInterceptor
+    _UnaryStreamClientInterceptor = grpc.UnaryStreamClientInterceptor
+    _StreamStreamClientInterceptor = grpc.StreamStreamClientInterceptor
+    _ServerInterceptor = grpc.ServerInterceptor
+
+
 class _ClientCallDetails(grpc.ClientCallDetails):
-    def __init__(self, details: grpc.ClientCallDetails, metadata: list[tuple[str, str]]) -> None:
+    def __init__(
+        self, details: grpc.ClientCallDetails, metadata: tuple[tuple[str, str | bytes], ...]
+    ) -> None:
         self.method = details.method
         self.timeout = details.timeout
         self.metadata = metadata
@@ -137,9 +152,7 @@ class _ClientCallDetails(grpc.ClientCallDetails):
 
 
 class _PresentToken(
-    grpc.UnaryUnaryClientInterceptor,  # type: ignore[misc]
-    grpc.UnaryStreamClientInterceptor,  # type: ignore[misc]
-    grpc.StreamStreamClientInterceptor,  # type: ignore[misc]
+    _UnaryUnaryClientInterceptor, _UnaryStreamClientInterceptor, _StreamStreamClientInterceptor
 ):
     """Adds the token to every call's metadata."""
 
@@ -147,7 +160,7 @@ class _PresentToken(
         self._token = token
 
     def _details(self, details: grpc.ClientCallDetails) -> grpc.ClientCallDetails:
-        metadata = [*(details.metadata or ()), (TOKEN_METADATA, self._token)]
+        metadata = (*(details.metadata or ()), (TOKEN_METADATA, self._token))
         return _ClientCallDetails(details, metadata)
 
     def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
@@ -160,7 +173,7 @@ class _PresentToken(
         return continuation(self._details(details), requests)
 
 
-class _RequireToken(grpc.ServerInterceptor):  # type: ignore[misc]
+class _RequireToken(_ServerInterceptor):
     """Lets a call reach its handler only if its metadata carries the job's token."""
 
     def __init__(self, token: str, refused: Callable[[str], None]) -> None:
@@ -181,7 +194,7 @@ class _RequireToken(grpc.ServerInterceptor):  # type: ignore[misc]
         return _refusal(handler)
 
 
-def _refusal(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+def _refusal(handler: grpc.RpcMethodHandler[Any, Any]) -> grpc.RpcMethodHandler[Any, Any]:
     """A handler of the same shape as `handler` that ends the call UNAUTHENTICATED."""
 
     def deny(request: Any, context: grpc.ServicerContext) -> Any:

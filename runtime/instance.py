@@ -29,6 +29,7 @@ import numpy as np
 from keyshift.runtime.auth import AuthError, Security
 from keyshift.runtime.checkpoint_store import CheckpointError, CheckpointMeta
 from keyshift.runtime.checkpointing import open_store
+from keyshift.runtime.identity import Identity, Issuer
 from keyshift.runtime.job import JobSpec, parse_job
 from keyshift.runtime.keyspace import Assignment
 from keyshift.runtime.lifecycle import allow_user_code, die_with_parent
@@ -96,9 +97,13 @@ class InstanceContext:
         control: JsonClient,
         inbox: Inbox,
         security: Security | None = None,
+        identity: Identity | None = None,
     ):
+        """`identity`: what the coordinator issued this instance at registration; reports,
+        the command stream and data streams present it."""
         self.spec = spec
         self.security = security or Security.from_env()
+        self.identity = identity
         self.stage = stage
         self.index = index
         self.name = f"{stage}/{index}"
@@ -127,7 +132,7 @@ class InstanceContext:
 
     def follow_commands(self) -> None:
         try:
-            for command in self.control.stream("Watch", {"stage": self.stage, "index": self.index}):
+            for command in self.control.stream("Watch", self._whoami()):
                 kind = command.get("type")
                 if kind == "topology":
                     self.topology = command
@@ -174,7 +179,7 @@ class InstanceContext:
         return {int(i): a for i, a in self.wait_topology()["stages"][stage].items()}
 
     def outlet(self, address: str) -> Outlet:
-        outlet = Outlet(address, self.name, self.security)
+        outlet = Outlet(address, self.name, self.security, self.identity)
         self._outlets.append(outlet)
         return outlet
 
@@ -233,6 +238,13 @@ class InstanceContext:
             **{k: list(v) if isinstance(v, deque) else v for k, v in self.extra_stats.items()},
         }
 
+    def _whoami(self) -> dict[str, Any]:
+        """Who a control call speaks for, with the identity that proves it."""
+        body: dict[str, Any] = {"stage": self.stage, "index": self.index}
+        if self.identity is not None:
+            body["identity"] = self.identity.to_json()
+        return body
+
     def report(
         self,
         finished: bool = False,
@@ -240,8 +252,7 @@ class InstanceContext:
         events: list[dict[str, Any]] | None = None,
     ) -> None:
         body: dict[str, Any] = {
-            "stage": self.stage,
-            "index": self.index,
+            **self._whoami(),
             "stats": self.stats(),
             "metrics_address": self.metrics_address,
         }
@@ -359,12 +370,19 @@ def main(argv: list[str] | None = None) -> int:
                 "pid": os.getpid(),
             },
         )
-    except (PortInUseError, TransportError) as exc:
+    except (PortInUseError, TransportError, AuthError) as exc:
         print(f"instance {name}: {exc}", file=sys.stderr)
         return 1
     spec = parse_job(reply["job"], origin="from the coordinator")
-    inbox.open(spec.batching.credits)
-    ctx = InstanceContext(spec, args.stage, args.index, control, inbox, security)
+    identity = Identity.from_json(reply.get("identity"))
+    if identity is None:
+        print(f"instance {name}: the coordinator issued no identity", file=sys.stderr)
+        server.stop(grace=0)
+        return 1
+    # Without a secret (insecure) there is no key to check a sender's identity with.
+    senders = Issuer(spec.name, security.secret) if security.secret is not None else None
+    inbox.open(spec.batching.credits, senders)
+    ctx = InstanceContext(spec, args.stage, args.index, control, inbox, security, identity)
     ctx.host = args.host
     if reply.get("restore") is not None and spec.checkpoints is not None:
         try:

@@ -24,6 +24,7 @@ from typing import Any
 import grpc
 
 from keyshift.runtime.auth import Security
+from keyshift.runtime.identity import Identity, Issuer
 from keyshift.runtime.metrics import UNAUTHENTICATED
 
 log = logging.getLogger(__name__)
@@ -115,8 +116,11 @@ def json_handler(
         fn: Callable[[dict[str, Any], grpc.ServicerContext], Iterator[dict[str, Any]]],
     ) -> Any:
         def call(request: bytes, context: grpc.ServicerContext) -> Iterator[bytes]:
-            for item in fn(json.loads(request) if request else {}, context):
-                yield json.dumps(item).encode()
+            try:
+                for item in fn(json.loads(request) if request else {}, context):
+                    yield json.dumps(item).encode()
+            except ControlError as exc:
+                context.abort(exc.code, str(exc))
 
         return grpc.unary_stream_rpc_method_handler(call)
 
@@ -200,10 +204,14 @@ class Inbox:
         self._opened = threading.Event()
         self._queue: queue.Queue[Delivery] = queue.Queue()
         self.failures: queue.Queue[str] = queue.Queue()
+        self._senders: Issuer | None = None
 
-    def open(self, credits_per_sender: int) -> None:
-        """Start granting credits; senders that connected earlier wait until now."""
+    def open(self, credits_per_sender: int, senders: Issuer | None = None) -> None:
+        """Start granting credits; senders that connected earlier wait until now. With
+        `senders`, a stream whose hello does not carry the identity issued to the sender it
+        names is refused before anything it sends is taken."""
         self.credits = credits_per_sender
+        self._senders = senders
         self._opened.set()
 
     def handler(self) -> grpc.GenericRpcHandler[Any, Any]:
@@ -222,9 +230,23 @@ class Inbox:
 
     def _push(self, requests: Iterator[bytes], context: grpc.ServicerContext) -> Iterator[bytes]:
         self._opened.wait()
+        hello = next(requests, b"")
+        try:
+            body = json.loads(hello[1:]) if hello[:1] == HELLO else None
+        except ValueError:
+            body = None
+        if not isinstance(body, dict):
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a data stream starts with a hello")
+            raise AssertionError("unreachable")
+        sender = {"name": str(body.get("sender", "?"))}
+        if self._senders is not None and not self._senders.valid(
+            sender["name"], Identity.from_json(body.get("identity"))
+        ):
+            UNAUTHENTICATED.refused(DATA_SERVICE)
+            log.warning("refused a data stream in the name of %s: not its identity", sender["name"])
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, f"not the identity of {sender['name']}")
         grants: queue.Queue[int | None] = queue.Queue()
         grants.put(self.credits)
-        sender = {"name": "?"}
 
         def grant() -> None:
             grants.put(1)
@@ -234,9 +256,7 @@ class Inbox:
             try:
                 for message in requests:
                     kind, body = message[:1], message[1:]
-                    if kind == HELLO:
-                        sender["name"] = json.loads(body)["sender"]
-                    elif kind in DATA_KINDS:
+                    if kind in DATA_KINDS:
                         self._queue.put(Delivery(sender["name"], kind, body, grant))
                     elif kind in (END, LEAVE):
                         ended = True
@@ -258,7 +278,14 @@ class Inbox:
 class Outlet:
     """The sending end of one data channel, to one downstream instance."""
 
-    def __init__(self, address: str, sender: str, security: Security | None = None) -> None:
+    def __init__(
+        self,
+        address: str,
+        sender: str,
+        security: Security | None = None,
+        identity: Identity | None = None,
+    ) -> None:
+        """`identity`: the one `sender` was issued at registration, shown in the hello."""
         self.address = address
         self._channel = (security or Security.from_env()).channel(address, GRPC_OPTIONS)
         self._requests: queue.Queue[bytes | None] = queue.Queue()
@@ -266,7 +293,10 @@ class Outlet:
         self._cv = threading.Condition()
         self._error: str | None = None
         self._closed = False
-        self._requests.put(HELLO + json.dumps({"sender": sender}).encode())
+        hello: dict[str, Any] = {"sender": sender}
+        if identity is not None:
+            hello["identity"] = identity.to_json()
+        self._requests.put(HELLO + json.dumps(hello).encode())
         call = self._channel.stream_stream(f"/{DATA_SERVICE}/Push", None, None)
         self._responses = call(iter(self._requests.get, None))
         self._reader = threading.Thread(target=self._read_credits, name="outlet", daemon=True)
