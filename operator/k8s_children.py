@@ -24,6 +24,12 @@ What a job becomes, in creation order:
   output log's files, which on Kubernetes live in the sink pods' emptyDir: a volume both can
   mount is not wired yet.
 
+Every pod of the job (coordinator, stages, Spark apps) gets the job's secret as
+KEYSHIFT_JOB_SECRET from the Secret `<job>-secret` (`job_secret`: the operator creates it once,
+random, and never patches it), the storage credentials from the Secret `spec.storageCredentials`
+names, and with `spec.tls` the TLS Secret's files mounted at TLS_MOUNT: all by reference, so no
+manifest and not the ConfigMap holds a credential.
+
 Every pod runs as user 10001 with a read-only root filesystem, no privilege escalation, no
 capabilities and the RuntimeDefault seccomp profile; /tmp is an emptyDir and HOME points there.
 No service account token is mounted (the pods do not talk to the Kubernetes API; a podTemplate
@@ -47,6 +53,7 @@ podTemplate's, so it can add labels but not move a pod out of its selector.
 
 from __future__ import annotations
 
+import base64
 import copy
 import posixpath
 import re
@@ -56,7 +63,9 @@ from typing import Any, Literal
 import yaml
 
 from keyshift.operator.streamingjob import Resources, SparkApp, StreamingJobSpec
+from keyshift.runtime.auth import TLS_CA_ENV, TLS_CERT_ENV, TLS_KEY_ENV, TLS_SERVER_NAME_ENV
 from keyshift.runtime.job import IngestSource, JobSpec, LogSink
+from keyshift.runtime.job_secret import SECRET_ENV
 
 Manifest = dict[str, Any]
 Role = Literal["source", "sink"]
@@ -102,6 +111,9 @@ _JOB_VOLUME = "job"
 _TMP_VOLUME = "tmp"
 _OUTPUT_VOLUME = "output"
 _CHECKPOINT_VOLUME = "checkpoints"
+_TLS_VOLUME = "tls"
+TLS_MOUNT = "/etc/keyshift-tls"
+SECRET_KEY = "secret"  # the key of the job's token Secret that holds the secret
 
 
 # -- names, labels, selectors -------------------------------------------------------------------
@@ -120,6 +132,11 @@ def coordinator_address(name: str, namespace: str) -> str:
 def stage_set_name(name: str, stage: str) -> str:
     """A stage's StatefulSet and its headless Service."""
     return f"{name}-{stage}"
+
+
+def job_secret_name(name: str) -> str:
+    """The Secret with the job's secret (KEYSHIFT_JOB_SECRET of every pod)."""
+    return f"{name}-secret"
 
 
 def config_map_name(name: str) -> str:
@@ -355,6 +372,50 @@ def _base_env() -> dict[str, str]:
     return {"HOME": TMP_DIR, "PYTHONUNBUFFERED": "1", "PYTHONDONTWRITEBYTECODE": "1"}
 
 
+def _security_env(name: str, spec: StreamingJobSpec) -> list[Manifest]:
+    """The job's secret, the storage credentials and the TLS files, for every job pod: all
+    from Secrets, none of them in a manifest or the ConfigMap."""
+    env: list[Manifest] = [
+        {"name": SECRET_ENV, "valueFrom": {"secretKeyRef": {
+            "name": job_secret_name(name), "key": SECRET_KEY}}},
+    ]  # fmt: skip
+    credentials = spec.storage_credentials
+    if credentials is not None:
+        env.extend(
+            {"name": variable, "valueFrom": {"secretKeyRef": {
+                "name": credentials.secret_name, "key": key}}}
+            for variable, key in credentials.keys.items()
+        )  # fmt: skip
+    if spec.tls is not None:
+        env.extend(_env({
+            TLS_CA_ENV: f"{TLS_MOUNT}/ca.crt",
+            TLS_CERT_ENV: f"{TLS_MOUNT}/tls.crt",
+            TLS_KEY_ENV: f"{TLS_MOUNT}/tls.key",
+            **({TLS_SERVER_NAME_ENV: spec.tls.server_name} if spec.tls.server_name else {}),
+        }))  # fmt: skip
+    return env
+
+
+def _tls_volume(spec: StreamingJobSpec) -> tuple[Manifest, Manifest] | None:
+    """The TLS Secret's volume and its mount, if the job has TLS."""
+    if spec.tls is None:
+        return None
+    volume = {"name": _TLS_VOLUME, "secret": {"secretName": spec.tls.secret_name}}
+    return volume, {"name": _TLS_VOLUME, "mountPath": TLS_MOUNT, "readOnly": True}
+
+
+def job_secret(name: str, namespace: str, secret: str) -> Manifest:
+    """The job's token Secret: created once by the operator, never patched (the running pods
+    hold its value)."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "type": "Opaque",
+        "metadata": _metadata(job_secret_name(name), namespace, common_labels(name, "secret")),
+        "data": {SECRET_KEY: base64.b64encode(secret.encode()).decode()},
+    }
+
+
 def _job_volume(name: str) -> Manifest:
     return {"name": _JOB_VOLUME, "configMap": {"name": config_map_name(name)}}
 
@@ -425,10 +486,10 @@ def coordinator_deployment(
 ) -> Manifest:
     selector = coordinator_selector_labels(name)
     mounts, volumes = [_job_mount()], [_job_volume(name)]
-    checkpoints = _checkpoint_volume(spec, job)
-    if checkpoints is not None:
-        volumes.append(checkpoints[0])
-        mounts.append(checkpoints[1])
+    for extra in (_checkpoint_volume(spec, job), _tls_volume(spec)):
+        if extra is not None:
+            volumes.append(extra[0])
+            mounts.append(extra[1])
     labels = {**common_labels(name, "coordinator"), **selector}
     container: Manifest = {
         "image": spec.image,
@@ -449,7 +510,7 @@ def coordinator_deployment(
             *(["--restore"] if job.checkpoints is not None else []),
         ],
         "workingDir": APP_DIR,
-        "env": _env({**_base_env(), "KEYSHIFT_JOB": name}),
+        "env": [*_env({**_base_env(), "KEYSHIFT_JOB": name}), *_security_env(name, spec)],
         "ports": [
             {"name": "grpc", "containerPort": COORDINATOR_PORT, "protocol": "TCP"},
             {"name": "metrics", "containerPort": METRICS_PORT, "protocol": "TCP"},
@@ -554,10 +615,10 @@ def stage_stateful_set(
     if output is not None:
         mounts.append({"name": _OUTPUT_VOLUME, "mountPath": output})
         volumes.append({"name": _OUTPUT_VOLUME, "emptyDir": {}})
-    checkpoints = _checkpoint_volume(spec, job)
-    if checkpoints is not None:
-        volumes.append(checkpoints[0])
-        mounts.append(checkpoints[1])
+    for extra in (_checkpoint_volume(spec, job), _tls_volume(spec)):
+        if extra is not None:
+            volumes.append(extra[0])
+            mounts.append(extra[1])
     container: Manifest = {
         "image": spec.image,
         "command": ["python", "-P", "-m", "keyshift.runtime.instance"],
@@ -579,6 +640,7 @@ def stage_stateful_set(
         "env": [
             {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
             *_env({**_base_env(), "KEYSHIFT_JOB": name}),
+            *_security_env(name, spec),
         ],
         "ports": [
             {"name": port_name, "containerPort": port, "protocol": "TCP"}
@@ -625,14 +687,20 @@ def spark_deployment(
     ingest = _ingest_port(job, job.source.name)
     if role == "source" and ingest is not None:
         env["KEYSHIFT_INGEST"] = f"{stage_set_name(name, job.source.name)}.{namespace}.svc:{ingest}"
+    tls = _tls_volume(spec)
     container: Manifest = {
         "image": app.image or spec.image,
         "command": ["spark-submit", "--master", "local[*]", app.script, *app.args],
-        "env": _env(env),
+        "env": [*_env(env), *_security_env(name, spec)],
         "resources": _resources(app.resources),
+        **({"volumeMounts": [tls[1]]} if tls is not None else {}),
     }
     template = _pod_template(
-        spec=spec, labels=labels, annotations={}, container=container, volumes=[]
+        spec=spec,
+        labels=labels,
+        annotations={},
+        container=container,
+        volumes=[tls[0]] if tls is not None else [],
     )
     return {
         "apiVersion": "apps/v1",

@@ -13,6 +13,7 @@ API emulator.
 from __future__ import annotations
 
 import asyncio
+import base64
 import logging
 import os
 import time
@@ -27,15 +28,20 @@ from kubernetes_asyncio.client.exceptions import ApiException
 from pydantic import ValidationError
 
 from keyshift.operator.k8s_children import (
+    SECRET_KEY,
     child_problems,
     children,
     coordinator_address,
+    job_secret,
+    job_secret_name,
     stage_selector,
     stage_set_name,
 )
 from keyshift.operator.k8s_scaling import KubeJob, kube_job, timestamp
 from keyshift.operator.streamingjob import GROUP, PLURAL, VERSION, StreamingJobSpec
+from keyshift.runtime.auth import Security, Tls
 from keyshift.runtime.job import JobSpec
+from keyshift.runtime.job_secret import new_job_secret
 from keyshift.runtime.metrics import AutoscalerMetrics, OperatorMetrics
 from keyshift.runtime.transport import TransportError
 
@@ -116,6 +122,31 @@ async def _apply(api: k8s.ApiClient, manifest: dict[str, Any]) -> None:
         await patch(name, namespace, manifest)
 
 
+async def _job_security(
+    api: k8s.ApiClient, name: str, namespace: str, spec: StreamingJobSpec, body: kopf.Body
+) -> Security:
+    """The job's secret (and CA, with TLS) for the operator's own calls to the coordinator.
+    The secret's Secret is created the first time, random and owned by the job; it is never
+    overwritten, since the running pods hold its value."""
+    core = k8s.CoreV1Api(api)
+    manifest = job_secret(name, namespace, new_job_secret())
+    kopf.adopt(manifest, owner=body)
+    try:
+        await core.create_namespaced_secret(namespace, manifest)  # type: ignore[arg-type]
+    except ApiException as exc:
+        if exc.status != 409:
+            raise
+    stored = await core.read_namespaced_secret(job_secret_name(name), namespace)
+    secret = base64.b64decode(stored.data[SECRET_KEY])
+    if spec.tls is None:
+        return Security(secret)
+    tls = await core.read_namespaced_secret(spec.tls.secret_name, namespace)
+    ca = base64.b64decode((tls.data or {}).get("ca.crt", ""))
+    if not ca:
+        raise kopf.TemporaryError(f"Secret {spec.tls.secret_name} has no ca.crt", delay=10)
+    return Security(secret, Tls(ca=ca, server_name=spec.tls.server_name))
+
+
 async def _stateful_sets(
     api: k8s.ApiClient, name: str, namespace: str, job: JobSpec
 ) -> dict[str, Any]:
@@ -188,6 +219,7 @@ def build_registry(config: OperatorConfig) -> kopf.OperatorRegistry:
             manifests = children(name, namespace, parsed, job, replicas)
             kopf.adopt(manifests, owner=body)
             try:
+                security = await _job_security(api, name, namespace, parsed, body)
                 for manifest in manifests:
                     await _apply(api, manifest)
             except ApiException:
@@ -199,7 +231,7 @@ def build_registry(config: OperatorConfig) -> kopf.OperatorRegistry:
             old.close()
         memo["job"] = kube_job(
             name, namespace, job, config.coordinator_address(name, namespace),
-            config.metrics_for(f"{namespace}/{name}"),
+            config.metrics_for(f"{namespace}/{name}"), security,
         )  # fmt: skip
         memo["spec"] = parsed
         patch.status["observedGeneration"] = generation

@@ -25,6 +25,7 @@ from keyshift.operator.rescale_executor import CoordinatorExecutor, LatestStatus
 from keyshift.operator.scaling_metrics import ScrapeSource, metrics_source
 from keyshift.policies import make_policy
 from keyshift.policies.model import Decision
+from keyshift.runtime.auth import Security
 from keyshift.runtime.job import JobSpec
 from keyshift.runtime.metrics import AutoscalerMetrics
 from keyshift.runtime.transport import JsonClient
@@ -134,10 +135,15 @@ class KubeJob:
 
 
 def kube_job(
-    name: str, namespace: str, job: JobSpec, coordinator: str, exported: AutoscalerMetrics
+    name: str,
+    namespace: str,
+    job: JobSpec,
+    coordinator: str,
+    exported: AutoscalerMetrics,
+    security: Security,
 ) -> KubeJob:
-    """Wire the parts for one StreamingJob."""
-    client = JsonClient(coordinator, "keyshift.Coordinator")
+    """Wire the parts for one StreamingJob; `security` holds the job's token for its calls."""
+    client = JsonClient(coordinator, "keyshift.Coordinator", security)
     latest = LatestStatus()
     pool = StatefulSetPool(name, namespace)
     scalable = frozenset({job.keyed.name})

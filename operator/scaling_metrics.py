@@ -18,6 +18,7 @@ from collections import deque
 from collections.abc import Callable, Mapping
 from typing import Any
 
+import requests
 from prometheus_api_client import PrometheusConnect
 from prometheus_api_client.exceptions import PrometheusApiClientException
 from prometheus_client.parser import text_string_to_metric_families
@@ -108,7 +109,10 @@ class PrometheusSource:
         graph: Graph,
         members: Callable[[], Members],
         timeout: int = 5,
+        ca_bundle: str | None = None,
     ) -> None:
+        """An https `url`'s certificate is verified: against `ca_bundle` (a PEM file) if given,
+        else the system's CAs or the file named by REQUESTS_CA_BUNDLE."""
         self.url = url
         self.job = job
         self.graph = graph
@@ -116,7 +120,9 @@ class PrometheusSource:
         self.timeout = timeout
         # One quick retry at most: a tick that waits out a long back-off only delays the next.
         retry = Retry(total=1, backoff_factor=0.1, status_forcelist=(502, 503, 504))
-        self._client = PrometheusConnect(url=url, disable_ssl=True, retry=retry, timeout=timeout)
+        session = requests.Session()
+        session.verify = ca_bundle or True
+        self._client = PrometheusConnect(url=url, retry=retry, timeout=timeout, session=session)
 
     def collect(self, window: float, now: float) -> ScalingInput:
         selector = f'{{job="{self.job}"}}'
