@@ -8,11 +8,15 @@ job use real keyshift processes.
 from __future__ import annotations
 
 import datetime
+import http.server
 import ipaddress
 import json
 import os
+import ssl
 import subprocess
 import sys
+import threading
+import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -26,6 +30,8 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
+from keyshift.operator.autoscaler import MetricsUnavailable
+from keyshift.operator.scaling_metrics import PrometheusSource, job_graph
 from keyshift.runtime.auth import AuthError, Security, Tls
 from keyshift.runtime.coordinator import SERVICE, Coordinator
 from keyshift.runtime.identity import Issuer
@@ -435,3 +441,52 @@ def test_peers_without_the_token_or_an_identity_cannot_end_or_stop_a_running_job
         wait_for(lambda: local.status()["phase"] == "finished", 120, "the job to finish")
     counts = latest_by_version(tmp_path / "out")
     assert sum(value for _version, value in counts.values()) == total
+
+
+# --- the autoscaler's Prometheus client -------------------------------------------------------
+
+
+class _EmptyPrometheus(http.server.BaseHTTPRequestHandler):
+    """Answers every query with no series: a stand-in for Prometheus, since what is tested is
+    the client's check of the server's certificate, not the query."""
+
+    def do_GET(self) -> None:
+        body = json.dumps({"status": "success", "data": {"resultType": "vector", "result": []}})
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.end_headers()
+        self.wfile.write(body.encode())
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+def test_the_prometheus_client_verifies_the_servers_certificate(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    files = make_ca(tmp_path, "prometheus")
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _EmptyPrometheus)
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.load_cert_chain(files["cert"], files["key"])
+    server.socket = context.wrap_socket(server.socket, server_side=True)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"https://127.0.0.1:{server.server_port}"
+    spec = parse_job(count_job())
+    try:
+        monkeypatch.delenv("REQUESTS_CA_BUNDLE", raising=False)
+        untrusted = PrometheusSource(url, "t", job_graph(spec), lambda: {})
+        with pytest.raises(MetricsUnavailable, match="CERTIFICATE_VERIFY_FAILED"):
+            untrusted.collect(10, time.time())
+        # Trusted through the option, or requests' standard variable: the query goes through
+        # (and finds no series).
+        by_option = PrometheusSource(
+            url, "t", job_graph(spec), lambda: {}, ca_bundle=str(files["ca"])
+        )
+        monkeypatch.setenv("REQUESTS_CA_BUNDLE", str(files["ca"]))
+        by_env = PrometheusSource(url, "t", job_graph(spec), lambda: {})
+        for source in (by_option, by_env):
+            with pytest.raises(MetricsUnavailable, match="Prometheus has no keyshift_records_in"):
+                source.collect(10, time.time())
+    finally:
+        server.shutdown()
+        server.server_close()
