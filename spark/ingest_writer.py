@@ -17,6 +17,7 @@ KeyshiftRejectedRows so the error reaches the query; with `drop`, they are dropp
 
 from __future__ import annotations
 
+import os
 import time
 import uuid
 from collections import defaultdict
@@ -33,7 +34,9 @@ from pyspark.sql.datasource import (
     WriterCommitMessage,
 )
 
+from keyshift.runtime.auth import Security
 from keyshift.runtime.ingest_client import IngestClient, IngestError, IngestReply
+from keyshift.runtime.job_secret import SECRET_ENV
 
 # Statuses worth retrying: the job pushes back (its queue is full) or is briefly unreachable.
 RETRYABLE = frozenset({grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE})
@@ -54,6 +57,7 @@ class WriterOptions:
     endpoints: tuple[str, ...]
     bad_rows: str
     timeout: float  # seconds to keep retrying a backpressured or unreachable endpoint
+    security: Security  # the job's token (and TLS settings) every push presents
 
     @classmethod
     def parse(cls, options: dict[str, str]) -> WriterOptions:
@@ -81,7 +85,16 @@ class WriterOptions:
             ) from None
         if timeout <= 0:
             raise ValueError(f"option 'timeout' must be positive, got {timeout}")
-        return cls(endpoints, bad_rows, timeout)
+        # Option `token` holds the job's secret; without it the environment's is used (TLS
+        # settings always come from the environment).
+        environ = dict(os.environ)
+        if options.get("token"):
+            environ[SECRET_ENV] = options["token"]
+        try:
+            security = Security.from_env(environ)
+        except ValueError as exc:
+            raise ValueError(f"option 'token': {exc}") from None
+        return cls(endpoints, bad_rows, timeout, security)
 
 
 @dataclass
@@ -125,7 +138,7 @@ class _IngestWriter:
         attempt = context.attemptNumber() if context else 0
         endpoint = self.options.endpoints[partition % len(self.options.endpoints)]
         staged = StagedParts(transaction, endpoint, [])
-        with IngestClient(endpoint) as client:
+        with IngestClient(endpoint, self.options.security) as client:
             for chunk, rows in enumerate(_chunks(batches)):
                 part = f"{partition}-{attempt}-{chunk}"
                 reply = _retrying(
@@ -148,7 +161,7 @@ class _IngestWriter:
         for (endpoint, transaction), parts in sorted(by_endpoint.items()):
             if not parts:
                 continue  # only empty partitions went there
-            with IngestClient(endpoint) as client:
+            with IngestClient(endpoint, self.options.security) as client:
                 _retrying(
                     "commit",
                     endpoint,
@@ -171,7 +184,7 @@ class _IngestWriter:
         }:
             endpoint, transaction = message
             try:
-                with IngestClient(endpoint) as client:
+                with IngestClient(endpoint, self.options.security) as client:
                     client.abort(transaction)
             except IngestError:
                 pass  # staged parts expire at the endpoint by themselves
