@@ -12,6 +12,7 @@ import http.server
 import ipaddress
 import json
 import os
+import signal
 import ssl
 import subprocess
 import sys
@@ -52,7 +53,16 @@ from keyshift.runtime.transport import (
     TransportError,
     start_server,
 )
-from tests.conftest import count_job, latest_by_version, running_job, wait_for
+from tests.conftest import (
+    KEYSHIFT,
+    REPO,
+    cli,
+    count_job,
+    latest_by_version,
+    running_job,
+    wait_for,
+    write_job,
+)
 
 ANONYMOUS = Security(None)
 WRONG = Security(new_job_secret().encode())
@@ -490,3 +500,47 @@ def test_the_prometheus_client_verifies_the_servers_certificate(
     finally:
         server.shutdown()
         server.server_close()
+
+
+# --- the command line -------------------------------------------------------------------------
+
+
+def keyshift(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [KEYSHIFT, *args], cwd=REPO, env={**env, "COLUMNS": "200"}, capture_output=True,
+        text=True, timeout=120, check=False,
+    )  # fmt: skip
+
+
+@pytest.mark.slow
+def test_keyshift_run_makes_a_secret_that_status_finds_and_others_lack(tmp_path: Path) -> None:
+    """Without KEYSHIFT_JOB_SECRET, `keyshift run` generates one and records it for
+    `keyshift status NAME` (readable by the user only); a client given only the address needs
+    the secret in its environment."""
+    bare = {k: v for k, v in os.environ.items() if k != SECRET_ENV}
+    job = count_job(name="secretive", source={"config": {"kind": "generator", "keys": 100,
+                                                         "profile": {"rate": 1000}}})  # fmt: skip
+    with cli(["run", str(write_job(tmp_path, job)), "--no-view"], env={SECRET_ENV: ""}) as run:
+        status = wait_for(
+            lambda: (out := keyshift(bare, "status", "secretive")).returncode == 0 and out, 60,
+            "keyshift status by name",
+        )  # fmt: skip
+        assert json.loads(status.stdout)["job"] == "secretive"
+        record = Path(bare["KEYSHIFT_HOME"]) / "jobs" / "secretive.json"
+        assert record.stat().st_mode & 0o777 == 0o600
+        address = json.loads(record.read_text())["coordinator"]
+        out = keyshift(bare, "status", address)
+        assert out.returncode == 2 and f"no job secret: set {SECRET_ENV}" in out.stdout
+        out = keyshift({**bare, SECRET_ENV: new_job_secret()}, "status", address)
+        assert out.returncode == 1 and "missing or wrong job token" in out.stdout
+        out = keyshift(bare, "rescale", address, "counts", "3")
+        assert out.returncode == 2 and "no job secret" in out.stdout
+        run.send_signal(signal.SIGINT)
+        output, _ = run.communicate(timeout=60)
+    assert run.returncode == 0, output
+
+
+def test_keyshift_run_refuses_a_secret_too_short(tmp_path: Path) -> None:
+    job = write_job(tmp_path, count_job())
+    out = keyshift({**os.environ, SECRET_ENV: "short"}, "run", str(job), "--no-view")
+    assert out.returncode == 2 and f"{SECRET_ENV} is 5 characters long" in out.stdout
