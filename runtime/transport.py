@@ -238,13 +238,13 @@ class Inbox:
         if not isinstance(body, dict):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a data stream starts with a hello")
             raise AssertionError("unreachable")
-        sender = {"name": str(body.get("sender", "?"))}
+        sender = str(body.get("sender", "?"))
         if self._senders is not None and not self._senders.valid(
-            sender["name"], Identity.from_json(body.get("identity"))
+            sender, Identity.from_json(body.get("identity"))
         ):
             UNAUTHENTICATED.refused(DATA_SERVICE)
-            log.warning("refused a data stream in the name of %s: not its identity", sender["name"])
-            context.abort(grpc.StatusCode.UNAUTHENTICATED, f"not the identity of {sender['name']}")
+            log.warning("refused a data stream in the name of %s: not its identity", sender)
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, f"not the identity of {sender}")
         grants: queue.Queue[int | None] = queue.Queue()
         grants.put(self.credits)
 
@@ -255,16 +255,16 @@ class Inbox:
             ended = False
             try:
                 for message in requests:
-                    kind, body = message[:1], message[1:]
+                    kind, payload = message[:1], message[1:]
                     if kind in DATA_KINDS:
-                        self._queue.put(Delivery(sender["name"], kind, body, grant))
+                        self._queue.put(Delivery(sender, kind, payload, grant))
                     elif kind in (END, LEAVE):
                         ended = True
-                        self._queue.put(Delivery(sender["name"], kind, b"", lambda: None))
+                        self._queue.put(Delivery(sender, kind, b"", lambda: None))
             except grpc.RpcError:
                 pass
             if not ended:
-                self.failures.put(sender["name"])
+                self.failures.put(sender)
             grants.put(None)
 
         threading.Thread(target=read, name="inbox-reader", daemon=True).start()
