@@ -2,7 +2,8 @@
 
 create / resume / update: validate the spec (the schema's rules are the API server's; what it
 cannot express, `StreamingJobSpec.problems`, becomes a Degraded condition and an Event, and no
-child is created), then create or patch the children (`k8s_children`), owned by the job. A
+child is created), then create the job's token Secret if it has none (never patched: the pods
+hold its value) and create or patch the children (`k8s_children`), owned by the job. A
 change of the keyed stage's parallelism (an edit or `kubectl scale`) rescales the running job
 live. A timer per job reads the coordinator's status, runs the autoscaling loop
 (`k8s_scaling`), applies replica changes and writes the status; delete releases the job's parts.
