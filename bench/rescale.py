@@ -504,7 +504,7 @@ def run_strategy(
             report["steady_usage"] = usage(before_all, all_stats(probe.status))
             say(f"{strategy}: steady at parallelism 1: {brief(report['steady_usage'])}")
             rescales = []
-            with_client = JsonClient(local.address, COORDINATOR_SERVICE)
+            with_client = JsonClient(local.address, COORDINATOR_SERVICE, local.security)
             try:
                 first = rescale(probe, with_client, 2, strategy)
                 rescales.append(first)

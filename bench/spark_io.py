@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import tempfile
 import time
@@ -31,6 +32,7 @@ import yaml
 from keyshift.operator.local_host import LocalJob
 from keyshift.runtime.ingest_client import IngestClient
 from keyshift.runtime.job import parse_job
+from keyshift.runtime.job_secret import SECRET_ENV, new_job_secret
 from keyshift.runtime.output_log import OutputLogReader
 from keyshift.spark.bids import BidOptions, bids
 from keyshift.spark.session import local_session
@@ -89,6 +91,8 @@ def main() -> int:
         spec = parse_job(job(out))
         job_file = root / "job.yaml"
         job_file.write_text(yaml.safe_dump(job(out)))
+        # One secret for the job, Spark's workers and this script's clients.
+        os.environ.setdefault(SECRET_ENV, new_job_secret())
         spark = local_session("bench-spark")
         with LocalJob(spec, job_file, log_dir=root / "logs") as local:
             local.start()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -33,7 +34,9 @@ from keyshift.operator.local_host import (
 from keyshift.operator.local_scaling import LocalAutoscaler, TargetsFile, local_autoscaler
 from keyshift.operator.run_report import Timeline, write_png
 from keyshift.policies.settings import AutoscalerSettings
+from keyshift.runtime.auth import AuthError, Security
 from keyshift.runtime.job import JobError, JobSpec, load_job
+from keyshift.runtime.job_secret import SECRET_ENV, JobSecretError
 from keyshift.runtime.lifecycle import allow_user_code
 from keyshift.runtime.rescale import STRATEGIES
 from keyshift.runtime.transport import JsonClient, RequestRefused, TransportError
@@ -179,7 +182,11 @@ def _options(pairs: list[str]) -> dict[str, float]:
 
 
 def _client(job: str) -> JsonClient:
-    return JsonClient(resolve(job), COORDINATOR_SERVICE)
+    """A client of a job run here (its secret from the registry) or at HOST:PORT (its secret
+    from KEYSHIFT_JOB_SECRET)."""
+    address, secret = resolve(job)
+    environ = {**os.environ, SECRET_ENV: secret} if secret else os.environ
+    return JsonClient(address, COORDINATOR_SERVICE, Security.from_env(environ))
 
 
 def describe_rescale(r: dict[str, Any]) -> str:
@@ -234,7 +241,7 @@ def cmd_rescale(args: argparse.Namespace, console: Console) -> int:
 def cmd_status(args: argparse.Namespace, console: Console) -> int:
     try:
         status = _client(args.job).call("Status")
-    except RegistryError as exc:
+    except (RegistryError, AuthError) as exc:
         _error(console, exc)
         return 2
     except TransportError as exc:
@@ -316,7 +323,7 @@ def cmd_run(args: argparse.Namespace, console: Console) -> int:
             ) as job,
         ):
             job.start()
-            registered = register(spec.name, job.address, job.log_dir)
+            registered = register(spec.name, job.address, job.log_dir, job.env[SECRET_ENV])
             autoscaler = None
             try:
                 console.print(
@@ -342,7 +349,7 @@ def cmd_run(args: argparse.Namespace, console: Console) -> int:
                 registered.unlink(missing_ok=True)
                 if autoscaler is not None:
                     autoscaler.close()
-    except RegistryError as exc:
+    except (RegistryError, AuthError, JobSecretError) as exc:
         _error(console, exc)
         return 2
     except RunError as exc:

@@ -44,8 +44,9 @@ def lookup(job: str) -> dict[str, Any] | None:
     return record
 
 
-def register(job: str, coordinator: str, log_dir: Path) -> Path:
-    """Record a running job; refuse when a live run of the same job is recorded."""
+def register(job: str, coordinator: str, log_dir: Path, secret: str) -> Path:
+    """Record a running job and its secret (readable by this user only, as ~/.ssh keys are);
+    refuse when a live run of the same job is recorded."""
     existing = lookup(job)
     if existing is not None and existing["pid"] != os.getpid():
         raise RegistryError(
@@ -56,20 +57,28 @@ def register(job: str, coordinator: str, log_dir: Path) -> Path:
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / f"{job}.json"
     tmp = path.with_suffix(".tmp")
-    record = {"coordinator": coordinator, "pid": os.getpid(), "log_dir": str(log_dir)}
-    tmp.write_text(json.dumps(record))
+    record = {
+        "coordinator": coordinator,
+        "pid": os.getpid(),
+        "log_dir": str(log_dir),
+        "secret": secret,
+    }
+    tmp.unlink(missing_ok=True)
+    with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as f:
+        f.write(json.dumps(record))
     os.replace(tmp, path)
     return path
 
 
-def resolve(job: str) -> str:
-    """A job name, or a coordinator's host:port, to the coordinator's address."""
+def resolve(job: str) -> tuple[str, str | None]:
+    """A job name, or a coordinator's host:port, to the coordinator's address and the job's
+    secret (None for an address: the caller's environment has to hold it)."""
     record = lookup(job)
     if record is not None:
-        return str(record["coordinator"])
+        return str(record["coordinator"]), record.get("secret")
     host, sep, port = job.rpartition(":")
     if sep and host and port.isdigit():
-        return job
+        return job, None
     raise RegistryError(
         f"no running job named {job!r} on this machine (looked in {registry_dir()}); "
         "start it with `keyshift run`, or give the coordinator as HOST:PORT"

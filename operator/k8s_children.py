@@ -38,6 +38,12 @@ KEYSHIFT_CHILD_OPTIONS, parsed by `child_options_from_env`), also:
 The options also give the image of a job without `spec.image`: the chart passes the operator's
 own image, by digest when it pins one.
 
+Every pod of the job (coordinator, stages, Spark apps) gets the job's secret as
+KEYSHIFT_JOB_SECRET from the Secret `<job>-secret` (`job_secret`: the operator creates it once,
+random, and never patches it), the storage credentials from the Secret `spec.storageCredentials`
+names, and with `spec.tls` the TLS Secret's files mounted at TLS_MOUNT: all by reference, so no
+manifest and not the ConfigMap holds a credential.
+
 Every pod runs as user 10001 with a read-only root filesystem, no privilege escalation, no
 capabilities and the RuntimeDefault seccomp profile; /tmp is an emptyDir and HOME points there.
 No service account token is mounted (the pods do not talk to the Kubernetes API; a podTemplate
@@ -63,6 +69,7 @@ would undo the pods' hardening never gets here (`keyshift.operator.pod_hardening
 
 from __future__ import annotations
 
+import base64
 import copy
 import posixpath
 import re
@@ -73,7 +80,9 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from keyshift.operator.streamingjob import OutputLocation, Resources, SparkApp, StreamingJobSpec
+from keyshift.runtime.auth import TLS_CA_ENV, TLS_CERT_ENV, TLS_KEY_ENV, TLS_SERVER_NAME_ENV
 from keyshift.runtime.job import IngestSource, JobSpec, LogSink
+from keyshift.runtime.job_secret import SECRET_ENV
 
 Manifest = dict[str, Any]
 Role = Literal["source", "sink"]
@@ -121,6 +130,9 @@ _JOB_VOLUME = "job"
 _TMP_VOLUME = "tmp"
 _OUTPUT_VOLUME = "output"
 _CHECKPOINT_VOLUME = "checkpoints"
+_TLS_VOLUME = "tls"
+TLS_MOUNT = "/etc/keyshift-tls"
+SECRET_KEY = "secret"  # the key of the job's token Secret that holds the secret
 
 
 # -- what the operator is told about the children it makes -------------------------------------
@@ -192,6 +204,11 @@ def coordinator_address(name: str, namespace: str) -> str:
 def stage_set_name(name: str, stage: str) -> str:
     """A stage's StatefulSet and its headless Service."""
     return f"{name}-{stage}"
+
+
+def job_secret_name(name: str) -> str:
+    """The Secret with the job's secret (KEYSHIFT_JOB_SECRET of every pod)."""
+    return f"{name}-secret"
 
 
 def config_map_name(name: str) -> str:
@@ -469,6 +486,50 @@ def _base_env() -> dict[str, str]:
     return {"HOME": TMP_DIR, "PYTHONUNBUFFERED": "1", "PYTHONDONTWRITEBYTECODE": "1"}
 
 
+def _security_env(name: str, spec: StreamingJobSpec) -> list[Manifest]:
+    """The job's secret, the storage credentials and the TLS files, for every job pod: all
+    from Secrets, none of them in a manifest or the ConfigMap."""
+    env: list[Manifest] = [
+        {"name": SECRET_ENV, "valueFrom": {"secretKeyRef": {
+            "name": job_secret_name(name), "key": SECRET_KEY}}},
+    ]  # fmt: skip
+    credentials = spec.storage_credentials
+    if credentials is not None:
+        env.extend(
+            {"name": variable, "valueFrom": {"secretKeyRef": {
+                "name": credentials.secret_name, "key": key}}}
+            for variable, key in credentials.keys.items()
+        )  # fmt: skip
+    if spec.tls is not None:
+        env.extend(_env({
+            TLS_CA_ENV: f"{TLS_MOUNT}/ca.crt",
+            TLS_CERT_ENV: f"{TLS_MOUNT}/tls.crt",
+            TLS_KEY_ENV: f"{TLS_MOUNT}/tls.key",
+            **({TLS_SERVER_NAME_ENV: spec.tls.server_name} if spec.tls.server_name else {}),
+        }))  # fmt: skip
+    return env
+
+
+def _tls_volume(spec: StreamingJobSpec) -> tuple[Manifest, Manifest] | None:
+    """The TLS Secret's volume and its mount, if the job has TLS."""
+    if spec.tls is None:
+        return None
+    volume = {"name": _TLS_VOLUME, "secret": {"secretName": spec.tls.secret_name}}
+    return volume, {"name": _TLS_VOLUME, "mountPath": TLS_MOUNT, "readOnly": True}
+
+
+def job_secret(name: str, namespace: str, secret: str) -> Manifest:
+    """The job's token Secret: created once by the operator, never patched (the running pods
+    hold its value)."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "type": "Opaque",
+        "metadata": _metadata(job_secret_name(name), namespace, common_labels(name, "secret")),
+        "data": {SECRET_KEY: base64.b64encode(secret.encode()).decode()},
+    }
+
+
 def _job_volume(name: str) -> Manifest:
     return {"name": _JOB_VOLUME, "configMap": {"name": config_map_name(name)}}
 
@@ -539,10 +600,10 @@ def coordinator_deployment(
 ) -> Manifest:
     selector = coordinator_selector_labels(name)
     mounts, volumes = [_job_mount()], [_job_volume(name)]
-    checkpoints = _checkpoint_volume(spec, job)
-    if checkpoints is not None:
-        volumes.append(checkpoints[0])
-        mounts.append(checkpoints[1])
+    for extra in (_checkpoint_volume(spec, job), _tls_volume(spec)):
+        if extra is not None:
+            volumes.append(extra[0])
+            mounts.append(extra[1])
     labels = {**common_labels(name, "coordinator"), **selector}
     container: Manifest = {
         "image": spec.image,
@@ -563,7 +624,7 @@ def coordinator_deployment(
             *(["--restore"] if job.checkpoints is not None else []),
         ],
         "workingDir": APP_DIR,
-        "env": _env({**_base_env(), "KEYSHIFT_JOB": name}),
+        "env": [*_env({**_base_env(), "KEYSHIFT_JOB": name}), *_security_env(name, spec)],
         "ports": [
             {"name": "grpc", "containerPort": COORDINATOR_PORT, "protocol": "TCP"},
             {"name": "metrics", "containerPort": METRICS_PORT, "protocol": "TCP"},
@@ -672,10 +733,10 @@ def stage_stateful_set(
     if output is not None:
         mounts.append({"name": _OUTPUT_VOLUME, "mountPath": output})
         volumes.append(_output_volume(spec.output))
-    checkpoints = _checkpoint_volume(spec, job)
-    if checkpoints is not None:
-        volumes.append(checkpoints[0])
-        mounts.append(checkpoints[1])
+    for extra in (_checkpoint_volume(spec, job), _tls_volume(spec)):
+        if extra is not None:
+            volumes.append(extra[0])
+            mounts.append(extra[1])
     container: Manifest = {
         "image": spec.image,
         "command": ["python", "-P", "-m", "keyshift.runtime.instance"],
@@ -697,6 +758,7 @@ def stage_stateful_set(
         "env": [
             {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
             *_env({**_base_env(), "KEYSHIFT_JOB": name}),
+            *_security_env(name, spec),
         ],
         "ports": [
             {"name": port_name, "containerPort": port, "protocol": "TCP"}
@@ -751,10 +813,14 @@ def spark_deployment(
         volumes.append(_output_volume(spec.output))
         # Read-write: a query that names a `reader` commits its progress in the log.
         mounts.append({"name": _OUTPUT_VOLUME, "mountPath": output})
+    tls = _tls_volume(spec)
+    if tls is not None:
+        volumes.append(tls[0])
+        mounts.append(tls[1])
     container: Manifest = {
         "image": app.image or spec.image,
         "command": ["spark-submit", "--master", "local[*]", app.script, *app.args],
-        "env": _env(env),
+        "env": [*_env(env), *_security_env(name, spec)],
         "resources": _resources(app.resources),
         "volumeMounts": mounts,
     }

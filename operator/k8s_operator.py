@@ -2,7 +2,8 @@
 
 create / resume / update: validate the spec (the schema's rules are the API server's; what it
 cannot express, `StreamingJobSpec.problems`, becomes a Degraded condition and an Event, and no
-child is created), then apply the children (`k8s_children`, server-side: `k8s_apply`). A
+child is created), then create the job's token Secret if it has none (never patched: the pods
+hold its value) and apply the children (`k8s_children`, server-side: `k8s_apply`). A
 change of the keyed stage's parallelism (an edit or `kubectl scale`) rescales the running job
 live. A timer per job reads the coordinator's status, runs the autoscaling loop
 (`k8s_scaling`), applies replica changes and writes the status, with the memory a restarted
@@ -15,6 +16,7 @@ API emulator.
 from __future__ import annotations
 
 import asyncio
+import base64
 import logging
 import os
 import time
@@ -31,19 +33,24 @@ from pydantic import ValidationError
 from keyshift.operator.conditions import condition, upsert_conditions
 from keyshift.operator.k8s_apply import apply, apply_replicas, scaler_owns_replicas
 from keyshift.operator.k8s_children import (
+    SECRET_KEY,
     ChildOptions,
     ChildOptionsError,
     child_options_from_env,
     child_problems,
     children,
     coordinator_address,
+    job_secret,
+    job_secret_name,
     stage_selector,
     stage_set_name,
 )
 from keyshift.operator.k8s_scaling import KubeJob, Memory, kube_job, remembered
 from keyshift.operator.rescale_executor import MigrationPlan
 from keyshift.operator.streamingjob import GROUP, PLURAL, VERSION, StreamingJobSpec
+from keyshift.runtime.auth import Security, Tls
 from keyshift.runtime.job import JobSpec
+from keyshift.runtime.job_secret import new_job_secret
 from keyshift.runtime.metrics import AutoscalerMetrics, OperatorMetrics
 from keyshift.runtime.transport import TransportError
 
@@ -81,6 +88,31 @@ def _invalid(spec: Mapping[str, Any]) -> tuple[StreamingJobSpec | None, list[str
             f"spec.{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors()
         ]
     return parsed, parsed.problems()
+
+
+async def _job_security(
+    api: k8s.ApiClient, name: str, namespace: str, spec: StreamingJobSpec, body: kopf.Body
+) -> Security:
+    """The job's secret (and CA, with TLS) for the operator's own calls to the coordinator.
+    The secret's Secret is created the first time, random and owned by the job; it is never
+    overwritten, since the running pods hold its value."""
+    core = k8s.CoreV1Api(api)
+    manifest = job_secret(name, namespace, new_job_secret())
+    kopf.adopt(manifest, owner=body)
+    try:
+        await core.create_namespaced_secret(namespace, manifest)  # type: ignore[arg-type]
+    except ApiException as exc:
+        if exc.status != 409:
+            raise
+    stored = await core.read_namespaced_secret(job_secret_name(name), namespace)
+    secret = base64.b64decode(stored.data[SECRET_KEY])
+    if spec.tls is None:
+        return Security(secret)
+    tls = await core.read_namespaced_secret(spec.tls.secret_name, namespace)
+    ca = base64.b64decode((tls.data or {}).get("ca.crt", ""))
+    if not ca:
+        raise kopf.TemporaryError(f"Secret {spec.tls.secret_name} has no ca.crt", delay=10)
+    return Security(secret, Tls(ca=ca, server_name=spec.tls.server_name))
 
 
 async def _stateful_sets(
@@ -150,6 +182,7 @@ def build_registry(config: OperatorConfig) -> kopf.OperatorRegistry:
             manifests = children(name, namespace, parsed, job, set(sets), config.children)
             kopf.adopt(manifests, owner=body)
             try:
+                security = await _job_security(api, name, namespace, parsed, body)
                 for stage, live in sets.items():  # a handover an operator restart cut short
                     if not scaler_owns_replicas(live):
                         set_name = stage_set_name(name, stage)
@@ -183,7 +216,7 @@ def build_registry(config: OperatorConfig) -> kopf.OperatorRegistry:
         plan = MigrationPlan(parsed.strategy(), dict(parsed.migration.options))
         memo["job"] = kube_job(
             name, namespace, job, config.coordinator_address(name, namespace),
-            config.metrics_for(namespace, name), plan, memory,
+            config.metrics_for(namespace, name), plan, memory, security,
         )  # fmt: skip
         memo["spec"] = parsed
         patch.status["observedGeneration"] = generation

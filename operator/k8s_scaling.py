@@ -34,6 +34,7 @@ from keyshift.operator.streamingjob import DecisionStatus
 from keyshift.policies import make_policy
 from keyshift.policies.guards import GuardState
 from keyshift.policies.model import Decision
+from keyshift.runtime.auth import Security
 from keyshift.runtime.job import JobSpec
 from keyshift.runtime.metrics import AutoscalerMetrics
 from keyshift.runtime.transport import JsonClient
@@ -197,9 +198,11 @@ def kube_job(
     exported: AutoscalerMetrics,
     plan: MigrationPlan,
     memory: Memory,
+    security: Security,
 ) -> KubeJob:
-    """Wire the parts for one StreamingJob, going on from `memory`."""
-    client = JsonClient(coordinator, "keyshift.Coordinator")
+    """Wire the parts for one StreamingJob, going on from `memory`; `security` holds the job's
+    token for its calls."""
+    client = JsonClient(coordinator, "keyshift.Coordinator", security)
     latest = LatestStatus()
     pool = StatefulSetPool(name, namespace)
     scalable = frozenset({job.keyed.name})

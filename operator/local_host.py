@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import os
 import signal
 import tempfile
 import threading
@@ -22,9 +23,11 @@ from pathlib import Path
 from typing import Any
 
 from keyshift.operator.processes import Child
+from keyshift.runtime.auth import Security
 from keyshift.runtime.checkpoint_store import CheckpointError, CheckpointMeta, CheckpointStore
 from keyshift.runtime.coordinator import RESTART_EXIT_CODE
 from keyshift.runtime.job import JobSpec
+from keyshift.runtime.job_secret import SECRET_ENV, load_job_secret, new_job_secret
 from keyshift.runtime.transport import JsonClient, TransportError
 
 log = logging.getLogger("keyshift.host")
@@ -71,6 +74,10 @@ class LocalJob:
         self.client: JsonClient | None = None
         self.address = ""
         self.coordinator_metrics_port = 0
+        # Every run has a secret: the caller's (so clients it starts share it), else a new one.
+        secret = load_job_secret() or new_job_secret().encode()
+        self.env = {SECRET_ENV: secret.decode()}
+        self.security = Security.from_env({**os.environ, **self.env})
         self._dead_since: dict[str, float] = {}
         self.recoveries: list[dict[str, Any]] = []  # {"reason", "checkpoint", "seconds"}
 
@@ -101,6 +108,7 @@ class LocalJob:
             ],
             self.log_dir / ("coordinator.log" if not restore else
                             f"coordinator-recovery-{len(self.recoveries)}.log"),
+            self.env,
         )  # fmt: skip
         deadline = time.monotonic() + self.start_timeout
         while not ready.exists():
@@ -116,7 +124,7 @@ class LocalJob:
         self.address = f"{self.host}:{info['port']}"
         self.coordinator_metrics_port = int(info["metrics_port"])
         if self.client is None:
-            self.client = JsonClient(self.address, COORDINATOR_SERVICE)
+            self.client = JsonClient(self.address, COORDINATOR_SERVICE, self.security)
         if restore:
             # The client's channel saw the old coordinator die: wait until it has reconnected.
             self.client.wait_ready(self.start_timeout)
@@ -186,6 +194,7 @@ class LocalJob:
             ["-m", "keyshift.runtime.instance", "--coordinator", self.address,
              "--stage", stage, "--index", str(index), "--host", self.host],
             self.log_dir / f"{stage}-{index}.log",
+            self.env,
         )  # fmt: skip
         self.instances[name] = child
         return child

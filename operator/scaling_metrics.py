@@ -18,6 +18,7 @@ from collections import deque
 from collections.abc import Callable, Mapping
 from typing import Any
 
+import requests
 from prometheus_api_client import PrometheusConnect
 from prometheus_api_client.exceptions import PrometheusApiClientException
 from prometheus_client.parser import text_string_to_metric_families
@@ -110,7 +111,10 @@ class PrometheusSource:
         members: Callable[[], Members],
         timeout: int = 5,
         namespace: str = "",
+        ca_bundle: str | None = None,
     ) -> None:
+        """An https `url`'s certificate is verified: against `ca_bundle` (a PEM file) if given,
+        else the system's CAs or the file named by REQUESTS_CA_BUNDLE."""
         self.url = url
         self.job = job
         self.namespace = namespace
@@ -119,7 +123,9 @@ class PrometheusSource:
         self.timeout = timeout
         # One quick retry at most: a tick that waits out a long back-off only delays the next.
         retry = Retry(total=1, backoff_factor=0.1, status_forcelist=(502, 503, 504))
-        self._client = PrometheusConnect(url=url, disable_ssl=True, retry=retry, timeout=timeout)
+        session = requests.Session()
+        session.verify = ca_bundle or True
+        self._client = PrometheusConnect(url=url, retry=retry, timeout=timeout, session=session)
 
     def collect(self, window: float, now: float) -> ScalingInput:
         matchers = [f'{JOB_LABEL}="{self.job}"']

@@ -72,14 +72,50 @@ class SparkApp(_Model):
     resources: Resources = Field(default_factory=Resources)
 
 
+# A DNS subdomain name, as Kubernetes names Secrets and claims.
+SECRET_NAME_PATTERN = r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$"
+# Names of storage options that carry credentials: they belong in a Secret, never in the spec.
+CREDENTIAL_OPTIONS = frozenset(
+    {"key", "secret", "token", "password", "access_key", "secret_key", "session_token",
+     "aws_access_key_id", "aws_secret_access_key", "aws_session_token", "account_key",
+     "sas_token", "client_secret", "connection_string"}
+)  # fmt: skip
+
+
 class OutputLocation(_Model):
     """Where the job's output log (a `log` sink) lives, so that its Spark sinks can read it."""
 
     claim: str = Field(
-        pattern=r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$",
+        pattern=SECRET_NAME_PATTERN,
         description="a PersistentVolumeClaim (ReadWriteMany) mounted at the log sink's output "
         "directory (job.sink.config.path) in the sink stage's pods and every spec.sinks app: "
         "the output outlives the pods and the Spark sinks read it there",
+    )
+
+
+class StorageCredentials(_Model):
+    """Checkpoint/output storage credentials, as environment variables from a Secret (fsspec
+    and its S3, GCS and Azure back ends read them from the environment)."""
+
+    secret_name: str = Field(alias="secretName", pattern=SECRET_NAME_PATTERN)
+    keys: dict[str, str] = Field(
+        default_factory=lambda: {
+            "AWS_ACCESS_KEY_ID": "AWS_ACCESS_KEY_ID",
+            "AWS_SECRET_ACCESS_KEY": "AWS_SECRET_ACCESS_KEY",
+        },
+        description="environment variable -> key in the Secret",
+    )
+
+
+class JobTls(_Model):
+    """TLS on every port of the job, from a Secret with tls.crt, tls.key and ca.crt (the
+    layout cert-manager writes)."""
+
+    secret_name: str = Field(alias="secretName", pattern=SECRET_NAME_PATTERN)
+    server_name: str | None = Field(
+        default=None,
+        alias="serverName",
+        description="the name the certificate is for, when it does not name every pod's IP",
     )
 
 
@@ -124,6 +160,13 @@ class StreamingJobSpec(_Model):
         "directory in the coordinator and every stage pod: needed when job.checkpoints.storage "
         "is a local path (checkpoints, and an ingest source's log, live there)",
     )
+    storage_credentials: StorageCredentials | None = Field(
+        default=None,
+        alias="storageCredentials",
+        description="a Secret whose keys become the storage credentials' environment variables "
+        "in every pod (never inline in job.checkpoints.storage_options)",
+    )
+    tls: JobTls | None = Field(default=None, description="TLS on every port of the job")
 
     output: OutputLocation | None = Field(
         default=None,
@@ -193,6 +236,12 @@ class StreamingJobSpec(_Model):
         except RescaleError as exc:
             found.append(f"spec.migration: {exc}")
         found += template_problems(self.pod_template)
+        if spec is not None and spec.checkpoints is not None:
+            found.extend(
+                f"spec.job.checkpoints.storage_options.{path}: credentials do not go inline; "
+                "put them in a Secret named by spec.storageCredentials"
+                for path in _credential_paths(spec.checkpoints.storage_options)
+            )
         names = {app.name for app in [*self.sources, *self.sinks]}
         if len(names) != len(self.sources) + len(self.sinks):
             found.append("spec.sources and spec.sinks need distinct names")
@@ -204,6 +253,18 @@ class StreamingJobSpec(_Model):
                     f"autoscaler's bounds [{keyed.min_parallelism}, {keyed.max_parallelism}]"
                 )
         return found
+
+
+def _credential_paths(options: dict[str, Any], prefix: str = "") -> list[str]:
+    """The dotted paths of credential-looking keys in (nested) storage options."""
+    found = []
+    for key, value in options.items():
+        path = f"{prefix}{key}"
+        if key.lower() in CREDENTIAL_OPTIONS:
+            found.append(path)
+        elif isinstance(value, dict):
+            found.extend(_credential_paths(value, f"{path}."))
+    return found
 
 
 class StageStatus(_Model):
@@ -326,6 +387,7 @@ class StreamingJob(_Model):
 
 
 __all__ = [
+    "CREDENTIAL_OPTIONS",
     "GROUP",
     "KIND",
     "PLURAL",
@@ -336,6 +398,7 @@ __all__ = [
     "Condition",
     "DecisionStatus",
     "GuardStatus",
+    "JobTls",
     "Migration",
     "OutputLocation",
     "RescaleMarkStatus",
@@ -343,6 +406,7 @@ __all__ = [
     "Resources",
     "SparkApp",
     "StageStatus",
+    "StorageCredentials",
     "StreamingJob",
     "StreamingJobSpec",
     "StreamingJobStatus",

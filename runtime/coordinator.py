@@ -8,6 +8,7 @@ host's client talk to it through the JSON control service `keyshift.Coordinator`
 from __future__ import annotations
 
 import argparse
+import hmac
 import json
 import logging
 import os
@@ -26,6 +27,7 @@ from typing import Any
 import grpc
 import numpy as np
 
+from keyshift.runtime.auth import AuthError, Security
 from keyshift.runtime.checkpoint_store import CheckpointError, CheckpointMeta, CheckpointStore
 from keyshift.runtime.checkpointing import (
     CHECKPOINT_COMPLETE,
@@ -37,10 +39,11 @@ from keyshift.runtime.checkpointing import (
     acked,
     open_store,
 )
+from keyshift.runtime.identity import Identity, Issuer
 from keyshift.runtime.job import MAX_PARALLELISM, JobError, JobSpec, load_job
 from keyshift.runtime.keyspace import Assignment
 from keyshift.runtime.lifecycle import allow_user_code, die_with_parent
-from keyshift.runtime.metrics import CoordinatorMetrics
+from keyshift.runtime.metrics import UNAUTHENTICATED, CoordinatorMetrics
 from keyshift.runtime.rescale import RescaleDriver, RescaleError, RescaleStatus, options_for
 from keyshift.runtime.transport import ControlError, PortInUseError, json_handler, start_server
 
@@ -57,6 +60,7 @@ class InstanceRecord:
     data_address: str
     metrics_address: str
     pid: int
+    identity: Identity
     commands: queue.Queue[dict[str, Any] | None] = field(default_factory=queue.Queue)
     stats: dict[str, Any] = field(default_factory=dict)
     finished: bool = False
@@ -79,10 +83,13 @@ class Coordinator:
         register_timeout: float,
         restore: CheckpointMeta | None = None,
         store: CheckpointStore | None = None,
+        secret: bytes | None = None,
     ) -> None:
         """`store` (a checkpointed job's) keeps the record of recoveries; `restore` is the
-        checkpoint this coordinator goes on from, after a crash."""
+        checkpoint this coordinator goes on from, after a crash; `secret` (the job's) is what
+        the instances' identities are derived from."""
         self.spec = spec
+        self.identities = Issuer(spec.name, secret)
         self.store = store
         self.restored_from = restore.id if restore is not None else None
         self.recoveries: list[dict[str, Any]] = []
@@ -258,6 +265,7 @@ class Coordinator:
                 data_address=str(body["data_address"]),
                 metrics_address=str(body["metrics_address"]),
                 pid=int(body.get("pid", 0)),
+                identity=self.identities.issue(f"{stage}/{index}"),
             )
             self.members[stage][index] = record
             log.info("registered %s at %s", record.name, record.data_address)
@@ -271,7 +279,11 @@ class Coordinator:
                 if self.rescale_status is not None:
                     record.commands.put({"type": "rescaling", "active": True})
             self._changed.notify_all()
-            return {"job": self.spec.model_dump(mode="json"), "restore": self.restored_from}
+            return {
+                "job": self.spec.model_dump(mode="json"),
+                "restore": self.restored_from,
+                "identity": record.identity.to_json(),
+            }
 
     def watch(self, body: dict[str, Any], context: grpc.ServicerContext) -> Any:
         with self._lock:
@@ -279,6 +291,7 @@ class Coordinator:
             record = self.members.get(stage, {}).get(int(body.get("index", -1)))
             if record is None:
                 raise ControlError("watch before register", grpc.StatusCode.FAILED_PRECONDITION)
+            self._check_identity(record, body)
             record.watching = True
         try:
             while context.is_active():
@@ -291,6 +304,19 @@ class Coordinator:
                 yield command
         finally:
             self._lost(record)
+
+    def _check_identity(self, record: InstanceRecord, body: dict[str, Any]) -> None:
+        """Refuse a call that does not carry the identity `record`'s registrant was issued."""
+        presented = Identity.from_json(body.get("identity"))
+        if presented is None or not hmac.compare_digest(
+            presented.credential, record.identity.credential
+        ):
+            UNAUTHENTICATED.refused(SERVICE)
+            log.warning("refused a call in the name of %s: not its identity", record.name)
+            raise ControlError(
+                f"not the identity issued to instance {record.name}",
+                grpc.StatusCode.UNAUTHENTICATED,
+            )
 
     def lost_keyed(self) -> set[int]:
         with self._lock:
@@ -343,6 +369,7 @@ class Coordinator:
             record = self.members.get(stage, {}).get(int(body.get("index", -1)))
             if record is None:
                 raise ControlError("report before register", grpc.StatusCode.FAILED_PRECONDITION)
+            self._check_identity(record, body)
             record.stats = dict(body.get("stats", {}))
             record.last_report = time.monotonic()
             if body.get("metrics_address"):
@@ -755,7 +782,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
         spec = load_job(args.job)
-    except JobError as exc:
+        security = Security.from_env()
+    except (JobError, AuthError) as exc:
         print(exc, file=sys.stderr)
         return 2
     restore = None
@@ -778,13 +806,16 @@ def main(argv: list[str] | None = None) -> int:
             log.error("checkpoint storage is unusable (%s); the job runs, checkpoints fail", exc)
         if args.restore:
             log.info("restoring from checkpoint %s", restore.id if restore else "(none)")
-    coordinator = Coordinator(spec, args.register_timeout, restore, store)
+    coordinator = Coordinator(spec, args.register_timeout, restore, store, security.secret)
     try:
         server, port = start_server(
-            f"{args.host}:{args.port}", [coordinator.handler()], max_calls=max_calls(spec)
+            f"{args.host}:{args.port}",
+            [coordinator.handler()],
+            max_calls=max_calls(spec),
+            security=security,
         )
         metrics_port = coordinator.metrics.serve(args.host, args.metrics_port)
-    except (PortInUseError, OSError) as exc:
+    except (PortInUseError, OSError, AuthError) as exc:
         print(f"coordinator: {exc}", file=sys.stderr)
         return 1
     signal.signal(signal.SIGTERM, lambda *_: coordinator.stopped.set())

@@ -23,6 +23,7 @@ from typing import Any, TypeAlias
 import grpc
 import pyarrow as pa
 
+from keyshift.runtime.auth import Security
 from keyshift.runtime.ingest import (
     ABORT_METHOD,
     COMMIT_METHOD,
@@ -118,14 +119,16 @@ class IngestClient:
         address: str,
         max_request_rows: int = DEFAULT_MAX_REQUEST_ROWS,
         max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+        security: Security | None = None,
     ) -> None:
         """`max_request_rows` and `max_request_bytes`: the endpoint's limits (the ingest
-        source's settings in the job file); pushes are split within them."""
+        source's settings in the job file); pushes are split within them. `security`: the
+        job's token and TLS settings; by default from the environment."""
         _check_limits(max_request_rows, max_request_bytes)
         self.address = address
         self.max_request_rows = max_request_rows
         self.max_request_bytes = max_request_bytes
-        self._channel = grpc.insecure_channel(address, options=GRPC_OPTIONS)
+        self._channel = (security or Security.from_env()).channel(address, GRPC_OPTIONS)
         self._push = self._channel.unary_unary(PUSH_METHOD, None, None)
         self._commit = self._channel.unary_unary(COMMIT_METHOD, None, None)
         self._abort = self._channel.unary_unary(ABORT_METHOD, None, None)

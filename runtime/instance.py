@@ -27,8 +27,10 @@ from typing import Any
 import grpc
 import numpy as np
 
+from keyshift.runtime.auth import AuthError, Security
 from keyshift.runtime.checkpoint_store import CheckpointError, CheckpointMeta
 from keyshift.runtime.checkpointing import open_store
+from keyshift.runtime.identity import Identity, Issuer
 from keyshift.runtime.job import MAX_PARALLELISM, JobSpec, parse_job
 from keyshift.runtime.keyspace import Assignment
 from keyshift.runtime.lifecycle import allow_user_code, die_with_parent
@@ -93,8 +95,21 @@ class Stopped(Exception):
 class InstanceContext:
     """What every stage loop uses: spec, metrics, inbox, outlets, commands, time accounting."""
 
-    def __init__(self, spec: JobSpec, stage: str, index: int, control: JsonClient, inbox: Inbox):
+    def __init__(
+        self,
+        spec: JobSpec,
+        stage: str,
+        index: int,
+        control: JsonClient,
+        inbox: Inbox,
+        security: Security | None = None,
+        identity: Identity | None = None,
+    ):
+        """`identity`: what the coordinator issued this instance at registration; reports,
+        the command stream and data streams present it."""
         self.spec = spec
+        self.security = security or Security.from_env()
+        self.identity = identity
         self.stage = stage
         self.index = index
         self.name = f"{stage}/{index}"
@@ -123,7 +138,7 @@ class InstanceContext:
 
     def follow_commands(self) -> None:
         try:
-            for command in self.control.stream("Watch", {"stage": self.stage, "index": self.index}):
+            for command in self.control.stream("Watch", self._whoami()):
                 kind = command.get("type")
                 if kind == "topology":
                     self.topology = command
@@ -170,7 +185,7 @@ class InstanceContext:
         return {int(i): a for i, a in self.wait_topology()["stages"][stage].items()}
 
     def outlet(self, address: str) -> Outlet:
-        outlet = Outlet(address, self.name)
+        outlet = Outlet(address, self.name, self.security, self.identity)
         self._outlets.append(outlet)
         return outlet
 
@@ -229,6 +244,13 @@ class InstanceContext:
             **{k: list(v) if isinstance(v, deque) else v for k, v in self.extra_stats.items()},
         }
 
+    def _whoami(self) -> dict[str, Any]:
+        """Who a control call speaks for, with the identity that proves it."""
+        body: dict[str, Any] = {"stage": self.stage, "index": self.index}
+        if self.identity is not None:
+            body["identity"] = self.identity.to_json()
+        return body
+
     def report(
         self,
         finished: bool = False,
@@ -236,8 +258,7 @@ class InstanceContext:
         events: list[dict[str, Any]] | None = None,
     ) -> None:
         body: dict[str, Any] = {
-            "stage": self.stage,
-            "index": self.index,
+            **self._whoami(),
             "stats": self.stats(),
             "metrics_address": self.metrics_address,
         }
@@ -324,7 +345,12 @@ def main(argv: list[str] | None = None) -> int:
     name = f"{args.stage}/{args.index}"
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {name} %(levelname)s %(message)s")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    control = JsonClient(args.coordinator, COORDINATOR_SERVICE)
+    try:
+        security = Security.from_env()
+    except AuthError as exc:
+        print(f"instance {name}: {exc}", file=sys.stderr)
+        return 2
+    control = JsonClient(args.coordinator, COORDINATOR_SERVICE, security)
     try:
         control.wait_ready(args.connect_timeout)
     except TransportError as exc:
@@ -336,7 +362,10 @@ def main(argv: list[str] | None = None) -> int:
     holder: list[InstanceContext] = []
     try:
         server, port = start_server(
-            f"{args.host}:{args.port}", [inbox.handler(), migrate_handler(holder)], MAX_CALLS
+            f"{args.host}:{args.port}",
+            [inbox.handler(), migrate_handler(holder)],
+            MAX_CALLS,
+            security=security,
         )
         # The spec comes from the coordinator, so every process runs the same definition.
         reply = control.call(
@@ -349,12 +378,19 @@ def main(argv: list[str] | None = None) -> int:
                 "pid": os.getpid(),
             },
         )
-    except (PortInUseError, TransportError) as exc:
+    except (PortInUseError, TransportError, AuthError) as exc:
         print(f"instance {name}: {exc}", file=sys.stderr)
         return 1
     spec = parse_job(reply["job"], origin="from the coordinator")
-    inbox.open(spec.batching.credits)
-    ctx = InstanceContext(spec, args.stage, args.index, control, inbox)
+    identity = Identity.from_json(reply.get("identity"))
+    if identity is None:
+        print(f"instance {name}: the coordinator issued no identity", file=sys.stderr)
+        server.stop(grace=0)
+        return 1
+    # Without a secret (insecure) there is no key to check a sender's identity with.
+    senders = Issuer(spec.name, security.secret) if security.secret is not None else None
+    inbox.open(spec.batching.credits, senders)
+    ctx = InstanceContext(spec, args.stage, args.index, control, inbox, security, identity)
     ctx.host = args.host
     if reply.get("restore") is not None and spec.checkpoints is not None:
         try:

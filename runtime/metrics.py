@@ -24,7 +24,7 @@ from typing import Any, Protocol
 
 import numpy as np
 from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
-from prometheus_client.core import HistogramMetricFamily
+from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
 JOB_LABEL = "keyshift_job"
@@ -72,6 +72,7 @@ class MetricName(StrEnum):
     CHECKPOINT_COMPLETED_TIME = "keyshift_checkpoint_last_completed_timestamp_seconds"
     RECOVERIES = "keyshift_recoveries_total"
     RECOVERY_SECONDS = "keyshift_recovery_duration_seconds"
+    RPC_UNAUTHENTICATED = "keyshift_rpc_unauthenticated_total"
 
 
 COUNTERS = (
@@ -130,6 +131,8 @@ HELP: dict[MetricName, str] = {
     "the job's life (kept with its checkpoints).",
     MetricName.RECOVERY_SECONDS: "Seconds the last recovery took, from the failure noticed to "
     "the job running again.",
+    MetricName.RPC_UNAUTHENTICATED: "gRPC calls refused because they lacked the job's token, "
+    "by service.",
 }
 
 
@@ -168,6 +171,35 @@ class BatchHistogram(Collector):
             list(self._labels.values()), list(zip(bounds, cumulative, strict=True)), total
         )
         yield family
+
+
+class UnauthenticatedCalls(Collector):
+    """Calls this process's gRPC servers refused (no or wrong token), by service. One per
+    process (`UNAUTHENTICATED`): the servers start before the process knows its labels, and
+    every registry the process serves includes it."""
+
+    def __init__(self) -> None:
+        self._counts: collections.Counter[str] = collections.Counter()
+        self._lock = threading.Lock()
+
+    def refused(self, service: str) -> None:
+        with self._lock:
+            self._counts[service] += 1
+
+    def count(self, service: str) -> int:
+        with self._lock:
+            return self._counts[service]
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        name = MetricName.RPC_UNAUTHENTICATED
+        family = CounterMetricFamily(name.removesuffix("_total"), HELP[name], labels=["service"])
+        with self._lock:
+            for service, value in sorted(self._counts.items()):
+                family.add_metric([service], value)
+        yield family
+
+
+UNAUTHENTICATED = UnauthenticatedCalls()
 
 
 def serve_registry(registry: CollectorRegistry, host: str, port: int) -> int:
@@ -254,6 +286,7 @@ class InstanceMetrics:
             MetricName.LATENCY, HELP[MetricName.LATENCY], LATENCY_BUCKETS, self.labels
         )
         self.registry.register(self.latency)
+        self.registry.register(UNAUTHENTICATED)
         self.invalid_total = 0
 
     def migration_stats(self) -> MigrationStats:
@@ -327,6 +360,7 @@ class CoordinatorMetrics:
         self._recoveries = counter(MetricName.RECOVERIES, (JOB_LABEL,), self.registry)
         self._recovery_seconds = gauge(MetricName.RECOVERY_SECONDS, (JOB_LABEL,), self.registry)
         self._recoveries_counted = 0
+        self.registry.register(UNAUTHENTICATED)
 
     def set_parallelism(self, stage: str, parallelism: int) -> None:
         self._parallelism.labels(self.job, stage).set(parallelism)

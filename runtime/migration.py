@@ -241,7 +241,7 @@ class MoveIn:
         self.parked_keys: dict[bool, Counter[Any]] = {True: Counter(), False: Counter()}
         self.replies: queue.Queue[tuple[int, bytes | Exception]] = queue.Queue()
         self.channels = {
-            int(src): grpc.insecure_channel(command["peers"][src], options=GRPC_OPTIONS)
+            int(src): ctx.security.channel(command["peers"][src], GRPC_OPTIONS)
             for src in command["groups"]
         }
         self.key_field = ctx.spec.keyed.key_by

@@ -300,11 +300,15 @@ def _listen(
     server = None
     if previous is not None:
         try:
-            server, port = start_server(f"{ctx.host}:{previous}", [service.handler()])
+            server, port = start_server(
+                f"{ctx.host}:{previous}", [service.handler()], security=ctx.security
+            )
         except PortInUseError:
             log.warning("ingest port %d is taken now; clients must be told the new one", previous)
     if server is None:
-        server, port = start_server(f"{ctx.host}:{port}", [service.handler()])
+        server, port = start_server(
+            f"{ctx.host}:{port}", [service.handler()], security=ctx.security
+        )
     if durable is not None and port != previous:
         durable.remember_port(port)
     return server, port

@@ -23,6 +23,10 @@ from typing import Any
 
 import grpc
 
+from keyshift.runtime.auth import Security
+from keyshift.runtime.identity import Identity, Issuer
+from keyshift.runtime.metrics import UNAUTHENTICATED
+
 log = logging.getLogger(__name__)
 
 MAX_MESSAGE = 256 * 1024 * 1024
@@ -74,7 +78,10 @@ class NoCredit(TransportError):
 
 
 def start_server(
-    address: str, handlers: list[grpc.GenericRpcHandler[Any, Any]], max_calls: int = 64
+    address: str,
+    handlers: list[grpc.GenericRpcHandler[Any, Any]],
+    max_calls: int = 64,
+    security: Security | None = None,
 ) -> tuple[grpc.Server, int]:
     """Start a gRPC server on host:port (port 0 = any free one); return it and its port.
 
@@ -82,15 +89,18 @@ def start_server(
     `max_calls` (the caller's bound on calls at once, from the job's shape; the default suits
     servers of short calls, such as the ingest endpoint) sizes its pool, and a call beyond it
     is refused at once with RESOURCE_EXHAUSTED: queued for a thread, it would hang until its
-    deadline. Threads start only as calls need them."""
+    deadline. Threads start only as calls need them. Calls without the job's token are refused
+    (`security`, by default this process's settings)."""
+    security = security or Security.from_env()
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=max_calls, thread_name_prefix="grpc"),
         handlers=handlers,
+        interceptors=security.interceptors(UNAUTHENTICATED.refused),
         options=GRPC_OPTIONS,
         maximum_concurrent_rpcs=max_calls,
     )
     try:
-        port = server.add_insecure_port(address)
+        port = security.add_port(server, address)
     except RuntimeError as exc:
         raise PortInUseError(f"cannot listen on {address}: port already in use ({exc})") from None
     if port == 0:
@@ -126,8 +136,11 @@ def json_handler(
         fn: Callable[[dict[str, Any], grpc.ServicerContext], Iterator[dict[str, Any]]],
     ) -> Any:
         def call(request: bytes, context: grpc.ServicerContext) -> Iterator[bytes]:
-            for item in fn(json.loads(request) if request else {}, context):
-                yield json.dumps(item).encode()
+            try:
+                for item in fn(json.loads(request) if request else {}, context):
+                    yield json.dumps(item).encode()
+            except ControlError as exc:
+                context.abort(exc.code, str(exc))
 
         return grpc.unary_stream_rpc_method_handler(call)
 
@@ -147,10 +160,10 @@ class ControlError(Exception):
 class JsonClient:
     """Calls a JSON control service; every failure becomes a TransportError naming the peer."""
 
-    def __init__(self, address: str, service: str) -> None:
+    def __init__(self, address: str, service: str, security: Security | None = None) -> None:
         self.address = address
         self.service = service
-        self._channel = grpc.insecure_channel(address, options=GRPC_OPTIONS)
+        self._channel = (security or Security.from_env()).channel(address, GRPC_OPTIONS)
 
     def call(self, method: str, body: dict[str, Any] | None = None, timeout: float = 10.0) -> Any:
         stub = self._channel.unary_unary(f"/{self.service}/{method}", None, None)
@@ -218,10 +231,14 @@ class Inbox:
         self._opened = threading.Event()
         self._queue: queue.Queue[Delivery] = queue.Queue()
         self.failures: queue.Queue[str] = queue.Queue()
+        self._senders: Issuer | None = None
 
-    def open(self, credits_per_sender: int) -> None:
-        """Start granting credits; senders that connected earlier wait until now."""
+    def open(self, credits_per_sender: int, senders: Issuer | None = None) -> None:
+        """Start granting credits; senders that connected earlier wait until now. With
+        `senders`, a stream whose hello does not carry the identity issued to the sender it
+        names is refused before anything it sends is taken."""
         self.credits = credits_per_sender
+        self._senders = senders
         self._opened.set()
 
     def handler(self) -> grpc.GenericRpcHandler[Any, Any]:
@@ -240,9 +257,23 @@ class Inbox:
 
     def _push(self, requests: Iterator[bytes], context: grpc.ServicerContext) -> Iterator[bytes]:
         self._opened.wait()
+        hello = next(requests, b"")
+        try:
+            body = json.loads(hello[1:]) if hello[:1] == HELLO else None
+        except ValueError:
+            body = None
+        if not isinstance(body, dict):
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a data stream starts with a hello")
+            raise AssertionError("unreachable")
+        sender = str(body.get("sender", "?"))
+        if self._senders is not None and not self._senders.valid(
+            sender, Identity.from_json(body.get("identity"))
+        ):
+            UNAUTHENTICATED.refused(DATA_SERVICE)
+            log.warning("refused a data stream in the name of %s: not its identity", sender)
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, f"not the identity of {sender}")
         grants: queue.Queue[int | None] = queue.Queue()
         grants.put(self.credits)
-        sender = {"name": "?"}
 
         def grant() -> None:
             grants.put(1)
@@ -251,18 +282,16 @@ class Inbox:
             ended = False
             try:
                 for message in requests:
-                    kind, body = message[:1], message[1:]
-                    if kind == HELLO:
-                        sender["name"] = json.loads(body)["sender"]
-                    elif kind in DATA_KINDS:
-                        self._queue.put(Delivery(sender["name"], kind, body, grant))
+                    kind, payload = message[:1], message[1:]
+                    if kind in DATA_KINDS:
+                        self._queue.put(Delivery(sender, kind, payload, grant))
                     elif kind in (END, LEAVE):
                         ended = True
-                        self._queue.put(Delivery(sender["name"], kind, b"", lambda: None))
+                        self._queue.put(Delivery(sender, kind, b"", lambda: None))
             except grpc.RpcError:
                 pass
             if not ended:
-                self.failures.put(sender["name"])
+                self.failures.put(sender)
             grants.put(None)
 
         threading.Thread(target=read, name="inbox-reader", daemon=True).start()
@@ -276,15 +305,25 @@ class Inbox:
 class Outlet:
     """The sending end of one data channel, to one downstream instance."""
 
-    def __init__(self, address: str, sender: str) -> None:
+    def __init__(
+        self,
+        address: str,
+        sender: str,
+        security: Security | None = None,
+        identity: Identity | None = None,
+    ) -> None:
+        """`identity`: the one `sender` was issued at registration, shown in the hello."""
         self.address = address
-        self._channel = grpc.insecure_channel(address, options=GRPC_OPTIONS)
+        self._channel = (security or Security.from_env()).channel(address, GRPC_OPTIONS)
         self._requests: queue.Queue[bytes | None] = queue.Queue()
         self._credits = 0
         self._cv = threading.Condition()
         self._error: str | None = None
         self._closed = False
-        self._requests.put(HELLO + json.dumps({"sender": sender}).encode())
+        hello: dict[str, Any] = {"sender": sender}
+        if identity is not None:
+            hello["identity"] = identity.to_json()
+        self._requests.put(HELLO + json.dumps(hello).encode())
         call = self._channel.stream_stream(f"/{DATA_SERVICE}/Push", None, None)
         self._responses = call(iter(self._requests.get, None))
         self._reader = threading.Thread(target=self._read_credits, name="outlet", daemon=True)

@@ -18,6 +18,7 @@ KeyshiftRejectedRows so the error reaches the query; with `drop`, they are dropp
 
 from __future__ import annotations
 
+import os
 import time
 import uuid
 from collections import defaultdict
@@ -34,8 +35,10 @@ from pyspark.sql.datasource import (
     WriterCommitMessage,
 )
 
+from keyshift.runtime.auth import Security
 from keyshift.runtime.ingest_client import IngestClient, IngestError, IngestReply
 from keyshift.runtime.job import DEFAULT_MAX_REQUEST_BYTES, DEFAULT_MAX_REQUEST_ROWS
+from keyshift.runtime.job_secret import SECRET_ENV
 
 # Statuses worth retrying: the job pushes back (its queue is full) or is briefly unreachable.
 RETRYABLE = frozenset({grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE})
@@ -55,6 +58,7 @@ class WriterOptions:
     endpoints: tuple[str, ...]
     bad_rows: str
     timeout: float  # seconds to keep retrying a backpressured or unreachable endpoint
+    security: Security  # the job's token (and TLS settings) every push presents
     max_request_rows: int = DEFAULT_MAX_REQUEST_ROWS  # the job's ingest source's limits
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
 
@@ -84,9 +88,18 @@ class WriterOptions:
             ) from None
         if timeout <= 0:
             raise ValueError(f"option 'timeout' must be positive, got {timeout}")
+        # Option `token` holds the job's secret; without it the environment's is used (TLS
+        # settings always come from the environment).
+        environ = dict(os.environ)
+        if options.get("token"):
+            environ[SECRET_ENV] = options["token"]
+        try:
+            security = Security.from_env(environ)
+        except ValueError as exc:
+            raise ValueError(f"option 'token': {exc}") from None
         rows = _positive_int(options, "maxrequestrows", DEFAULT_MAX_REQUEST_ROWS)
         size = _positive_int(options, "maxrequestbytes", DEFAULT_MAX_REQUEST_BYTES)
-        return cls(endpoints, bad_rows, timeout, rows, size)
+        return cls(endpoints, bad_rows, timeout, security, rows, size)
 
 
 def _positive_int(options: dict[str, str], name: str, default: int) -> int:
@@ -138,7 +151,7 @@ class _IngestWriter:
         endpoint = self.options.endpoints[partition % len(self.options.endpoints)]
         staged = StagedParts(transaction, endpoint, [])
         limits = (self.options.max_request_rows, self.options.max_request_bytes)
-        with IngestClient(endpoint, *limits) as client:
+        with IngestClient(endpoint, *limits, self.options.security) as client:
             pieces = (p for rows in _chunks(batches, limits[1]) for p in client.pieces(rows))
             for index, (fmt, payload, count) in enumerate(pieces):
                 part = f"{partition}-{attempt}-{index}"
@@ -162,7 +175,7 @@ class _IngestWriter:
         for (endpoint, transaction), parts in sorted(by_endpoint.items()):
             if not parts:
                 continue  # only empty partitions went there
-            with IngestClient(endpoint) as client:
+            with IngestClient(endpoint, security=self.options.security) as client:
                 _retrying(
                     "commit",
                     endpoint,
@@ -185,7 +198,7 @@ class _IngestWriter:
         }:
             endpoint, transaction = message
             try:
-                with IngestClient(endpoint) as client:
+                with IngestClient(endpoint, security=self.options.security) as client:
                     client.abort(transaction)
             except IngestError:
                 pass  # staged parts expire at the endpoint by themselves

@@ -23,6 +23,7 @@ import yaml
 
 from keyshift.operator.local_host import LocalJob
 from keyshift.runtime.job import JobSpec, parse_job
+from keyshift.runtime.job_secret import SECRET_ENV, new_job_secret
 from keyshift.runtime.lifecycle import PARENT_ENV
 from keyshift.runtime.output_log import OutputLogReader
 from tests.prometheus_server import PrometheusServer
@@ -161,3 +162,12 @@ def latest_by_version(out: Path) -> dict[Any, tuple[int, Any]]:
         if version > latest.get(key, (-1, None))[0]:
             latest[key] = (version, value)
     return latest
+
+
+@pytest.fixture(autouse=True)
+def _job_secret(monkeypatch: pytest.MonkeyPatch) -> str:
+    """Each test has its own job secret in the environment: the jobs it starts (the local host
+    takes the caller's secret) and the clients it makes in-process share it."""
+    secret = new_job_secret()
+    monkeypatch.setenv(SECRET_ENV, secret)
+    return secret

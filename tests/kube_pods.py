@@ -4,13 +4,15 @@ and stage StatefulSets it finds in the API emulator, and reports their replicas 
 What a cluster gives and loopback cannot, it translates: each pod's fixed ports become free
 ports, `$(POD_IP)` becomes 127.0.0.1, a coordinator Service's DNS name becomes the loopback
 address its pod listens on (`address`, which the operator's config uses too), a StatefulSet
-pod's hostname is set for `--index hostname`, and ConfigMap volumes are written to a directory.
+pod's hostname is set for `--index hostname`, ConfigMap volumes are written to a directory, and
+variables from Secrets (`secretKeyRef`: the job's secret) are read from the stored Secrets.
 Spark source/sink Deployments are not run (they need the PySpark issue). Every process it starts
 is stopped by `stop`. Used by tests/test_k8s_operator.py.
 """
 
 from __future__ import annotations
 
+import base64
 import re
 import time
 from pathlib import Path
@@ -101,8 +103,22 @@ class PodRunner:
                 is_coordinator_port = args[i + 1] == str(COORDINATOR_PORT) and flag == "--port"
                 owner = workload["metadata"]["name"]
                 args[i + 1] = str(self._port_for(owner)) if is_coordinator_port else "0"
-        env = {"HOSTNAME": pod}
+        env = {"HOSTNAME": pod, **self._secret_env(container)}
         return Child(pod, args, self.workdir / "logs" / f"{pod}.log", env=env)
+
+    def _secret_env(self, container: dict[str, Any]) -> dict[str, str]:
+        """The container's variables from `secretKeyRef`s, read from the stored Secrets; a
+        missing Secret or key fails, as the kubelet would not start the container."""
+        env = {}
+        for entry in container.get("env", []):
+            ref = entry.get("valueFrom", {}).get("secretKeyRef")
+            if ref is None:
+                continue
+            secret = stored(self.emu, "v1/secrets", self.namespace, ref["name"])
+            data = (secret or {}).get("data", {})
+            assert ref["key"] in data, f"no key {ref['key']} in Secret {ref['name']}"
+            env[entry["name"]] = base64.b64decode(data[ref["key"]]).decode()
+        return env
 
     def _translate(self, arg: str, mounts: dict[str, Path]) -> str:
         arg = arg.replace("$(POD_IP)", "127.0.0.1")

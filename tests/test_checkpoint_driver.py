@@ -61,14 +61,19 @@ class Job:
             "counts",
             threading.Event(),  # type: ignore[arg-type]
         )
-        for stage, n in STAGES.items():
-            for index in range(n):
-                self.coordinator.register(
-                    {"stage": stage, "index": index, "data_address": "-", "metrics_address": "-"}
-                )
+        self.identities = {
+            (stage, index): self.coordinator.register(
+                {"stage": stage, "index": index, "data_address": "-", "metrics_address": "-"}
+            )["identity"]
+            for stage, n in STAGES.items()
+            for index in range(n)
+        }
+
+    def whoami(self, stage: str, index: int) -> dict[str, Any]:
+        return {"stage": stage, "index": index, "identity": self.identities[stage, index]}
 
     def report(self, stage: str, index: int, **body: Any) -> None:
-        self.coordinator.report({"stage": stage, "index": index, **body})
+        self.coordinator.report({**self.whoami(stage, index), **body})
 
     def commands(self, stage: str, index: int) -> list[dict[str, Any] | None]:
         """The commands sent to an instance so far (None ends its command stream)."""
@@ -170,7 +175,7 @@ def test_a_restarted_coordinator_records_its_recovery(tmp_path: Path) -> None:
         first.ack_keyed_and_sink(checkpoint, 5)
 
     assert first.take(answer).ok
-    list(first.coordinator.watch({"stage": "counts", "index": 0}, Gone()))
+    list(first.coordinator.watch(first.whoami("counts", 0), Gone()))
     assert first.coordinator.restart and first.coordinator.phase == "recovering"
 
     meta = store.latest_valid()
@@ -210,7 +215,7 @@ def test_an_instance_silent_past_the_heartbeat_timeout_is_lost(tmp_path: Path) -
     (error,) = coordinator.errors
     assert error.startswith("instance counts/0") and "sent no report for 15 s" in error
     assert None in job.commands("counts", 0)  # its command stream is ended
-    list(coordinator.watch({"stage": "counts", "index": 0}, Gone()))  # and once it ends...
+    list(coordinator.watch(job.whoami("counts", 0), Gone()))  # and once it ends...
     assert coordinator.errors == [error]  # ...it is not lost a second time
 
     spec = parse_job(count_job(keyed={"parallelism": 1}, sink={"parallelism": 1}))

@@ -64,6 +64,7 @@ OUR_LABELS = {JOB_LABEL, INSTANCE_LABEL, NAMESPACE_LABEL}  # keyshift_* names th
 NOT_ON_A_DASHBOARD = {
     MetricName.IDLE_SECONDS: "idle = 1 - busy - backpressured, which the overview shows",
     MetricName.PARALLELISM: "each instance's copy of keyshift_job_stage_instances",
+    MetricName.RPC_UNAUTHENTICATED: "a security signal, queried directly (README: Security)",
 }
 
 

@@ -136,6 +136,7 @@ NAMESPACED_RULES = {
     ("keyshift.io", "streamingjobs/finalizers"): {"update"},
     ("", "configmaps"): {"create", "patch"},
     ("", "services"): {"create", "patch"},
+    ("", "secrets"): {"get", "create"},
     ("apps", "deployments"): {"create", "patch"},
     ("apps", "statefulsets"): {"get", "create", "patch"},
     ("", "events"): {"create"},

@@ -18,6 +18,7 @@ import pyarrow as pa
 import pytest
 
 from keyshift.runtime import ingest
+from keyshift.runtime.auth import Security
 from keyshift.runtime.ingest import PUSH_METHOD, IngestService, pack_request
 from keyshift.runtime.ingest_client import IngestClient, IngestError, IngestReply
 from keyshift.runtime.records import now_us, record_schema
@@ -295,7 +296,7 @@ def test_json_non_objects_are_rejected_and_ints_become_floats(start: Start) -> N
 
 
 def raw_push(port: int, body: bytes) -> grpc.StatusCode:
-    with grpc.insecure_channel(f"127.0.0.1:{port}", options=GRPC_OPTIONS) as channel:
+    with Security.from_env().channel(f"127.0.0.1:{port}", GRPC_OPTIONS) as channel:
         try:
             channel.unary_unary(PUSH_METHOD, None, None)(body, timeout=5)
         except grpc.RpcError as exc:
@@ -568,7 +569,7 @@ def test_malformed_two_phase_headers_are_refused(
     start: Start, header: dict[str, Any], message: str
 ) -> None:
     ep = start()
-    with grpc.insecure_channel(f"127.0.0.1:{ep.port}", options=GRPC_OPTIONS) as channel:
+    with Security.from_env().channel(f"127.0.0.1:{ep.port}", GRPC_OPTIONS) as channel:
         push = channel.unary_unary(PUSH_METHOD, None, None)
         with pytest.raises(grpc.RpcError) as exc:
             push(pack_request(header, b"[]"), timeout=5)
@@ -586,7 +587,7 @@ def test_malformed_two_phase_headers_are_refused(
 )
 def test_malformed_commits_are_refused(start: Start, body: bytes, message: str) -> None:
     ep = start()
-    with grpc.insecure_channel(f"127.0.0.1:{ep.port}", options=GRPC_OPTIONS) as channel:
+    with Security.from_env().channel(f"127.0.0.1:{ep.port}", GRPC_OPTIONS) as channel:
         commit = channel.unary_unary(ingest.COMMIT_METHOD, None, None)
         with pytest.raises(grpc.RpcError) as exc:
             commit(body, timeout=5)

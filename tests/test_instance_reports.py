@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from keyshift.runtime.coordinator import SERVICE, Coordinator
+from keyshift.runtime.identity import Identity
 from keyshift.runtime.instance import InstanceContext
 from keyshift.runtime.job import parse_job
 from keyshift.runtime.transport import Inbox, JsonClient, start_server
@@ -35,9 +36,12 @@ def test_a_report_that_fails_is_logged_and_the_reports_go_on(
     coordinator: tuple[Coordinator, str], caplog: pytest.LogCaptureFixture
 ) -> None:
     coord, address = coordinator
-    coord.register({"stage": "counts", "index": 0, "data_address": "-", "metrics_address": "-"})
+    reply = coord.register(
+        {"stage": "counts", "index": 0, "data_address": "-", "metrics_address": "-"}
+    )
     control = JsonClient(address, SERVICE)
-    ctx = InstanceContext(coord.spec, "counts", 0, control, Inbox())
+    identity = Identity.from_json(reply["identity"])
+    ctx = InstanceContext(coord.spec, "counts", 0, control, Inbox(), identity=identity)
     failed = threading.Event()
 
     def hits() -> np.ndarray:

@@ -468,7 +468,7 @@ def test_spark_apps_run_spark_submit_with_the_job_in_their_environment() -> None
         "--rate",
         "100",
     ]
-    env = {e["name"]: e["value"] for e in container["env"]}
+    env = {e["name"]: e.get("value") for e in container["env"]}
     assert env["KEYSHIFT_JOB"] == NAME
     assert env["KEYSHIFT_ROLE"] == "source"
     assert env["KEYSHIFT_COORDINATOR"] == "clicks-coordinator.streams.svc:7000"
@@ -487,10 +487,10 @@ def test_an_ingest_source_is_reachable_by_the_spark_sources() -> None:
     ]["ports"]
     deployments = by_kind(manifests, "Deployment")
     source = deployments["clicks-source-events"]["spec"]["template"]["spec"]["containers"][0]
-    env = {e["name"]: e["value"] for e in source["env"]}
+    env = {e["name"]: e.get("value") for e in source["env"]}
     assert env["KEYSHIFT_INGEST"] == "clicks-source.streams.svc:7200"
     sink = deployments["clicks-sink-report"]["spec"]["template"]["spec"]["containers"][0]
-    env = {e["name"]: e["value"] for e in sink["env"]}
+    env = {e["name"]: e.get("value") for e in sink["env"]}
     assert env["KEYSHIFT_ROLE"] == "sink"
     assert "KEYSHIFT_INGEST" not in env
 

@@ -25,6 +25,7 @@ from pyspark.sql import functions as F
 from pyspark.sql.streaming import StreamingQuery
 
 from keyshift.operator.local_host import LocalJob
+from keyshift.runtime.job_secret import SECRET_ENV, new_job_secret
 from keyshift.runtime.output_log import OutputLogReader, reader_offsets
 from keyshift.runtime.transport import JsonClient
 from keyshift.spark.session import local_session
@@ -35,6 +36,16 @@ pytestmark = [pytest.mark.slow, pytest.mark.alone]
 
 AUCTIONS = 2000
 SEED = 5
+# One secret for the module: Spark's Python workers keep the environment the JVM started with.
+SECRET = new_job_secret()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _job_secret() -> Iterator[str]:
+    """Set before the module's Spark session starts (autouse fixtures of a scope come first)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(SECRET_ENV, SECRET)
+        yield SECRET
 
 
 @pytest.fixture(scope="module")
@@ -311,6 +322,25 @@ def test_rows_that_do_not_fit_fail_the_query_and_the_valid_rows_are_kept(
         wait_for(lambda: ingested(local) == 6, 30, "the valid rows of the second write")
         stop_job(local)
     assert final_aggregates(out) == {1: (4, 120.0), 3: (2, 60.0)}
+
+
+def test_a_writer_without_the_jobs_token_is_refused_and_nothing_arrives(
+    spark: SparkSession, tmp_path: Path
+) -> None:
+    out = tmp_path / "log"
+    df = spark.createDataFrame([(1, 10), (2, 20)], "auction long, price long")
+    with running_job(tmp_path, bids_job(out)) as local:
+        endpoint = endpoint_of(local)
+        wrong = df.write.format("keyshift").option("endpoint", endpoint)
+        with pytest.raises(PythonException, match="UNAUTHENTICATED"):
+            wrong.option("token", new_job_secret()).mode("append").save()
+        assert ingested(local) == 0
+        # The job's secret as option `token` (here also the workers' environment's).
+        df.write.format("keyshift").option("endpoint", endpoint).option("token", SECRET).mode(
+            "append"
+        ).save()
+        wait_for(lambda: ingested(local) == 2, 30, "the rows written with the token")
+        stop_job(local)
 
 
 @pytest.mark.parametrize(

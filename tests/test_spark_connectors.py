@@ -6,7 +6,9 @@ from __future__ import annotations
 import pyarrow as pa
 import pytest
 
+from keyshift.runtime.auth import Security
 from keyshift.runtime.job import StepProfile
+from keyshift.runtime.job_secret import SECRET_ENV, new_job_secret
 from keyshift.spark.bids import BidOptions, bids, profile_json
 from keyshift.spark.ingest_writer import WriterOptions
 from keyshift.spark.log_reader import limit_ends
@@ -14,8 +16,22 @@ from keyshift.spark.log_reader import limit_ends
 
 def test_writer_options_parse_endpoints_and_defaults() -> None:
     options = WriterOptions.parse({"endpoint": "a:1, b:2"})
-    assert options == WriterOptions(("a:1", "b:2"), "fail", 300.0)
+    assert options == WriterOptions(("a:1", "b:2"), "fail", 300.0, Security.from_env())
     assert WriterOptions.parse({"endpoint": "a:1", "badrows": "drop", "timeout": "5"}).timeout == 5
+
+
+def test_the_writer_presents_the_token_option_or_the_environments_secret(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    token = new_job_secret()
+    assert WriterOptions.parse({"endpoint": "a:1", "token": token}).security.secret == (
+        token.encode()
+    )
+    monkeypatch.delenv(SECRET_ENV)
+    with pytest.raises(ValueError, match=f"option 'token': no job secret: set {SECRET_ENV}"):
+        WriterOptions.parse({"endpoint": "a:1"})
+    with pytest.raises(ValueError, match=r"option 'token': .* at least 32"):
+        WriterOptions.parse({"endpoint": "a:1", "token": "short"})
 
 
 @pytest.mark.parametrize(

@@ -17,6 +17,7 @@ Everything goes to out/spark-demo/. Run from the repository root: `python exampl
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import signal
 import subprocess
@@ -34,6 +35,7 @@ from source_job import bid_stream, write_to_keyshift
 from keyshift.operator.job_registry import lookup
 from keyshift.runtime.generator import records_due
 from keyshift.runtime.job import PointsProfile, load_job
+from keyshift.runtime.job_secret import SECRET_ENV, new_job_secret
 from keyshift.runtime.lifecycle import allow_user_code
 from keyshift.runtime.output_log import OutputLogReader
 from keyshift.runtime.transport import JsonClient, TransportError
@@ -133,6 +135,8 @@ def main() -> int:
     shutil.rmtree(OUT, ignore_errors=True)
     OUT.mkdir(parents=True)
     print(f"starting Spark (local[2]); then keyshift job {spec.name}, {total:,} bids", flush=True)
+    # One secret for the job, Spark's workers and this script's clients.
+    os.environ.setdefault(SECRET_ENV, new_job_secret())
     spark = local_session("keyshift-demo")
     job = subprocess.Popen(
         [str(KEYSHIFT), "run", str(JOB_FILE), "--report", str(OUT / "report.png")]

@@ -127,6 +127,11 @@ Helm" and the comments below.
 - apiGroups: [""]
   resources: [configmaps, services]
   verbs: [create, patch]
+# Secrets: each job's token Secret is created once and read back (its value is what the
+# operator's calls to the coordinator present); a job's TLS Secret is read for its CA.
+- apiGroups: [""]
+  resources: [secrets]
+  verbs: [get, create]
 # The coordinator and the PySpark apps (Deployments): created, or patched when they exist.
 - apiGroups: [apps]
   resources: [deployments]
