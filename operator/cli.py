@@ -229,6 +229,15 @@ def cmd_rescale(args: argparse.Namespace, console: Console) -> int:
         except TransportError as exc:
             _error(console, f"lost the job while rescaling: {exc}")
             return 1
+        if status.get("incarnation") != started.get("incarnation"):
+            # Ids start again at 1 in a restarted coordinator: its rescale of this id is not ours.
+            _error(
+                console,
+                f"the coordinator restarted while rescale {started['id']} ran; a restarted job "
+                "goes on from its latest checkpoint, without the rescale: see `keyshift status` "
+                "and rescale again",
+            )
+            return 1
         done = next((r for r in status["rescales"] if r["id"] == started["id"]), None)
         if done is not None:
             console.print(describe_rescale(done), highlight=False, soft_wrap=True)

@@ -50,7 +50,7 @@ from keyshift.operator.k8s_children import (
 from keyshift.operator.streamingjob import StreamingJobSpec
 from keyshift.runtime.instance import _index
 from keyshift.runtime.job import parse_job
-from tests.conftest import KEYSHIFT
+from tests.conftest import KEYSHIFT, REPO
 
 NAME = "clicks"
 NAMESPACE = "streams"
@@ -738,3 +738,23 @@ def test_keyshift_operator_refuses_bad_options_before_it_starts(tmp_path: Path) 
     assert out.returncode == 2, out.stdout + out.stderr
     text = " ".join((out.stdout + out.stderr).split())
     assert f"{CHILD_OPTIONS_ENV}: podDisruptionBudget.maxUnavailable" in text
+
+
+@pytest.mark.parametrize("path", sorted((REPO / "examples").glob("*.yaml")), ids=lambda p: p.name)
+def test_every_example_manifest_renders_valid_children(path: Path) -> None:
+    """The examples a user applies: each StreamingJob's children, and the other objects in the
+    file (a claim), are valid Kubernetes objects; a job's Spark sinks find its output claim."""
+    documents = [d for d in yaml.safe_load_all(path.read_text()) if d]
+    jobs = [d for d in documents if d.get("kind") == "StreamingJob"]
+    for other in (d for d in documents if d.get("kind") != "StreamingJob"):
+        if "apiVersion" in other:
+            kubernetes_validate.validate(other, "1.30", strict=True)
+    claims = {d["metadata"]["name"] for d in documents if d.get("kind") == "PersistentVolumeClaim"}
+    for document in jobs:
+        spec = StreamingJobSpec.model_validate(document["spec"])
+        assert spec.problems() == []
+        name = document["metadata"]["name"]
+        for manifest in children(name, "examples", spec, spec.job_spec()):
+            kubernetes_validate.validate(manifest, "1.30", strict=True)
+        if spec.sinks:
+            assert spec.output is not None and spec.output.claim in claims
