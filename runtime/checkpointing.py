@@ -27,7 +27,10 @@ Only aligned checkpoints exist; unaligned ones are not supported.
 
 A checkpoint that does not complete within `timeout`, or whose storage fails, is abandoned
 (its files are deleted by the next retention pass); processing goes on, and after
-`degraded_after` failures in a row the job's status says `degraded`.
+`degraded_after` failures in a row the job's status says `degraded`. While checkpoints fail,
+the next one is tried after a pause that doubles from `interval` up to RETRY_PAUSE_LIMIT (a
+store that cannot be reached costs each attempt seconds of alignment); the first to complete
+brings back the normal interval.
 """
 
 from __future__ import annotations
@@ -53,6 +56,7 @@ from keyshift.runtime.checkpoint_store import (
 from keyshift.runtime.job import CheckpointSettings
 from keyshift.runtime.state import KeyedState
 from keyshift.runtime.state_checkpoint import read_groups, write_groups
+from keyshift.runtime.storage import Backoff, retrying
 from keyshift.runtime.transport import Delivery
 
 log = logging.getLogger("keyshift.checkpoints")
@@ -64,6 +68,7 @@ SINK_ACK = "checkpoint_sink"
 # what it covers need not be kept for a replay, and the output up to it may be read.
 CHECKPOINT_COMPLETE = "checkpoint_complete"
 FIRST_CHECKPOINT_POLL = 0.2  # seconds between looks for a running job to take a first one of
+RETRY_PAUSE_LIMIT = 10.0  # the longest pause (seconds) between checkpoints while they fail
 
 
 def open_store(settings: CheckpointSettings) -> CheckpointStore:
@@ -99,6 +104,11 @@ class CheckpointHost(Protocol):
         ...
 
     def checkpoint_ended(self, outcome: CheckpointOutcome) -> None: ...
+
+    def storage_failures(self) -> list[str]:
+        """The storage failures the instances report now ("<instance>: <error>"): why a
+        checkpoint may not complete (a sink stalled on a full disk backpressures the job)."""
+        ...
 
 
 class CheckpointAbandoned(CheckpointError):
@@ -173,12 +183,18 @@ class CheckpointDriver:
         # A job that has no checkpoint yet takes its first as soon as it runs: until one
         # completes, a crash has nothing to go back to.
         wait = FIRST_CHECKPOINT_POLL if self.last_completed is None else self.settings.interval
+        interval = self.settings.interval
+        backoff = Backoff(interval, max(interval, RETRY_PAUSE_LIMIT))
         while not self.stop.wait(wait):
             members = self.host.checkpoint_members()
             if members is None:
                 continue
-            self.take(members)
-            wait = self.settings.interval
+            outcome = self.take(members)
+            if outcome.ok or outcome.abandoned:
+                backoff.reset()
+                wait = interval
+            else:
+                wait = backoff.failed()
 
     def take(self, members: dict[str, set[int]]) -> CheckpointOutcome:
         checkpoint = self.next_id
@@ -191,7 +207,11 @@ class CheckpointDriver:
         try:
             events = self.host.checkpoint_events(checkpoint, self.settings.timeout)
             if events is None:
-                raise CheckpointError(f"not complete within {self.settings.timeout:g} s")
+                failing = "; ".join(self.host.storage_failures())
+                raise CheckpointError(
+                    f"not complete within {self.settings.timeout:g} s"
+                    + (f" (storage failing: {failing})" if failing else "")
+                )
             failed = [e for e in events if e.get("error")]
             if failed:
                 raise CheckpointError(f"{failed[0]['instance']}: {failed[0]['error']}")
@@ -321,8 +341,13 @@ class KeyedCheckpointer:
         The next checkpoint writes deltas on top of this one."""
         if self.store is None:
             self.store = open_store(self.settings)
+        store = self.store
         chains = {g: meta.groups[g] for g in np.flatnonzero(owned).tolist() if g in meta.groups}
-        rows = read_groups(self.store, chains, state.snapshot_groups([]).schema)
+        schema = state.snapshot_groups([]).schema
+        # Storage that cannot be reached now is waited for: the job cannot go on without it.
+        rows = retrying(
+            lambda: read_groups(store, chains, schema), f"restoring from checkpoint {meta.id}"
+        )
         state.restore(rows)
         state.clear_changes()
         self.last_id = meta.id

@@ -61,6 +61,7 @@ import pyarrow.compute as pc
 from keyshift.runtime.ingest_log import IngestLog, IngestLogError
 from keyshift.runtime.records import ARROW_TYPES, EVENT_TIME, SEQ, now_us, record_schema
 from keyshift.runtime.schema_check import check_records, why_invalid
+from keyshift.runtime.storage import retrying
 
 log = logging.getLogger("keyshift.ingest")
 
@@ -431,7 +432,9 @@ class IngestService:
         self._log = durable
         self._replay: deque[pa.RecordBatch] = deque()
         if durable is not None:
-            reopened = durable.reopen(position)
+            # Rows cannot be taken (nor replayed) before the log is read: storage that cannot
+            # be reached now is waited for.
+            reopened = retrying(lambda: durable.reopen(position), "reading the ingest log")
             self._next_seq = reopened.next_seq
             self._seen = reopened.seen
             self._replay.extend(reopened.replay)
