@@ -333,7 +333,10 @@ class OutputLogWriter:
         self._trimmed = 0
         self._published: int | None = None
         if format != "none":
-            self._dir.mkdir(parents=True, exist_ok=True)
+            try:
+                self._dir.mkdir(parents=True, exist_ok=True)
+            except OSError as exc:
+                raise OutputStorageError(f"cannot make {self._dir}: {exc}", retryable=True) from exc
             for entry in os.scandir(self._dir):
                 if entry.name.endswith(TMP_SUFFIX):
                     with contextlib.suppress(FileNotFoundError):

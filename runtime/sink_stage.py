@@ -82,15 +82,19 @@ def run(ctx: InstanceContext) -> None:
         writer = None
     else:
         function = None
-        writer = OutputLogWriter(config.path, ctx.index, config.format, config.segment_records)
+        # A disk that is full now is waited for, here as while running.
+        output = retrying(
+            lambda: OutputLogWriter(config.path, ctx.index, config.format, config.segment_records),
+            "opening the output log",
+        )
+        writer = output
         retention = LogRetention(writer, config.path, config.readers, config.max_unread_records)
         offset = ctx.restore.outputs.get(str(ctx.index)) if ctx.restore else None
         if offset is not None:
             # What came after the checkpoint is made again by the replay from its positions.
-            writer.truncate(offset)
+            retrying(partial(output.truncate, offset), "truncating the output log")
         if spec.checkpoints is not None:
-            # An earlier run's output, or the checkpoint's (waiting for space if need be).
-            output = writer
+            # An earlier run's output, or the checkpoint's.
             retrying(lambda: output.publish(output.end_offset), "publishing the output log")
     ctx.wait_topology()
     ended: set[str] = set()

@@ -419,3 +419,10 @@ def test_a_full_disk_keeps_the_records_until_there_is_space(tmp_path: Path, fmt:
         table = OutputLogReader(disk / "log").read(0, 0)
         assert table.column("offset").to_pylist() == list(range(appended + 10))
         assert table.column("key").to_pylist() == list(range(appended + 10))
+
+
+def test_a_log_whose_directory_cannot_be_made_is_a_retryable_storage_error(tmp_path: Path) -> None:
+    (tmp_path / "log").write_text("a file where the log's directory goes")
+    with pytest.raises(OutputStorageError, match=r"cannot make .*part-00000") as failed:
+        OutputLogWriter(tmp_path / "log", 0, "jsonl", segment_records=10)
+    assert failed.value.retryable
