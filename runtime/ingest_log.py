@@ -37,7 +37,7 @@ import json
 import logging
 import re
 from collections import OrderedDict
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -103,9 +103,17 @@ class IngestLog(Storage):
     error = IngestLogError
     what = "ingest log storage"
 
-    def __init__(self, url: str, storage_options: Mapping[str, Any], remembered: int) -> None:
+    def __init__(
+        self,
+        url: str,
+        storage_options: Mapping[str, Any],
+        remembered: int,
+        on_failure: Callable[[], None] = lambda: None,
+    ) -> None:
+        """`on_failure` is called for each write refused because storage fails (a metric)."""
         super().__init__(url, storage_options)
         self.remembered = remembered
+        self.on_failure = on_failure
         self._entries: list[Entry] = []  # not yet covered by a completed checkpoint
         # What the covered entries left behind (seen.json).
         self._next_seq = 0
@@ -207,11 +215,13 @@ class IngestLog(Storage):
         """Write what a client is about to be told is durable, unless storage failed moments
         ago: then refuse at once (a client retries) rather than wait for it again."""
         if self._failure is not None and not self._backoff.due():
+            self.on_failure()
             raise self.error(f"storage is failing: {self._failure}", retryable=True)
         try:
             self._write(relative, data)
         except StorageError as exc:
             if exc.retryable:
+                self.on_failure()
                 self._failure = exc
                 self._backoff.failed()
             raise

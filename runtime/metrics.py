@@ -58,6 +58,7 @@ class MetricName(StrEnum):
     CHECKPOINT_COMPLETED_TIME = "keyshift_checkpoint_last_completed_timestamp_seconds"
     RECOVERIES = "keyshift_recoveries_total"
     RECOVERY_SECONDS = "keyshift_recovery_duration_seconds"
+    STORAGE_FAILURES = "keyshift_storage_failures_total"
 
 
 COUNTERS = (
@@ -108,6 +109,9 @@ HELP: dict[MetricName, str] = {
     "the job's life (kept with its checkpoints).",
     MetricName.RECOVERY_SECONDS: "Seconds the last recovery took, from the failure noticed to "
     "the job running again.",
+    MetricName.STORAGE_FAILURES: "Failures of storage by use: checkpoint (a keyed instance's "
+    "state could not be written), ingest_log (rows refused), output_log (a sink's write to its "
+    "log refused, e.g. a full disk: the sink stalls).",
 }
 
 
@@ -204,6 +208,9 @@ class InstanceMetrics:
         self.source_backlog = own(MetricName.SOURCE_BACKLOG)
         self._migration = counter(MetricName.MIGRATION, (*LABELS, "kind"), self.registry)
         self.parked_now = own(MetricName.PARKED_NOW)
+        self._storage_failures = counter(
+            MetricName.STORAGE_FAILURES, (*LABELS, "use"), self.registry
+        )
         self.latency = BatchHistogram(
             MetricName.LATENCY, HELP[MetricName.LATENCY], LATENCY_BUCKETS, self.labels
         )
@@ -218,6 +225,10 @@ class InstanceMetrics:
         """Add to one of the COUNTERS; `totals` keeps the values for reports."""
         self.totals[name] += amount
         self._counters[name].inc(amount)
+
+    def storage_failed(self, use: str) -> None:
+        """Count a failure of storage; `use` is checkpoint, ingest_log or output_log."""
+        self._storage_failures.labels(*self.labels.values(), use).inc()
 
     def invalid(self, reason: str, count: int = 1) -> None:
         self.invalid_counter.labels(*self.labels.values(), reason).inc(count)

@@ -64,6 +64,7 @@ class OutputStall:
                 log.error("output log stalled, taking no records: %s", exc)
             self.error = str(exc)
             self.ctx.extra_stats["storage_error"] = self.error
+            self.ctx.metrics.storage_failed("output_log")
             self.backoff.failed()
             return False
         if self.error is not None:

@@ -64,10 +64,14 @@ def take_all(service: IngestService) -> pa.Table:
 class Storage:
     def __init__(self, url: str, options: dict[str, Any]) -> None:
         self.url, self.options = url, options
+        self.failures = 0  # writes refused because storage failed (the metric's count)
+
+    def failed(self) -> None:
+        self.failures += 1
 
     def service(self, position: int | None) -> IngestService:
         """A source instance's endpoint starting on this log: fresh (None) or recovering."""
-        durable = IngestLog(self.url, self.options, REMEMBERED_BATCH_IDS)
+        durable = IngestLog(self.url, self.options, REMEMBERED_BATCH_IDS, self.failed)
         return IngestService(
             FIELDS, 0, 64, lambda *rejected: None, durable=durable, position=position
         )
@@ -183,8 +187,10 @@ def accepted(service: IngestService, table: pa.Table, batch_id: str) -> bool:
 def test_an_s3_outage_refuses_rows_retryably_and_accepts_them_after(tmp_path: Path) -> None:
     with MotoServer() as server:
         bucket = s3_bucket(server.url, "outage")
-        service = Storage(f"s3://{bucket}/job/source-0", s3_options(server.url)).service(None)
+        storage = Storage(f"s3://{bucket}/job/source-0", s3_options(server.url))
+        service = storage.service(None)
         push(service, rows(0, 5), "b0")
+        assert storage.failures == 0
         server.stop()
         with pytest.raises(IngestRefused, match="cannot log the rows durably: cannot write s3://"):
             push(service, rows(5, 5), "b1")
@@ -194,6 +200,7 @@ def test_an_s3_outage_refuses_rows_retryably_and_accepts_them_after(tmp_path: Pa
         assert refused.value.code == grpc.StatusCode.UNAVAILABLE
         with pytest.raises(IngestRefused, match="storage is failing"):
             stage(service, rows(5, 5), "q:1", "0-0")
+        assert storage.failures == 3
         server.start()
         create_bucket(server.url, bucket)  # moto lost its buckets with its process
         wait_for(lambda: accepted(service, rows(5, 5), "b1"), 60, "the rows to be accepted")

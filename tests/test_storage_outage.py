@@ -3,11 +3,13 @@
 `keyshift run` of a checkpointed tracking job (tests.job_fns:track outputs each record's
 (count, source, seq)) while its checkpoint storage, moto's S3 server, is stopped and started
 again: the job keeps processing, its status says Degraded with the reason (as the operator's
-CheckpointsFailing condition shows it) and the coordinator counts the failed checkpoints;
+CheckpointsFailing condition shows it), the coordinator counts the failed checkpoints and the
+keyed instances their failed writes (keyshift_storage_failures_total{use="checkpoint"});
 checkpoints resume once S3 is back, and at the end every record was applied exactly once.
 
 A sink whose output disk (a small tmpfs) fills up stalls instead of failing: it says why in
-its stats, fails the checkpoints meanwhile with the reason, backpressures the job, and once
+its stats and keyshift_storage_failures_total{use="output_log"}, fails the checkpoints
+meanwhile with the reason, backpressures the job, and once
 space is freed the output is complete and exactly once.
 """
 
@@ -16,6 +18,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -57,6 +60,18 @@ def output_offset(run: Run) -> int:
     return sum(int(i["stats"].get("output_offset", 0)) for i in stages["sink"]["instances"])
 
 
+def storage_failures(run: Run, stage: str, use: str) -> float:
+    """keyshift_storage_failures_total{use} summed over the stage's instances, as exported."""
+    stages = {s["name"]: s for s in run.status()["stages"]}
+    total = 0.0
+    for instance in stages[stage]["instances"]:
+        with urllib.request.urlopen(f"http://{instance['metrics']}/metrics", timeout=10) as reply:
+            text = reply.read().decode()
+        pattern = rf'keyshift_storage_failures_total\{{[^}}]*use="{use}"\}} (\S+)'
+        total += sum(float(value) for value in re.findall(pattern, text))
+    return total
+
+
 def test_an_s3_outage_degrades_the_job_and_checkpoints_resume_after_it(tmp_path: Path) -> None:
     out = tmp_path / "out"
     with MotoServer() as s3:
@@ -84,6 +99,7 @@ def test_an_s3_outage_degrades_the_job_and_checkpoints_resume_after_it(tmp_path:
                     coordinator_metrics(tmp_path),
                 )
                 assert failed is not None and int(failed.group(1)) >= 3
+                assert storage_failures(run, "track", "checkpoint") >= 3
                 written = output_offset(run)
                 wait_for(lambda: output_offset(run) > written, 60, "records while S3 is down")
                 s3.start()
@@ -126,6 +142,7 @@ def test_a_full_output_disk_stalls_the_sink_with_the_reason_and_loses_nothing(
             try:
                 errors = wait_for(stalled, 120, "the sink to stall on the full disk")
                 assert "No space left on device" in errors[0], errors
+                assert storage_failures(run, "sink", "output_log") >= 1
                 wait_for(lambda: checkpoints(run).get("degraded"), 180, "the job to be degraded")
                 phase, reason, message = observed_phase(run.status())
                 assert (phase, reason) == ("Degraded", "CheckpointsFailing"), message
