@@ -9,6 +9,7 @@ every operation is a retryable CheckpointError, and `retrying` waits until it is
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from pathlib import Path
@@ -28,6 +29,7 @@ from keyshift.runtime.checkpoint_store import (
 from keyshift.runtime.state import AggregateState, ProcessState
 from keyshift.runtime.state_checkpoint import read_groups, write_groups
 from keyshift.runtime.storage import retrying
+from tests.conftest import wait_for
 from tests.s3_server import (  # noqa: F401 (a fixture)
     MotoServer,
     create_bucket,
@@ -197,7 +199,9 @@ def test_unusable_storage_is_a_clear_error(tmp_path: Path) -> None:
     assert GroupChain(()).size == 0
 
 
-def test_an_unreachable_s3_is_a_retryable_error_that_retrying_waits_out() -> None:
+def test_an_unreachable_s3_is_a_retryable_error_that_retrying_waits_out(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     """s3fs lets botocore's EndpointConnectionError through: the store turns it into its own
     error, for listings, writes and reads alike."""
     with MotoServer() as server:
@@ -218,9 +222,11 @@ def test_an_unreachable_s3_is_a_retryable_error_that_retrying_waits_out() -> Non
         waiting = threading.Thread(
             target=lambda: listed.append(retrying(store.completed, "listing")), daemon=True
         )
-        waiting.start()
-        server.start()
-        create_bucket(server.url, bucket)  # moto lost its buckets with its process
-        store.commit(CheckpointMeta(3, time.time()))
-        waiting.join(timeout=120)
-        assert listed == [[3]]
+        with caplog.at_level(logging.WARNING, logger="keyshift.storage"):
+            waiting.start()
+            wait_for(lambda: "listing: cannot list" in caplog.text, 60, "a failed listing")
+            assert not listed
+            server.start()
+            create_bucket(server.url, bucket)  # moto lost its buckets with its process
+            waiting.join(timeout=120)
+        assert listed == [[]]  # listed once S3 was back (empty: moto lost what it held)
