@@ -167,8 +167,9 @@ class CheckpointDriver:
         keyed_stage: str,
         stop: threading.Event,
         last_completed: int | None = None,
-        next_id: int = 1,
+        next_id: int | None = 1,
     ) -> None:
+        """`next_id` None: not known (storage could not list the checkpoints taken before)."""
         self.host = host
         self.settings = settings
         self.store = store
@@ -197,9 +198,20 @@ class CheckpointDriver:
                 wait = backoff.failed()
 
     def take(self, members: dict[str, set[int]]) -> CheckpointOutcome:
+        started, t0 = time.time(), time.monotonic()
+        if self.next_id is None:
+            # Numbering from 1 could overwrite the checkpoints of an earlier run (and retention
+            # would then keep those): none is taken until they can be listed.
+            try:
+                self.next_id = max(self.store.completed(), default=0) + 1
+            except CheckpointError as exc:
+                error = f"cannot list the checkpoints taken before: {exc}"
+                log.error("no checkpoint taken: %s", error)
+                outcome = CheckpointOutcome(0, False, started, time.monotonic() - t0, error)
+                self.host.checkpoint_ended(outcome)
+                return outcome
         checkpoint = self.next_id
         self.next_id += 1
-        started, t0 = time.time(), time.monotonic()
         command = {"type": "checkpoint", "id": checkpoint, "previous": self.last_completed}
         for index in sorted(members["source"]):
             self.host.checkpoint_send(index, command)

@@ -764,7 +764,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     restore = None
     store = None
-    next_checkpoint = 1
+    next_checkpoint: int | None = 1
     if spec.checkpoints is not None:
         try:
             store = open_store(spec.checkpoints)
@@ -780,8 +780,10 @@ def main(argv: list[str] | None = None) -> int:
             if args.restore:
                 print(f"coordinator: cannot read checkpoints: {exc}", file=sys.stderr)
                 return 1
-            # A fresh start runs without checkpoint storage: each checkpoint fails visibly.
+            # A fresh start runs without checkpoint storage: each checkpoint fails visibly
+            # (numbered once the storage can list the ones taken before).
             log.error("checkpoint storage is unusable (%s); the job runs, checkpoints fail", exc)
+            next_checkpoint = None
         if args.restore:
             log.info("restoring from checkpoint %s", restore.id if restore else "(none)")
     coordinator = Coordinator(spec, args.register_timeout, restore, store)

@@ -2,13 +2,16 @@
 CheckpointDriver with a real Coordinator whose instances are played by the test, as in
 tests/test_checkpoint_driver.py): while checkpoints fail the driver pauses longer and longer
 between them, up to its limit, and goes back to the interval after one completes; a checkpoint
-that times out names the storage failures the instances report (a sink stalled on a full disk)."""
+that times out names the storage failures the instances report (a sink stalled on a full disk);
+a coordinator that could not list the checkpoints taken before takes none until it can (so it
+never reuses an earlier run's ids)."""
 
 from __future__ import annotations
 
 import threading
 from pathlib import Path
 
+from keyshift.runtime.checkpoint_store import CheckpointMeta
 from keyshift.runtime.checkpointing import (
     FIRST_CHECKPOINT_POLL,
     KEYED_ACK,
@@ -81,3 +84,24 @@ def test_a_checkpoint_that_times_out_names_the_failing_storage(tmp_path: Path) -
         "not complete within 5 s (storage failing: sink/0: cannot write out/x: "
         "No space left on device)"
     )
+
+
+def test_no_checkpoint_is_numbered_before_the_earlier_ones_can_be_listed(tmp_path: Path) -> None:
+    job = Job(tmp_path)
+    job.store.commit(CheckpointMeta(7, 0.0))  # an earlier run's
+    storage = tmp_path / "checkpoints"
+    storage.rename(tmp_path / "away")
+    storage.write_text("the storage is down")
+    driver = CheckpointDriver(
+        job.coordinator, job.driver.settings, job.store, "counts", threading.Event(), next_id=None
+    )
+    members = job.coordinator.checkpoint_members()
+    assert members is not None
+    outcome = driver.take(members)
+    assert not outcome.ok and "cannot list the checkpoints taken before" in str(outcome.error)
+    assert job.coordinator.checkpoints.failed == 1
+    storage.unlink()
+    (tmp_path / "away").rename(storage)
+    members = job.coordinator.checkpoint_members()
+    assert members is not None
+    assert driver.take(members).id == 8  # (nobody acks it: it times out)
