@@ -769,6 +769,14 @@ def migration_dashboard() -> Json:
             [(by("max", "kind", series(M.CHECKPOINT_BYTES, JOB)), "{{kind}}")],
             "bytes",
         ),
+        timeseries(
+            "Storage failures",
+            "Failures of storage per second by use: checkpoint writes of keyed instances, rows "
+            "an ingest endpoint refused, writes a sink's output log could not make (a full "
+            "disk stalls the sink).",
+            [(by("sum", "use", rate(M.STORAGE_FAILURES, JOB)), "{{use}}")],
+            "ops",
+        ),
         stat(
             "Recoveries",
             "Restarts of the job from its latest checkpoint after a lost process, over the "

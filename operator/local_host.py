@@ -28,6 +28,7 @@ from keyshift.runtime.checkpoint_store import CheckpointError, CheckpointMeta, C
 from keyshift.runtime.coordinator import RESTART_EXIT_CODE
 from keyshift.runtime.job import JobSpec
 from keyshift.runtime.job_secret import SECRET_ENV, load_job_secret, new_job_secret
+from keyshift.runtime.storage import retrying
 from keyshift.runtime.transport import JsonClient, TransportError
 
 log = logging.getLogger("keyshift.host")
@@ -134,15 +135,17 @@ class LocalJob:
             for index in range(stage.parallelism):
                 self.start_instance(stage.name, index)
 
-    def recoverable(self) -> CheckpointMeta | None:
+    def recoverable(self, stop: threading.Event) -> CheckpointMeta | None:
         """The checkpoint a recovery would go on from: only with checkpoints and a valid one
         (without one, a fresh start would repeat output). Both kinds of source replay from a
-        checkpoint: a generator recomputes, an ingest source keeps a log."""
+        checkpoint: a generator recomputes, an ingest source keeps a log. Checkpoint storage
+        that cannot be reached is waited for, with backoff, until `stop`."""
         settings = self.spec.checkpoints
         if settings is None:
             return None
         try:
-            return CheckpointStore(settings.storage, settings.storage_options).latest_valid()
+            store = CheckpointStore(settings.storage, settings.storage_options)
+            return retrying(store.latest_valid, "looking for a checkpoint to recover from", stop)
         except CheckpointError:
             return None
 
@@ -294,7 +297,7 @@ def run_job(
                 raise
             # Nothing may write checkpoints (or delete old ones) while we pick one.
             job.halt()
-            checkpoint = job.recoverable()
+            checkpoint = job.recoverable(interrupted)
             if checkpoint is None:
                 raise
             log.warning("recovering from checkpoint %d: %s", checkpoint.id, exc)

@@ -27,7 +27,10 @@ Only aligned checkpoints exist; unaligned ones are not supported.
 
 A checkpoint that does not complete within `timeout`, or whose storage fails, is abandoned
 (its files are deleted by the next retention pass); processing goes on, and after
-`degraded_after` failures in a row the job's status says `degraded`.
+`degraded_after` failures in a row the job's status says `degraded`. While checkpoints fail,
+the next one is tried after a pause that doubles from `interval` up to RETRY_PAUSE_LIMIT (a
+store that cannot be reached costs each attempt seconds of alignment); the first to complete
+brings back the normal interval.
 """
 
 from __future__ import annotations
@@ -53,6 +56,7 @@ from keyshift.runtime.checkpoint_store import (
 from keyshift.runtime.job import CheckpointSettings
 from keyshift.runtime.state import KeyedState
 from keyshift.runtime.state_checkpoint import read_groups, write_groups
+from keyshift.runtime.storage import Backoff, retrying
 from keyshift.runtime.transport import Delivery
 
 log = logging.getLogger("keyshift.checkpoints")
@@ -64,6 +68,7 @@ SINK_ACK = "checkpoint_sink"
 # what it covers need not be kept for a replay, and the output up to it may be read.
 CHECKPOINT_COMPLETE = "checkpoint_complete"
 FIRST_CHECKPOINT_POLL = 0.2  # seconds between looks for a running job to take a first one of
+RETRY_PAUSE_LIMIT = 10.0  # the longest pause (seconds) between checkpoints while they fail
 
 
 def open_store(settings: CheckpointSettings) -> CheckpointStore:
@@ -99,6 +104,11 @@ class CheckpointHost(Protocol):
         ...
 
     def checkpoint_ended(self, outcome: CheckpointOutcome) -> None: ...
+
+    def storage_failures(self) -> list[str]:
+        """The storage failures the instances report now ("<instance>: <error>"): why a
+        checkpoint may not complete (a sink stalled on a full disk backpressures the job)."""
+        ...
 
 
 class CheckpointAbandoned(CheckpointError):
@@ -157,8 +167,9 @@ class CheckpointDriver:
         keyed_stage: str,
         stop: threading.Event,
         last_completed: int | None = None,
-        next_id: int = 1,
+        next_id: int | None = 1,
     ) -> None:
+        """`next_id` None: not known (storage could not list the checkpoints taken before)."""
         self.host = host
         self.settings = settings
         self.store = store
@@ -173,17 +184,34 @@ class CheckpointDriver:
         # A job that has no checkpoint yet takes its first as soon as it runs: until one
         # completes, a crash has nothing to go back to.
         wait = FIRST_CHECKPOINT_POLL if self.last_completed is None else self.settings.interval
+        interval = self.settings.interval
+        backoff = Backoff(interval, max(interval, RETRY_PAUSE_LIMIT))
         while not self.stop.wait(wait):
             members = self.host.checkpoint_members()
             if members is None:
                 continue
-            self.take(members)
-            wait = self.settings.interval
+            outcome = self.take(members)
+            if outcome.ok or outcome.abandoned:
+                backoff.reset()
+                wait = interval
+            else:
+                wait = backoff.failed()
 
     def take(self, members: dict[str, set[int]]) -> CheckpointOutcome:
+        started, t0 = time.time(), time.monotonic()
+        if self.next_id is None:
+            # Numbering from 1 could overwrite the checkpoints of an earlier run (and retention
+            # would then keep those): none is taken until they can be listed.
+            try:
+                self.next_id = max(self.store.completed(), default=0) + 1
+            except CheckpointError as exc:
+                error = f"cannot list the checkpoints taken before: {exc}"
+                log.error("no checkpoint taken: %s", error)
+                outcome = CheckpointOutcome(0, False, started, time.monotonic() - t0, error)
+                self.host.checkpoint_ended(outcome)
+                return outcome
         checkpoint = self.next_id
         self.next_id += 1
-        started, t0 = time.time(), time.monotonic()
         command = {"type": "checkpoint", "id": checkpoint, "previous": self.last_completed}
         for index in sorted(members["source"]):
             self.host.checkpoint_send(index, command)
@@ -191,7 +219,11 @@ class CheckpointDriver:
         try:
             events = self.host.checkpoint_events(checkpoint, self.settings.timeout)
             if events is None:
-                raise CheckpointError(f"not complete within {self.settings.timeout:g} s")
+                failing = "; ".join(self.host.storage_failures())
+                raise CheckpointError(
+                    f"not complete within {self.settings.timeout:g} s"
+                    + (f" (storage failing: {failing})" if failing else "")
+                )
             failed = [e for e in events if e.get("error")]
             if failed:
                 raise CheckpointError(f"{failed[0]['instance']}: {failed[0]['error']}")
@@ -321,8 +353,13 @@ class KeyedCheckpointer:
         The next checkpoint writes deltas on top of this one."""
         if self.store is None:
             self.store = open_store(self.settings)
+        store = self.store
         chains = {g: meta.groups[g] for g in np.flatnonzero(owned).tolist() if g in meta.groups}
-        rows = read_groups(self.store, chains, state.snapshot_groups([]).schema)
+        schema = state.snapshot_groups([]).schema
+        # Storage that cannot be reached now is waited for: the job cannot go on without it.
+        rows = retrying(
+            lambda: read_groups(store, chains, schema), f"restoring from checkpoint {meta.id}"
+        )
         state.restore(rows)
         state.clear_changes()
         self.last_id = meta.id

@@ -21,6 +21,7 @@ import uuid
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +46,7 @@ from keyshift.runtime.keyspace import Assignment
 from keyshift.runtime.lifecycle import allow_user_code, die_with_parent
 from keyshift.runtime.metrics import UNAUTHENTICATED, CoordinatorMetrics
 from keyshift.runtime.rescale import RescaleDriver, RescaleError, RescaleStatus, options_for
+from keyshift.runtime.storage import retrying
 from keyshift.runtime.transport import ControlError, PortInUseError, json_handler, start_server
 
 log = logging.getLogger("keyshift.coordinator")
@@ -577,6 +579,14 @@ class Coordinator:
             )
             self.metrics.checkpoint_ended(outcome)
 
+    def storage_failures(self) -> list[str]:
+        with self._lock:
+            return [
+                f"{r.name}: {r.stats['storage_error']}"
+                for r in self._records()
+                if r.stats.get("storage_error")
+            ]
+
     def _run_rescale(self, driver: RescaleDriver) -> None:
         driver.run()
         with self._lock:
@@ -763,6 +773,15 @@ def _write_ready(path: Path, data: dict[str, Any]) -> None:
     os.replace(tmp, path)
 
 
+def _restore_point(store: CheckpointStore) -> tuple[CheckpointMeta | None, int]:
+    """The latest valid checkpoint (the newer, corrupt ones discarded) and the next id."""
+    next_checkpoint = max(store.completed(), default=0) + 1
+    restore = store.latest_valid()
+    if restore is not None:
+        store.discard_after(restore.id)
+    return restore, next_checkpoint
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="keyshift-coordinator")
     parser.add_argument("--job", required=True, help="job YAML file")
@@ -788,22 +807,26 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     restore = None
     store = None
-    next_checkpoint = 1
+    next_checkpoint: int | None = 1
     if spec.checkpoints is not None:
         try:
             store = open_store(spec.checkpoints)
-            taken = store.completed()
-            next_checkpoint = max(taken, default=0) + 1
             if args.restore:
-                restore = store.latest_valid()
-                if restore is not None:
-                    store.discard_after(restore.id)
+                # Going on without the checkpoint would repeat or lose records: storage that
+                # cannot be reached now is waited for, and an error of any other kind ends it.
+                restore, next_checkpoint = retrying(
+                    partial(_restore_point, store), "reading the checkpoints to restore from"
+                )
+            else:
+                next_checkpoint = max(store.completed(), default=0) + 1
         except CheckpointError as exc:
-            if args.restore:  # going on without the checkpoint would repeat or lose records
+            if args.restore:
                 print(f"coordinator: cannot read checkpoints: {exc}", file=sys.stderr)
                 return 1
-            # A fresh start runs without checkpoint storage: each checkpoint fails visibly.
+            # A fresh start runs without checkpoint storage: each checkpoint fails visibly
+            # (numbered once the storage can list the ones taken before).
             log.error("checkpoint storage is unusable (%s); the job runs, checkpoints fail", exc)
+            next_checkpoint = None
         if args.restore:
             log.info("restoring from checkpoint %s", restore.id if restore else "(none)")
     coordinator = Coordinator(spec, args.register_timeout, restore, store, security.secret)

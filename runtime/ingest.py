@@ -79,6 +79,7 @@ from keyshift.runtime.job import (
 )
 from keyshift.runtime.records import ARROW_TYPES, EVENT_TIME, SEQ, now_us, record_schema
 from keyshift.runtime.schema_check import check_records, non_finite_reason, why_invalid
+from keyshift.runtime.storage import retrying
 
 log = logging.getLogger("keyshift.ingest")
 
@@ -621,7 +622,9 @@ class IngestService:
         self._log = durable
         self._replay: deque[pa.RecordBatch] = deque()
         if durable is not None:
-            reopened = durable.reopen(position)
+            # Rows cannot be taken (nor replayed) before the log is read: storage that cannot
+            # be reached now is waited for.
+            reopened = retrying(lambda: durable.reopen(position), "reading the ingest log")
             self._next_seq = reopened.next_seq
             self._seen = reopened.seen
             self._replay.extend(reopened.replay)

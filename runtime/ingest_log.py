@@ -23,6 +23,11 @@ Layout below the instance's directory::
 
 `trim(position)` runs once a checkpoint with the source at `position` is complete: entries
 wholly below it are deleted, their once-ids folded into seen.json first.
+
+While its storage fails (unreachable, full), rows are refused, never accepted without being
+durable: after a failed write, the next ones are refused at once (a retryable error naming
+the failure) until a pause that doubles up to PAUSE_LIMIT has passed, and then tried again;
+the first write that succeeds ends the pauses.
 """
 
 from __future__ import annotations
@@ -32,13 +37,13 @@ import json
 import logging
 import re
 from collections import OrderedDict
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import pyarrow as pa
 
-from keyshift.runtime.storage import Storage, StorageError
+from keyshift.runtime.storage import Backoff, Storage, StorageError
 
 log = logging.getLogger("keyshift.ingest")
 
@@ -51,6 +56,7 @@ _STAGED_NAME = re.compile(r"^([0-9a-f]{32})-[0-9a-f]{16}\.arrow$")
 _ONCE = b"keyshift.once"
 _TRANSACTION = b"keyshift.transaction"
 _PART = b"keyshift.part"
+PAUSE_LIMIT = 5.0  # seconds: the longest a failing log refuses rows without trying storage
 
 
 class IngestLogError(StorageError):
@@ -97,13 +103,23 @@ class IngestLog(Storage):
     error = IngestLogError
     what = "ingest log storage"
 
-    def __init__(self, url: str, storage_options: Mapping[str, Any], remembered: int) -> None:
+    def __init__(
+        self,
+        url: str,
+        storage_options: Mapping[str, Any],
+        remembered: int,
+        on_failure: Callable[[], None] = lambda: None,
+    ) -> None:
+        """`on_failure` is called for each write refused because storage fails (a metric)."""
         super().__init__(url, storage_options)
         self.remembered = remembered
+        self.on_failure = on_failure
         self._entries: list[Entry] = []  # not yet covered by a completed checkpoint
         # What the covered entries left behind (seen.json).
         self._next_seq = 0
         self._seen: OrderedDict[str, None] = OrderedDict()
+        self._backoff = Backoff(0.2, PAUSE_LIMIT)
+        self._failure: StorageError | None = None  # the last failed write, while pausing
 
     # -- start ----------------------------------------------------------------------------
 
@@ -186,14 +202,33 @@ class IngestLog(Storage):
         end = first + sum(b.num_rows for b in batches)
         entry = Entry(first, end, once)
         metadata = {_ONCE: once.encode()} if once is not None else {}
-        self._write(entry.name, _ipc_file(batches, metadata))
+        self._durably(entry.name, _ipc_file(batches, metadata))
         self._entries.append(entry)
 
     def stage(self, transaction: str, part: str, rows: pa.Table) -> None:
         """Keep a staged part durably (a later one of the same name replaces it)."""
         metadata = {_TRANSACTION: transaction.encode(), _PART: part.encode()}
         batches = rows.to_batches() or [pa.RecordBatch.from_pylist([], schema=rows.schema)]
-        self._write(_staged_name(transaction, part), _ipc_file(batches, metadata))
+        self._durably(_staged_name(transaction, part), _ipc_file(batches, metadata))
+
+    def _durably(self, relative: str, data: bytes) -> None:
+        """Write what a client is about to be told is durable, unless storage failed moments
+        ago: then refuse at once (a client retries) rather than wait for it again."""
+        if self._failure is not None and not self._backoff.due():
+            self.on_failure()
+            raise self.error(f"storage is failing: {self._failure}", retryable=True)
+        try:
+            self._write(relative, data)
+        except StorageError as exc:
+            if exc.retryable:
+                self.on_failure()
+                self._failure = exc
+                self._backoff.failed()
+            raise
+        if self._failure is not None:
+            log.info("ingest log storage %s works again", self.url)
+            self._failure = None
+            self._backoff.reset()
 
     def unstage(self, transaction: str) -> None:
         """Delete a transaction's staged parts (committed, aborted or expired)."""
@@ -225,11 +260,14 @@ class IngestLog(Storage):
             return int(json.loads(self._read(ENDPOINT))["port"])
         except FileNotFoundError:
             return None
-        except (ValueError, KeyError, TypeError):
+        except (ValueError, KeyError, TypeError, StorageError):
             return None  # only a preference: any port will do
 
     def remember_port(self, port: int) -> None:
-        self._write(ENDPOINT, json.dumps({"port": port}).encode())
+        try:
+            self._write(ENDPOINT, json.dumps({"port": port}).encode())
+        except StorageError as exc:  # only a preference for the next start
+            log.warning("cannot remember the ingest port: %s", exc)
 
     def kept_rows(self) -> int:
         """Rows in the log that no completed checkpoint covers yet."""

@@ -323,7 +323,10 @@ class KeyedStage:
         assert barrier is not None
         if self.checkpointer is None:
             raise ProtocolError("a checkpoint barrier arrived, but the job takes no checkpoints")
-        self.ctx.emit(self.checkpointer.take(barrier, self.state, self.owned))
+        ack = self.checkpointer.take(barrier, self.state, self.owned)
+        if ack.get("error"):
+            self.ctx.metrics.storage_failed("checkpoint")
+        self.ctx.emit(ack)
         encoded = json.dumps(barrier).encode()
         for outlet in self.sinks.values():
             self.ctx.send(outlet, encoded, kind=BARRIER)

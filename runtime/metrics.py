@@ -73,6 +73,7 @@ class MetricName(StrEnum):
     RECOVERIES = "keyshift_recoveries_total"
     RECOVERY_SECONDS = "keyshift_recovery_duration_seconds"
     RPC_UNAUTHENTICATED = "keyshift_rpc_unauthenticated_total"
+    STORAGE_FAILURES = "keyshift_storage_failures_total"
 
 
 COUNTERS = (
@@ -133,6 +134,9 @@ HELP: dict[MetricName, str] = {
     "the job running again.",
     MetricName.RPC_UNAUTHENTICATED: "gRPC calls refused because they lacked the job's token, "
     "by service.",
+    MetricName.STORAGE_FAILURES: "Failures of storage by use: checkpoint (a keyed instance's "
+    "state could not be written), ingest_log (rows refused), output_log (a sink's write to its "
+    "log refused, e.g. a full disk: the sink stalls).",
 }
 
 
@@ -282,6 +286,9 @@ class InstanceMetrics:
             name: counter(name, (*LABELS, "kind"), self.registry) for name in MIGRATION_METRICS
         }
         self.parked_now = own(MetricName.PARKED_NOW)
+        self._storage_failures = counter(
+            MetricName.STORAGE_FAILURES, (*LABELS, "use"), self.registry
+        )
         self.latency = BatchHistogram(
             MetricName.LATENCY, HELP[MetricName.LATENCY], LATENCY_BUCKETS, self.labels
         )
@@ -297,6 +304,10 @@ class InstanceMetrics:
         """Add to one of the COUNTERS; `totals` keeps the values for reports."""
         self.totals[name] += amount
         self._counters[name].inc(amount)
+
+    def storage_failed(self, use: str) -> None:
+        """Count a failure of storage; `use` is checkpoint, ingest_log or output_log."""
+        self._storage_failures.labels(*self.labels.values(), use).inc()
 
     def invalid(self, reason: str, count: int = 1) -> None:
         self.invalid_counter.labels(*self.labels.values(), reason).inc(count)

@@ -23,6 +23,10 @@ consumers, or Flink's two-phase-commit sinks). The sink moves it up to a checkpo
 once that checkpoint is complete, and to the end when the job finishes; a recovery truncates
 the log back to its checkpoint's offset, so what readers saw is never made again. Without
 the file, every complete segment is visible.
+
+A write the disk refuses (full: ENOSPC, or any other OSError) raises OutputStorageError, a
+retryable StorageError, and leaves the writer as it was before the write: the records stay
+buffered, no partial file is left, and the same call may be made again once there is space.
 """
 
 from __future__ import annotations
@@ -46,6 +50,7 @@ import pyarrow.json as pa_json
 import pyarrow.parquet as pq
 
 from keyshift.runtime.records import READER_NAME
+from keyshift.runtime.storage import StorageError
 
 FORMATS: Final = ("jsonl", "parquet", "none")
 OFFSET_COLUMN: Final = "offset"
@@ -63,6 +68,10 @@ _JSON_BLOCK_SIZE = 16 << 20
 
 class OutputLogError(ValueError):
     """A log that cannot be written or read as asked: missing, corrupt or misused."""
+
+
+class OutputStorageError(StorageError):
+    """The disk refused a write to the log (full, or failing); retryable."""
 
 
 def partition_dir_name(partition: int) -> str:
@@ -216,9 +225,11 @@ def _write_atomically(final: Path, write: Callable[[BinaryIO], object]) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, final)
-    except BaseException:
+    except BaseException as exc:
         with contextlib.suppress(OSError):
             tmp.unlink()
+        if isinstance(exc, OSError):
+            raise OutputStorageError(f"cannot write {final}: {exc}", retryable=True) from exc
         raise
     _fsync_dir(final.parent)
 
@@ -322,7 +333,10 @@ class OutputLogWriter:
         self._trimmed = 0
         self._published: int | None = None
         if format != "none":
-            self._dir.mkdir(parents=True, exist_ok=True)
+            try:
+                self._dir.mkdir(parents=True, exist_ok=True)
+            except OSError as exc:
+                raise OutputStorageError(f"cannot make {self._dir}: {exc}", retryable=True) from exc
             for entry in os.scandir(self._dir):
                 if entry.name.endswith(TMP_SUFFIX):
                     with contextlib.suppress(FileNotFoundError):

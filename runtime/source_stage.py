@@ -248,7 +248,12 @@ def run_ingest(ctx: InstanceContext, config: IngestSource, emitter: Emitter) -> 
         settings = spec.checkpoints
         url = ingest_log_url(settings.storage, ctx.stage, ctx.index)
         try:
-            durable = IngestLog(url, settings.storage_options, REMEMBERED_BATCH_IDS)
+            durable = IngestLog(
+                url,
+                settings.storage_options,
+                REMEMBERED_BATCH_IDS,
+                on_failure=lambda: ctx.metrics.storage_failed("ingest_log"),
+            )
         except StorageError as exc:
             raise RuntimeError(f"the ingest source keeps its log at {url}: {exc}") from None
     position = int(ctx.restore.sources.get(str(ctx.index), 0)) if ctx.restore else None

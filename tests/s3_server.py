@@ -1,6 +1,7 @@
 """moto's S3 server as a real HTTP process on loopback, for the tests of storage on S3
 (checkpoints, the ingest log). Import `s3_endpoint` into a test module to use the fixture;
-`s3_bucket` makes a fresh bucket and `s3_options` gives the fsspec options to reach it."""
+`s3_bucket` makes a fresh bucket and `s3_options` gives the fsspec options to reach it.
+`MotoServer` is one a test stops and starts again on the same port: an outage of S3."""
 
 from __future__ import annotations
 
@@ -18,30 +19,53 @@ import pytest
 from tests.prometheus_server import free_port
 
 
-@pytest.fixture(scope="module")
-def s3_endpoint() -> Iterator[str]:
-    """moto's S3 server as its own process on a free loopback port."""
-    port = free_port()
-    server = subprocess.Popen(
-        [str(Path(sys.executable).with_name("moto_server")), "-H", "127.0.0.1", "-p", str(port)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    url = f"http://127.0.0.1:{port}"
-    try:
+class MotoServer:
+    """moto's S3 server as its own process on a loopback port that stays the same when the
+    server is stopped and started again (moto keeps its buckets in memory: they are gone
+    after a stop). Use as a context manager: the server is stopped on every path."""
+
+    def __init__(self) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.process: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        moto = str(Path(sys.executable).with_name("moto_server"))
+        self.process = subprocess.Popen(
+            [moto, "-H", "127.0.0.1", "-p", str(self.port)],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         deadline = time.monotonic() + 30
         while True:
             try:
-                urllib.request.urlopen(url, timeout=1).close()
-                break
+                urllib.request.urlopen(self.url, timeout=1).close()
+                return
             except OSError:
-                if time.monotonic() > deadline or server.poll() is not None:
+                if time.monotonic() > deadline or self.process.poll() is not None:
+                    self.stop()
                     raise RuntimeError("moto_server did not start") from None
                 time.sleep(0.1)
-        yield url
-    finally:
-        server.terminate()
-        server.wait(timeout=10)
+
+    def stop(self) -> None:
+        if self.process is not None:
+            self.process.terminate()
+            self.process.wait(timeout=10)
+            self.process = None
+
+    def __enter__(self) -> MotoServer:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+@pytest.fixture(scope="module")
+def s3_endpoint() -> Iterator[str]:
+    """moto's S3 server as its own process on a free loopback port."""
+    with MotoServer() as server:
+        yield server.url
 
 
 def s3_options(endpoint: str) -> dict[str, Any]:
@@ -56,6 +80,12 @@ def s3_options(endpoint: str) -> dict[str, Any]:
 def s3_bucket(endpoint: str, prefix: str) -> str:
     """A new, empty bucket; its name."""
     bucket = f"{prefix}-{time.monotonic_ns()}"
+    create_bucket(endpoint, bucket)
+    return bucket
+
+
+def create_bucket(endpoint: str, bucket: str) -> None:
+    """Make a bucket of that name (again, after a restart of moto's server)."""
     boto3.client(
         "s3",
         endpoint_url=endpoint,
@@ -63,4 +93,3 @@ def s3_bucket(endpoint: str, prefix: str) -> str:
         aws_access_key_id="testing",
         aws_secret_access_key="testing",
     ).create_bucket(Bucket=bucket)
-    return bucket

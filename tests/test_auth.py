@@ -495,7 +495,9 @@ def test_the_prometheus_client_verifies_the_servers_certificate(
         monkeypatch.setenv("REQUESTS_CA_BUNDLE", str(files["ca"]))
         by_env = PrometheusSource(url, "t", job_graph(spec), lambda: {})
         for source in (by_option, by_env):
-            with pytest.raises(MetricsUnavailable, match="Prometheus has no keyshift_input_records_total"):
+            with pytest.raises(
+                MetricsUnavailable, match="Prometheus has no keyshift_input_records_total"
+            ):
                 source.collect(10, time.time())
     finally:
         server.shutdown()

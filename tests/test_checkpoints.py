@@ -3,11 +3,14 @@ keyshift.runtime.state_checkpoint), on a local directory and on S3 through s3fs 
 S3 server running as a real HTTP process on loopback.
 
 Each test writes real state shards, commits metadata, and rebuilds state from a checkpoint
-into an empty store, which must equal the state it was taken from.
+into an empty store, which must equal the state it was taken from. With moto's server stopped,
+every operation is a retryable CheckpointError, and `retrying` waits until it is back.
 """
 
 from __future__ import annotations
 
+import logging
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -24,7 +27,15 @@ from keyshift.runtime.checkpoint_store import (
     GroupChain,
 )
 from keyshift.runtime.state_checkpoint import read_groups, write_groups
-from tests.s3_server import s3_bucket, s3_endpoint, s3_options  # noqa: F401 (a fixture)
+from keyshift.runtime.storage import retrying
+from tests.conftest import wait_for
+from tests.s3_server import (  # noqa: F401 (a fixture)
+    MotoServer,
+    create_bucket,
+    s3_bucket,
+    s3_endpoint,
+    s3_options,
+)
 from tests.test_state import (  # noqa: F401 (backend is a fixture)
     AggregateStore,
     G,
@@ -195,3 +206,36 @@ def test_unusable_storage_is_a_clear_error(tmp_path: Path) -> None:
     with pytest.raises(CheckpointCorrupt, match="is missing"):
         CheckpointStore(str(tmp_path)).load(7)
     assert GroupChain(()).size == 0
+
+
+def test_an_unreachable_s3_is_a_retryable_error_that_retrying_waits_out(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """s3fs lets botocore's EndpointConnectionError through: the store turns it into its own
+    error, for listings, writes and reads alike."""
+    with MotoServer() as server:
+        bucket = s3_bucket(server.url, "down")
+        store = CheckpointStore(f"s3://{bucket}/job", s3_options(server.url))
+        store.commit(CheckpointMeta(1, time.time()))
+        server.stop()
+        for operation in (
+            store.completed,
+            lambda: store.write_shard(2, "keyed-0", pa.table({"x": [1]})),
+            lambda: store.commit(CheckpointMeta(2, time.time())),
+            lambda: store.load(1),
+        ):
+            with pytest.raises(CheckpointError, match="Could not connect to the endpoint") as e:
+                operation()
+            assert e.value.retryable
+        listed: list[list[int]] = []
+        waiting = threading.Thread(
+            target=lambda: listed.append(retrying(store.completed, "listing")), daemon=True
+        )
+        with caplog.at_level(logging.WARNING, logger="keyshift.storage"):
+            waiting.start()
+            wait_for(lambda: "listing: cannot list" in caplog.text, 60, "a failed listing")
+            assert not listed
+            server.start()
+            create_bucket(server.url, bucket)  # moto lost its buckets with its process
+            waiting.join(timeout=120)
+        assert listed == [[]]  # listed once S3 was back (empty: moto lost what it held)

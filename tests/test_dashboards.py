@@ -253,6 +253,10 @@ MAY_BE_EMPTY = {
         'keyshift_checkpoints_total{result="failed"} exists only after a failed checkpoint; '
         "the panel shows 0 then"
     ),
+    ("keyshift-migration", "panel 'Storage failures' A"): (
+        "keyshift_storage_failures_total{use} has a series only once storage failed; the run "
+        "here has healthy storage (tests/test_storage_outage.py checks it with failing storage)"
+    ),
     ("keyshift-operator", "panel 'Autoscaler errors by reason' A"): (
         "keyshift_autoscaler_errors_total{reason} counts ticks without metrics and failed "
         "rescales; a run may have neither"

@@ -3,13 +3,17 @@ source instance uses it, on a local directory and on S3 (moto's server on loopba
 acknowledged survives a restart of the instance, is replayed from a checkpoint's position,
 and is still applied only once; staged parts can be committed after a restart; a completed
 checkpoint lets the log delete rows but not what it remembers; storage that fails refuses
-requests instead of acknowledging what it could not keep.
+requests (retryably) instead of acknowledging what it could not keep, accepts them again once
+it is back (moto's server stopped and started again), and a log that cannot be read yet is
+waited for.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import shutil
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +24,14 @@ import pytest
 from keyshift.runtime.ingest import REMEMBERED_BATCH_IDS, IngestRefused, IngestService, pack_request
 from keyshift.runtime.ingest_client import encode_rows
 from keyshift.runtime.ingest_log import IngestLog, IngestLogError
-from tests.s3_server import s3_bucket, s3_endpoint, s3_options  # noqa: F401 (a fixture)
+from tests.conftest import wait_for
+from tests.s3_server import (  # noqa: F401 (a fixture)
+    MotoServer,
+    create_bucket,
+    s3_bucket,
+    s3_endpoint,
+    s3_options,
+)
 
 FIELDS = {"user": "str", "clicks": "int"}
 
@@ -53,10 +64,14 @@ def take_all(service: IngestService) -> pa.Table:
 class Storage:
     def __init__(self, url: str, options: dict[str, Any]) -> None:
         self.url, self.options = url, options
+        self.failures = 0  # writes refused because storage failed (the metric's count)
+
+    def failed(self) -> None:
+        self.failures += 1
 
     def service(self, position: int | None) -> IngestService:
         """A source instance's endpoint starting on this log: fresh (None) or recovering."""
-        durable = IngestLog(self.url, self.options, REMEMBERED_BATCH_IDS)
+        durable = IngestLog(self.url, self.options, REMEMBERED_BATCH_IDS, self.failed)
         return IngestService(
             FIELDS, 0, 64, lambda *rejected: None, durable=durable, position=position
         )
@@ -129,7 +144,9 @@ def test_a_completed_checkpoint_lets_rows_go_but_not_their_ids(storage: Storage)
     assert push(fresh, rows(0, 10), "b9")["first_seq"] == 30
 
 
-def test_storage_that_fails_refuses_pushes_and_acknowledges_nothing(tmp_path: Path) -> None:
+def test_storage_that_fails_refuses_pushes_and_acknowledges_nothing(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     directory = tmp_path / "ingest"
     service = Storage(str(directory), {}).service(position=None)
     push(service, rows(0, 5), "b0")
@@ -142,8 +159,53 @@ def test_storage_that_fails_refuses_pushes_and_acknowledges_nothing(tmp_path: Pa
         stage(service, rows(5, 5), "q:1", "0-0")
     assert take_all(service).num_rows == 5  # only what was acknowledged
     assert service.staged_rows() == 0
-    with pytest.raises(IngestLogError, match=r"cannot read .*Not a directory"):
-        Storage(str(directory / "log"), {}).service(position=0)
+    # A source instance starting meanwhile waits for its log rather than fail.
+    opened: list[IngestService] = []
+    starting = threading.Thread(
+        target=lambda: opened.append(Storage(str(directory / "log"), {}).service(position=0)),
+        daemon=True,
+    )
+    with caplog.at_level(logging.WARNING, logger="keyshift.storage"):
+        starting.start()
+        wait_for(lambda: "reading the ingest log" in caplog.text, 30, "a failed read")
+        assert "Not a directory" in caplog.text and not opened
+        directory.unlink()  # the storage is back (empty)
+        starting.join(timeout=60)
+    assert opened and take_all(opened[0]).num_rows == 0
+
+
+def accepted(service: IngestService, table: pa.Table, batch_id: str) -> bool:
+    """Push; False when refused retryably (as a client would try again)."""
+    try:
+        push(service, table, batch_id)
+    except IngestRefused as exc:
+        assert exc.code == grpc.StatusCode.UNAVAILABLE, exc
+        return False
+    return True
+
+
+def test_an_s3_outage_refuses_rows_retryably_and_accepts_them_after(tmp_path: Path) -> None:
+    with MotoServer() as server:
+        bucket = s3_bucket(server.url, "outage")
+        storage = Storage(f"s3://{bucket}/job/source-0", s3_options(server.url))
+        service = storage.service(None)
+        push(service, rows(0, 5), "b0")
+        assert storage.failures == 0
+        server.stop()
+        with pytest.raises(IngestRefused, match="cannot log the rows durably: cannot write s3://"):
+            push(service, rows(5, 5), "b1")
+        # Until a pause has passed, rows are refused without waiting for storage again.
+        with pytest.raises(IngestRefused, match="storage is failing") as refused:
+            push(service, rows(5, 5), "b1")
+        assert refused.value.code == grpc.StatusCode.UNAVAILABLE
+        with pytest.raises(IngestRefused, match="storage is failing"):
+            stage(service, rows(5, 5), "q:1", "0-0")
+        assert storage.failures == 3
+        server.start()
+        create_bucket(server.url, bucket)  # moto lost its buckets with its process
+        wait_for(lambda: accepted(service, rows(5, 5), "b1"), 60, "the rows to be accepted")
+        assert push(service, rows(5, 5), "b1")["duplicate"]
+    assert take_all(service).column("user").to_pylist() == [f"u{i}" for i in range(10)]
 
 
 def test_a_corrupt_log_file_is_an_error_naming_it(tmp_path: Path) -> None:

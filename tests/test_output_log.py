@@ -1,9 +1,11 @@
-"""Tests of the sink's output log (keyshift.runtime.output_log)."""
+"""Tests of the sink's output log (keyshift.runtime.output_log), a full disk (a small tmpfs)
+included."""
 
 from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 from typing import Any
 
@@ -16,11 +18,13 @@ from keyshift.runtime.output_log import (
     OutputLogError,
     OutputLogReader,
     OutputLogWriter,
+    OutputStorageError,
     commit_reader,
     encode_jsonl,
     reader_offsets,
     segment_file_name,
 )
+from tests.small_disk import fill, small_disk
 
 FORMATS = ["jsonl", "parquet"]
 
@@ -390,3 +394,35 @@ def test_retention_counts_only_what_readers_can_read(tmp_path: Path) -> None:
     w.publish(40)
     retention.poll()
     assert retention.committed == 40 and w.trimmed_offset == 40
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_a_full_disk_keeps_the_records_until_there_is_space(tmp_path: Path, fmt: str) -> None:
+    with small_disk(tmp_path / "disk", "1m") as disk:
+        w = OutputLogWriter(disk / "log", 0, fmt, segment_records=2000)
+        filler = fill(disk, leave=8192)
+        appended = 0
+        with pytest.raises(OutputStorageError, match="No space left on device") as full:
+            while appended < 100_000:
+                appended += 500  # a batch the disk refuses stays buffered
+                w.append(batch(appended - 500, 500))
+        assert full.value.retryable
+        assert w.end_offset == appended  # every record has its offset, written or not
+        assert w.buffered_records == appended - w.records_written
+        assert not [n for n in os.listdir(w.directory) if n.endswith(".tmp")]
+        with pytest.raises(OutputStorageError):
+            w.flush()
+        filler.unlink()  # space again
+        w.flush()
+        w.append(batch(appended, 10))
+        w.close()
+        table = OutputLogReader(disk / "log").read(0, 0)
+        assert table.column("offset").to_pylist() == list(range(appended + 10))
+        assert table.column("key").to_pylist() == list(range(appended + 10))
+
+
+def test_a_log_whose_directory_cannot_be_made_is_a_retryable_storage_error(tmp_path: Path) -> None:
+    (tmp_path / "log").write_text("a file where the log's directory goes")
+    with pytest.raises(OutputStorageError, match=r"cannot make .*part-00000") as failed:
+        OutputLogWriter(tmp_path / "log", 0, "jsonl", segment_records=10)
+    assert failed.value.retryable

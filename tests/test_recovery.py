@@ -44,10 +44,12 @@ SOURCE = {"kind": "generator", "keys": 2000, "distribution": "zipf", "seed": 17,
 
 
 class Run:
-    """`keyshift run` of a checkpointed tracking job, and its coordinator's status."""
+    """`keyshift run` of a checkpointed tracking job, its output, and its coordinator's
+    status."""
 
     def __init__(self, proc: Any, address: str) -> None:
         self.proc = proc
+        self.output = Output(proc)
         self.client = JsonClient(address, SERVICE)
 
     def status(self) -> dict[str, Any]:
@@ -91,8 +93,8 @@ def run_and_crash(tmp_path: Path, crash: Any, backend: str = "memory", **job: An
     state = state_settings(backend, tmp_path)
     context, port = start_run(tmp_path, {**tracked_job(out, SOURCE, 2, state=state), **job})
     with context as proc:
-        output = Output(proc)
         run = Run(proc, f"127.0.0.1:{port}")
+        output = run.output
         try:
             wait_for(lambda: run.completed() >= 2, 60, "two checkpoints")
             crash(run)
@@ -128,6 +130,25 @@ def test_a_hung_instance_is_lost_by_its_silence_and_the_job_recovers(tmp_path: P
     run_and_crash(tmp_path, crash, heartbeat_timeout=2)
     log = (tmp_path / "logs" / "coordinator.log").read_text()
     assert "instance track/1" in log and "it sent no report for 2 s" in log, log[-2000:]
+
+
+def test_a_recovery_waits_for_checkpoint_storage_that_is_down(tmp_path: Path) -> None:
+    """The checkpoint directory is gone (a file in its place: every read and write fails)
+    when a keyed instance dies: the host waits for the storage, retrying with backoff, and
+    recovers once it is back."""
+    storage = tmp_path / "checkpoints"
+    away = tmp_path / "checkpoints-away"
+
+    def crash(run: Run) -> None:
+        storage.rename(away)
+        storage.write_text("the storage is down")
+        os.kill(run.pid_of("track", 0), signal.SIGKILL)
+        wait_for(lambda: run.output.has("looking for a checkpoint to recover from"), 60, "a retry")
+        assert run.proc.poll() is None, run.output.text()
+        storage.unlink()
+        away.rename(storage)
+
+    run_and_crash(tmp_path, crash)
 
 
 def test_a_killed_coordinator_recovers_from_the_checkpoint_metadata(tmp_path: Path) -> None:
@@ -244,8 +265,8 @@ def test_a_killed_ingest_source_replays_what_it_acknowledged(tmp_path: Path) -> 
     job = tracked_job(out, {"kind": "ingest"}, keyed=2, sources=1)
     context, port = start_run(tmp_path, job)
     with context as proc:
-        output = Output(proc)
         run = Run(proc, f"127.0.0.1:{port}")
+        output = run.output
         watcher = LogWatcher(out)
         try:
             endpoint = wait_for(run.ingest_address, 60, "the ingest endpoint")
