@@ -130,6 +130,7 @@ _JOB_VOLUME = "job"
 _TMP_VOLUME = "tmp"
 _OUTPUT_VOLUME = "output"
 _CHECKPOINT_VOLUME = "checkpoints"
+_STATE_VOLUME = "state"
 _TLS_VOLUME = "tls"
 TLS_MOUNT = "/etc/keyshift-tls"
 SECRET_KEY = "secret"  # the key of the job's token Secret that holds the secret
@@ -691,6 +692,17 @@ def _stage_ports(job: JobSpec, stage: str) -> list[tuple[str, int]]:
     return ports
 
 
+def _state_volume(job: JobSpec, stage: str) -> tuple[Manifest, Manifest] | None:
+    """The local disk of a keyed stage on RocksDB (its `state.path`; the root filesystem is
+    read-only): an emptyDir, since the database is rebuilt from checkpoints or a migration at
+    every start and never holds the job's only copy of its state."""
+    settings = job.keyed.state
+    if stage != job.keyed.name or settings.backend != "rocksdb":
+        return None
+    path = posixpath.normpath(posixpath.join(APP_DIR, settings.path))
+    return {"name": _STATE_VOLUME, "emptyDir": {}}, {"name": _STATE_VOLUME, "mountPath": path}
+
+
 def _output_dir(job: JobSpec, stage: str) -> str | None:
     """Where the sink stage writes its output log, as an absolute path in the container."""
     return _local_output_dir(job) if stage == job.sink.name else None
@@ -733,7 +745,7 @@ def stage_stateful_set(
     if output is not None:
         mounts.append({"name": _OUTPUT_VOLUME, "mountPath": output})
         volumes.append(_output_volume(spec.output))
-    for extra in (_checkpoint_volume(spec, job), _tls_volume(spec)):
+    for extra in (_checkpoint_volume(spec, job), _tls_volume(spec), _state_volume(job, stage)):
         if extra is not None:
             volumes.append(extra[0])
             mounts.append(extra[1])

@@ -758,3 +758,26 @@ def test_every_example_manifest_renders_valid_children(path: Path) -> None:
             kubernetes_validate.validate(manifest, "1.30", strict=True)
         if spec.sinks:
             assert spec.output is not None and spec.output.claim in claims
+
+
+def test_a_keyed_stage_on_rocksdb_gets_a_writable_state_directory_and_the_others_none() -> None:
+    """The root filesystem is read-only: the RocksDB state path is an emptyDir in the keyed
+    pods (rebuilt from checkpoints at every start), and no other pod mounts one."""
+    job = spec_data()["job"]
+    job["keyed"]["state"] = {"backend": "rocksdb", "path": "state", "block_cache_mb": 32}
+    _, manifests = build(job=job)
+    for m in manifests:
+        kubernetes_validate.validate(m, "1.30", strict=True)
+    for name, template in pod_templates(manifests):
+        pod = template["spec"]
+        (container,) = pod["containers"]
+        mounts = [m for m in container.get("volumeMounts", []) if m["name"] == "state"]
+        if name == f"{NAME}-counts":
+            assert mounts == [{"name": "state", "mountPath": "/app/state"}]
+            assert {"name": "state", "emptyDir": {}} in pod["volumes"]
+        else:
+            assert mounts == [], name
+    _, in_memory = build()
+    assert all(
+        v["name"] != "state" for _, t in pod_templates(in_memory) for v in t["spec"]["volumes"]
+    )
