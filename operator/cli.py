@@ -41,6 +41,10 @@ from keyshift.runtime.lifecycle import allow_user_code
 from keyshift.runtime.rescale import STRATEGIES
 from keyshift.runtime.transport import JsonClient, RequestRefused, TransportError
 
+# Seconds `keyshift rescale` waits for an unreachable coordinator (one restarting in a
+# recovery) before it gives the rescale up as lost.
+RESCALE_UNREACHABLE_GRACE = 20.0
+
 
 def _error(console: Console, problem: object) -> None:
     console.print(f"[bold red]error:[/] {problem}", highlight=False)
@@ -223,12 +227,20 @@ def cmd_rescale(args: argparse.Namespace, console: Console) -> int:
     if args.no_wait:
         return 0
     deadline = time.monotonic() + args.timeout
+    unreachable_since: float | None = None
     while time.monotonic() < deadline:
         try:
             status = client.call("Status")
         except TransportError as exc:
-            _error(console, f"lost the job while rescaling: {exc}")
-            return 1
+            # A recovering job's coordinator is gone for a few seconds; a job that is gone
+            # for good stays unreachable.
+            unreachable_since = unreachable_since or time.monotonic()
+            if time.monotonic() - unreachable_since > RESCALE_UNREACHABLE_GRACE:
+                _error(console, f"lost the job while rescaling: {exc}")
+                return 1
+            time.sleep(0.2)
+            continue
+        unreachable_since = None
         if status.get("incarnation") != started.get("incarnation"):
             # Ids start again at 1 in a restarted coordinator: its rescale of this id is not ours.
             _error(

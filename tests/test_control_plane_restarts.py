@@ -10,6 +10,7 @@ every rescale carried spec.migration's strategy and options, and the output is e
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -19,6 +20,8 @@ import kmock
 import pytest
 import pytest_asyncio
 
+from keyshift.operator.k8s_children import SECRET_KEY, job_secret_name
+from keyshift.runtime.auth import Security
 from keyshift.runtime.transport import JsonClient, TransportError
 from tests.conftest import BATCHING
 from tests.kube_emulator import CR_API, Emulator, eventually, register_resources, stored
@@ -44,6 +47,28 @@ pytestmark = [
 SOURCE = {"kind": "generator", "keys": 2000, "distribution": "zipf", "seed": 7,
           "profile": {"rate": 1000}}  # fmt: skip
 PLAN = {"strategy": "batched", "options": {"batch_groups": 64}}
+
+
+class JobClient:
+    """The test's own calls to the job's coordinator, with the job's token: read from the
+    Secret the operator creates, the first time a call is made (the job exists by then)."""
+
+    def __init__(self, emu: Emulator, address: str) -> None:
+        self.emu = emu
+        self.address = address
+        self._client: JsonClient | None = None
+
+    def call(self, method: str, body: dict[str, Any] | None = None, timeout: float = 10.0) -> Any:
+        if self._client is None:
+            secret = stored(self.emu, "v1/secrets", NS, job_secret_name("clicks"))
+            assert secret is not None, "the operator has not created the job's Secret"
+            token = base64.b64decode(secret["data"][SECRET_KEY])
+            self._client = JsonClient(self.address, "keyshift.Coordinator", Security(token))
+        return self._client.call(method, body, timeout)
+
+    def close(self) -> None:
+        if self._client is not None:
+            self._client.close()
 
 
 @pytest_asyncio.fixture
@@ -156,7 +181,7 @@ async def test_operator_restarts_mid_and_just_after_rescales_lose_nothing(
     # Dry run: the loop decides and keeps its memory, the test alone rescales.
     body = tracked(out, 3, autoscaler={"interval": 1, "warmup": 600, "dry_run": True})
     async with kubelet(emu, tmp_path) as runner:
-        client = JsonClient(runner.address("clicks", NS), "keyshift.Coordinator")
+        client = JobClient(emu, runner.address("clicks", NS))
         try:
             async with running_operator(emu, runner.address):
                 reply = await create(emu, body)
@@ -232,7 +257,7 @@ async def test_coordinator_restarts_mid_and_just_after_rescales_lose_nothing(
     body = tracked(out, 2, checkpoints=checkpoints)
     body["spec"]["checkpointClaim"] = "checkpoints"  # the kubelet runs on one file system
     async with kubelet(emu, tmp_path) as runner, running_operator(emu, runner.address):
-        client = JsonClient(runner.address("clicks", NS), "keyshift.Coordinator")
+        client = JobClient(emu, runner.address("clicks", NS))
         try:
             reply = await create(emu, body)
             assert reply.status in (200, 201), await reply.text()

@@ -512,8 +512,10 @@ async def test_conditions_are_merged_and_carry_the_generation(emu: Emulator) -> 
             20, "the Degraded condition of generation 1",
         )  # fmt: skip
         assert first["status"] == "False" and first["lastTransitionTime"]
-        # What the observing timer writes once the job runs (no job runs here).
+        # What the observing timer writes once the job runs (no job runs here), all from a
+        # time long past: a kept time is told from a new one whatever second the test runs in.
         earlier = "2026-01-01T00:00:00+00:00"
+        first = {**first, "lastTransitionTime": earlier}
         observed = [
             {"type": "Ready", "status": "True", "reason": "Running", "message": "",
              "observedGeneration": 1, "lastTransitionTime": earlier},

@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 from pathlib import Path
+from typing import Any
 
 from tests.conftest import KEYSHIFT, REPO, children_of, cli, count_job, wait_for, write_job
 
@@ -58,3 +59,50 @@ def test_rescale_errors_are_clear(tmp_path: Path) -> None:
     assert out.returncode == 2 and "invalid choice" in out.stderr
     out = keyshift("status", "127.0.0.1:1")
     assert out.returncode == 1 and "unreachable" in out.stdout
+
+
+def test_a_coordinator_restart_during_the_wait_is_reported_not_taken_for_the_rescale(
+    tmp_path: Path,
+) -> None:
+    """The coordinator dies in the middle of a slow rescale; `keyshift run` restarts it from
+    the latest checkpoint, without the rescale. The waiting `keyshift rescale` sees a new
+    coordinator process (another incarnation, whose rescale ids start again at 1) and says so,
+    exit 1, instead of waiting for, or reporting, a rescale of the new one."""
+    job = count_job(
+        name="restarted",
+        source={"config": {"kind": "generator", "keys": 5000, "profile": {"rate": 5_000}}},
+        keyed={"name": "counts", "parallelism": 1},
+        sink={"config": {"kind": "log", "path": str(tmp_path / "out")}},
+        checkpoints={"interval": 0.5, "storage": str(tmp_path / "checkpoints")},
+    )
+    with cli(["run", str(write_job(tmp_path, job)), "--no-view"]) as run:
+
+        def status() -> dict[str, Any]:
+            """The job's status; empty while it cannot be had (starting, restarting)."""
+            out = keyshift("status", "restarted")
+            return json.loads(out.stdout) if out.returncode == 0 else {}
+
+        wait_for(lambda: (status().get("checkpoints") or {}).get("completed", 0) >= 1, 60,
+                 "a checkpoint")  # fmt: skip
+        # A trickle of 100 keys/s: the move of ~2,500 keys lasts long enough to kill inside it.
+        waiting = subprocess.Popen(
+            [KEYSHIFT, "rescale", "restarted", "counts", "2", "--option", "chunk_keys=8",
+             "--option", "trickle_keys_per_s=100"],
+            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        )  # fmt: skip
+        try:
+            wait_for(lambda: (status().get("rescale") or {}).get("phase") == "moving", 60,
+                     "the rescale to move state")  # fmt: skip
+            (coordinator,) = [
+                p for p in children_of(run.pid)
+                if "keyshift.runtime.coordinator" in " ".join(p.cmdline())
+            ]  # fmt: skip
+            coordinator.send_signal(signal.SIGKILL)
+            output, _ = waiting.communicate(timeout=120)
+        finally:
+            waiting.kill()
+        assert waiting.returncode == 1, output
+        assert "the coordinator restarted while rescale 1 ran" in output, output
+        assert "done" not in output
+        os.kill(run.pid, signal.SIGINT)
+        run.communicate(timeout=120)
