@@ -9,6 +9,8 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from tests.conftest import KEYSHIFT, REPO, children_of, cli, count_job, wait_for, write_job
 
 
@@ -70,11 +72,12 @@ def test_a_coordinator_restart_during_the_wait_is_reported_not_taken_for_the_res
     exit 1, instead of waiting for, or reporting, a rescale of the new one."""
     job = count_job(
         name="restarted",
-        source={"config": {"kind": "generator", "keys": 5000, "profile": {"rate": 5_000}}},
+        source={"config": {"kind": "generator", "keys": 2000, "distribution": "uniform",
+                           "profile": {"rate": 5_000}}},
         keyed={"name": "counts", "parallelism": 1},
         sink={"config": {"kind": "log", "path": str(tmp_path / "out")}},
-        checkpoints={"interval": 0.5, "storage": str(tmp_path / "checkpoints")},
-    )
+        checkpoints={"interval": 2, "storage": str(tmp_path / "checkpoints")},
+    )  # fmt: skip
     with cli(["run", str(write_job(tmp_path, job)), "--no-view"]) as run:
 
         def status() -> dict[str, Any]:
@@ -84,15 +87,20 @@ def test_a_coordinator_restart_during_the_wait_is_reported_not_taken_for_the_res
 
         wait_for(lambda: (status().get("checkpoints") or {}).get("completed", 0) >= 1, 60,
                  "a checkpoint")  # fmt: skip
-        # A trickle of 100 keys/s: the move of ~2,500 keys lasts long enough to kill inside it.
+        # A trickle of 20 keys/s: the move of ~1,000 keys lasts long enough to kill inside it.
         waiting = subprocess.Popen(
-            [KEYSHIFT, "rescale", "restarted", "counts", "2", "--option", "chunk_keys=8",
-             "--option", "trickle_keys_per_s=100"],
+            [KEYSHIFT, "rescale", "restarted", "counts", "2", "--option", "chunk_keys=4",
+             "--option", "trickle_keys_per_s=20"],
             cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         )  # fmt: skip
+
+        def rescaling() -> bool:
+            if waiting.poll() is not None:
+                pytest.fail(f"keyshift rescale ended early: {waiting.communicate()[0]}")
+            return status().get("rescale") is not None
+
         try:
-            wait_for(lambda: (status().get("rescale") or {}).get("phase") == "moving", 60,
-                     "the rescale to move state")  # fmt: skip
+            wait_for(rescaling, 60, "the rescale to start")
             (coordinator,) = [
                 p for p in children_of(run.pid)
                 if "keyshift.runtime.coordinator" in " ".join(p.cmdline())
