@@ -192,6 +192,13 @@ class MoveOut:
         self.stats["groups_pushed"] += len(chunk)
         return True
 
+    def push_for(self, seconds: float) -> None:
+        """Push chunks while the streams take them (their credits keep several in flight), for
+        at most `seconds`, so that records of groups not moving wait no longer than that."""
+        deadline = time.monotonic() + seconds
+        while self.push_some() and time.monotonic() < deadline:
+            pass
+
     def abandon(self, lost: set[int]) -> np.ndarray:
         """New owners died: their groups stay here (minus what was already handed over).
         Returns the mask of groups this instance owns again."""
