@@ -24,6 +24,7 @@ from keyshift.operator.rescale_executor import (
     MigrationPlan,
     RescaleMark,
 )
+from keyshift.runtime.rescale import RescaleStatus
 from keyshift.runtime.transport import JsonClient
 from tests.conftest import count_job, running_job, wait_for
 from tests.prometheus_server import free_port
@@ -44,8 +45,10 @@ class RecordingPool:
 
 
 def rescale(id_: int, before: int, after: int, phase: str = "done") -> dict[str, Any]:
-    return {"id": id_, "stage": "counts", "from": before, "to": after, "phase": phase,
-            "error": None if phase == "done" else "boom"}  # fmt: skip
+    """A rescale as the coordinator's status lists it."""
+    error = None if phase == "done" else "boom"
+    made = RescaleStatus("a", id_, "counts", before, after, "hot-first", {}, phase, error=error)
+    return made.report().wire()
 
 
 def status(
