@@ -20,6 +20,7 @@ from typing import Any
 
 from rich.console import Console
 
+from keyshift.operator.autoscaled_job import AutoscaledJob
 from keyshift.operator.crd import CRD_DIRS, stale_crds, write_crds
 from keyshift.operator.dashboards import DASHBOARD_DIR, stale_dashboards, write_dashboards
 from keyshift.operator.job_registry import RegistryError, lookup, register, resolve
@@ -35,7 +36,7 @@ from keyshift.operator.local_scaling import LocalAutoscaler, TargetsFile, local_
 from keyshift.operator.run_report import Timeline, write_png
 from keyshift.policies.settings import AutoscalerSettings
 from keyshift.runtime.auth import AuthError, Security
-from keyshift.runtime.job import JobError, JobSpec, load_job
+from keyshift.runtime.job import JobError, JobSpec, load_job_as
 from keyshift.runtime.job_secret import SECRET_ENV, JobSecretError
 from keyshift.runtime.lifecycle import allow_user_code
 from keyshift.runtime.protocol import (
@@ -205,8 +206,8 @@ def describe_rescale(r: RescaleReport) -> str:
     megabytes = progress.get("bytes_in", 0) / 1e6
     text = (
         f"rescale {r.id} of {r.stage} {r.from_parallelism}->{r.to_parallelism} ({r.strategy}): "
-        f"{r.phase} after {r.duration:.2f} s; {r.groups_moved}/{r.groups_to_move} "
-        f"groups, {moved:,.0f} keys, {megabytes:.1f} MB moved; "
+        f"{r.phase} after {r.duration:.2f} s in {r.steps} step(s); "
+        f"{r.groups_moved}/{r.groups_to_move} groups, {moved:,.0f} keys, {megabytes:.1f} MB moved; "
         f"{progress.get('keys_fetched', 0):,.0f} keys fetched on demand, "
         f"{progress.get('records_parked', 0):,.0f} records parked, "
         f"{progress.get('records_forwarded', 0):,.0f} forwarded"
@@ -323,7 +324,7 @@ def cmd_dashboards(args: argparse.Namespace, console: Console) -> int:
 
 def cmd_run(args: argparse.Namespace, console: Console) -> int:
     try:
-        spec = load_job(args.job)
+        spec = load_job_as(AutoscaledJob, args.job)
     except JobError as exc:
         _error(console, exc)
         return 2

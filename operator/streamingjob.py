@@ -13,8 +13,9 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from keyshift.operator.autoscaled_job import AutoscaledJob
 from keyshift.operator.pod_hardening import template_problems
-from keyshift.runtime.job import JobError, JobSpec, parse_job
+from keyshift.runtime.job import JobError, parse_job_as
 from keyshift.runtime.protocol import (
     DEFAULT_STRATEGY,
     STRATEGIES,
@@ -188,10 +189,10 @@ class StreamingJobSpec(_Model):
             raise ValueError("job.name is required")
         return job
 
-    def job_spec(self) -> JobSpec:
+    def job_spec(self) -> AutoscaledJob:
         """The embedded job, validated as `keyshift run` would, but without importing the user's
         functions (they live in the image): raises JobError naming each bad field."""
-        return parse_job(self.job, origin="spec.job", resolve_functions=False)
+        return parse_job_as(AutoscaledJob, self.job, "spec.job", resolve_functions=False)
 
     def _alias_strategy(self) -> str | None:
         """spec.job.autoscaler.strategy, the deprecated place of the loop's strategy."""
@@ -221,7 +222,7 @@ class StreamingJobSpec(_Model):
         """What the schema cannot express but makes the job unrunnable; every problem found,
         one message each (empty when the spec can run)."""
         found: list[str] = []
-        spec: JobSpec | None
+        spec: AutoscaledJob | None
         try:
             spec = self.job_spec()
         except JobError as exc:

@@ -1,11 +1,12 @@
 """The import contract of docs/architecture.md: policies import nothing of ours; the runtime never
-imports the operator; only the Spark connectors import pyspark (keyshift runs without Spark);
-no package has an import circle (relative imports count, resolved); no folder is importable
-under a bare name that shadows the stdlib."""
+imports the operator or the policies; only the Spark connectors import pyspark (keyshift runs
+without Spark); no package has an import circle (relative imports count, resolved); no folder
+is importable under a bare name that shadows the stdlib."""
 
 from __future__ import annotations
 
 import ast
+import importlib.util
 from pathlib import Path
 
 import pytest
@@ -14,7 +15,7 @@ REPO = Path(__file__).resolve().parent.parent
 
 FORBIDDEN = {
     "policies": ("keyshift", "pyspark"),
-    "runtime": ("keyshift.operator", "keyshift.spark", "pyspark"),
+    "runtime": ("keyshift.operator", "keyshift.policies", "keyshift.spark", "pyspark"),
     "operator": ("keyshift.spark", "pyspark"),
 }
 
@@ -152,3 +153,18 @@ def test_relative_and_dynamic_imports_are_seen(tmp_path: Path) -> None:
     assert {"keyshift.runtime.protocol", "keyshift.runtime.*"} <= set(names)
     graph = import_graph("runtime")
     assert "keyshift.runtime.source_stage" in graph["keyshift.runtime.instance"]
+
+
+def test_the_runtime_and_the_policies_bound_parallelism_alike() -> None:
+    """Neither imports the other: each has its own bound, and they must agree."""
+    from keyshift.policies.settings import MAX_PARALLELISM as POLICIES_MAX
+    from keyshift.runtime.job import MAX_PARALLELISM as RUNTIME_MAX
+
+    assert POLICIES_MAX == RUNTIME_MAX
+
+
+def test_stdlib_operator_is_not_shadowed() -> None:
+    spec = importlib.util.find_spec("operator")
+    assert spec is not None and spec.origin is not None
+    assert not spec.origin.startswith(str(REPO / "operator"))
+    assert importlib.util.find_spec("keyshift.operator") is not None
