@@ -178,3 +178,19 @@ def test_chunks_a_store_cannot_take_are_refused_with_the_reason(tmp_path: Path) 
         import_chunk(target, pack_raw(header, b"SST?" * 100), "keyed/0")
     assert target.key_count == 0 and int(np.sum(target.group_sizes())) == 0
     assert target.items() == {} and not list((tmp_path / "keyed-1" / "transfer").glob("*"))
+
+
+def test_a_group_whose_keys_do_not_match_its_count_is_never_shipped(tmp_path: Path) -> None:
+    """The export reads as many keys as the group counts; if the count were wrong it would
+    ship a neighbour's keys or leave some behind, so the range's bounds are checked."""
+    state = rocks_counts(tmp_path, "keyed-0")
+    fill(state, random.Random(5), 4000)
+    group = int(np.flatnonzero(state.group_sizes())[0])
+    for wrong in (1, -1):
+        state._group_keys[group] += wrong  # a bookkeeping bug, simulated
+        with pytest.raises(RocksStateError, match=f"key group {group} does not hold"):
+            export_chunk(state, [group], bulk=True)
+        state._group_keys[group] -= wrong
+    _, sent = export_chunk(state, [group], bulk=True)
+    assert sent.keys == state.group_sizes()[group] > 0
+    assert not list((tmp_path / "keyed-0" / "transfer").glob("*"))
