@@ -654,25 +654,34 @@ class JobSpec(_Model):
                 "ingest source's rows (the runtime checks them against the schema the keyed "
                 "stage reads)"
             )
-        transforms = [
-            Transform.model_validate({t.role: t.function}, context=info.context)
-            for t in chain.transforms
-        ]
+        # Validated again with the job's context: a model's own checks rerun on its instances,
+        # and the user's functions must be checked as the job asks (imported, or by form only).
+        context = info.context
+        transforms = [{t.role: t.function} for t in chain.transforms]
         values = {
-            "source": SourceStage(
-                name=source.name,
-                parallelism=source.parallelism,
-                config=source.config,
-                transforms=transforms,
+            "source": SourceStage.model_validate(
+                {
+                    "name": source.name,
+                    "parallelism": source.parallelism,
+                    "config": source.config,
+                    "transforms": transforms,
+                },
+                context=context,
             ),
-            "keyed": KeyedStage(
-                name=keyed.name,
-                parallelism=keyed.parallelism,
-                key_by=keyed.key_by,
-                operator=keyed.operator,
-                state=keyed.state,
+            "keyed": KeyedStage.model_validate(
+                {
+                    "name": keyed.name,
+                    "parallelism": keyed.parallelism,
+                    "key_by": keyed.key_by,
+                    "operator": keyed.operator,
+                    "state": keyed.state,
+                },
+                context=context,
             ),
-            "sink": SinkStage(name=sink.name, parallelism=sink.parallelism, config=sink.config),
+            "sink": SinkStage.model_validate(
+                {"name": sink.name, "parallelism": sink.parallelism, "config": sink.config},
+                context=context,
+            ),
             "fields": dict(chain.fields),
         }
         for name, value in values.items():

@@ -384,3 +384,20 @@ def test_keyshift_run_refuses_a_bad_graph_with_exit_2_before_starting(tmp_path: 
         output, _ = proc.communicate(timeout=60)
     assert proc.returncode == 2, output
     assert "stage 'out' (sink): input 'nowhere' is not a stage of the job" in output
+
+
+def test_a_graph_of_functions_elsewhere_is_checked_by_form_only() -> None:
+    """The Kubernetes operator validates jobs whose functions live in the job's image."""
+    stages = [
+        stage("clicks", "source"),
+        stage("wide", "map", "clicks", function="image.fns:wide"),
+        stage("k", "keyed", "wide", key_by="key", operator={"kind": "process", "function": "a:b"}),
+        stage("out", "sink", "k", config={"kind": "function", "function": "image.fns:write"}),
+    ]
+    spec = parse_job(graph_job(stages), resolve_functions=False)
+    assert spec.source.transforms[0].map == "image.fns:wide"
+    with pytest.raises(JobError, match=r"cannot import module 'image\.fns'"):
+        parse_job(graph_job(stages))
+    stages[1]["function"] = "no-colon"
+    with pytest.raises(JobError, match="not of the form 'module:function'"):
+        parse_job(graph_job(stages), resolve_functions=False)
