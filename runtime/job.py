@@ -573,6 +573,7 @@ class CheckpointSettings(_Model):
 
 
 _CHAIN_KEYS = ("source", "keyed", "sink", "fields")
+_CHAINED = "map and filter stages run in their source's processes and scale with it"
 
 
 class JobSpec(_Model):
@@ -741,7 +742,10 @@ class JobSpec(_Model):
             raise ValueError(f"stage names must be distinct, got {names}")
         unknown = sorted(set(self.autoscaler.stages) - set(names)) if self.autoscaler else []
         if unknown:
-            raise ValueError(f"autoscaler.stages names {unknown}, which are not stages {names}")
+            chained = f" ({_CHAINED})" if self.graph is not None else ""
+            raise ValueError(
+                f"autoscaler.stages names {unknown}, which are not stages {names}{chained}"
+            )
         if self.autoscaler is not None:
             ceiling = self.autoscaler.bounds_of(self.keyed.name).max_parallelism
             if ceiling > self.max_key_groups:

@@ -401,3 +401,9 @@ def test_a_graph_of_functions_elsewhere_is_checked_by_form_only() -> None:
     stages[1]["function"] = "no-colon"
     with pytest.raises(JobError, match="not of the form 'module:function'"):
         parse_job(graph_job(stages), resolve_functions=False)
+
+
+def test_the_autoscaler_scales_process_stages_not_chained_ones() -> None:
+    message = refused(graph_job(chain(), autoscaler={"stages": {"keep": {}}}))
+    assert "autoscaler.stages names ['keep'], which are not stages" in message
+    assert "map and filter stages run in their source's processes" in message
