@@ -167,21 +167,21 @@ def _input_schema(node: Node, schemas: Mapping[str, Schema]) -> Schema:
     return first
 
 
-def _key_type(node: Node, schema: Schema, what: str) -> FieldType:
-    assert node.key_by is not None
-    if node.key_by not in schema:
+def _key_type(node: Node, key: str, schema: Schema) -> FieldType:
+    """The type of the field `node` is partitioned by; GraphError unless it can be a key."""
+    if key not in schema:
         raise GraphError(
-            f"{_stage(node)}: {what} {node.key_by!r} is not a field of its input "
-            f"(fields: {list(schema)})"
+            f"{_stage(node)}: key_by {key!r} is not a field of its input (fields: {list(schema)})"
         )
-    kind = schema[node.key_by]
+    kind = schema[key]
     if kind not in KEY_TYPES:
-        raise GraphError(f"{_stage(node)}: {what} {node.key_by!r} must be an int or str field")
+        raise GraphError(f"{_stage(node)}: key_by {key!r} must be an int or str field")
     return kind
 
 
 def _keyed_schema(node: Node, schema: Schema) -> Schema:
-    key_type = _key_type(node, schema, "key_by")
+    assert node.key_by is not None  # every keyed Node has its key
+    key_type = _key_type(node, node.key_by, schema)
     function, field = node.aggregate, node.aggregate_field
     if function == "count":
         if field is not None and field not in schema:
@@ -234,7 +234,7 @@ def _edges(node: Node, by_name: Mapping[str, Node], schema: Schema) -> list[Edge
         if partitioning == "key_by":
             if key is None:
                 raise GraphError(f"{_stage(node)}: partitioning key_by needs a `key_by` field")
-            _key_type(Node(node.name, node.role, key_by=key), schema, "key_by")
+            _key_type(node, key, schema)
         elif key is not None:
             raise GraphError(
                 f"{_stage(node)}: key_by {key!r} needs partitioning key_by, not {partitioning!r}"
