@@ -400,6 +400,18 @@ class SinkStage(Stage):
 GENERATED_FIELDS: dict[str, FieldType] = {"key": "int", "value": "float"}
 
 
+def _record_fields(fields: dict[str, FieldType] | None) -> dict[str, FieldType] | None:
+    """A record schema (the job's, a source's, a map's): some fields, none of them reserved."""
+    if fields is None:
+        return None
+    reserved = sorted(set(fields) & RESERVED_FIELDS)
+    if reserved:
+        raise ValueError(f"field names {reserved} are reserved for record metadata")
+    if not fields:
+        raise ValueError("a schema needs at least one field")
+    return fields
+
+
 def _map_function(path: str, info: ValidationInfo) -> str:
     return _check_function_path(path, info, 1)
 
@@ -414,6 +426,8 @@ class SourceNode(Stage):
         description="the schema of its records: the generator's are {key: int, value: float}; "
         "an ingest source's rows are checked against it (required)",
     )
+
+    _fields = field_validator("fields")(_record_fields)
 
     @model_validator(mode="after")
     def _schema(self) -> SourceNode:
@@ -447,7 +461,7 @@ class _Downstream(Stage):
 
 
 class _Partitioned(_Downstream):
-    partitioning: Literal["forward", "key_by", "rebalance", "broadcast"] | None = Field(
+    partitioning: Partitioning | None = Field(
         default=None,
         description="how records reach its instances: forward (instance i to i, chained), "
         "key_by (hash of `key_by`), rebalance (round robin) or broadcast (every instance); "
@@ -469,6 +483,7 @@ class TransformNode(_Partitioned):
     )
 
     _check = field_validator("function")(_map_function)
+    _fields = field_validator("fields")(_record_fields)
 
     @model_validator(mode="after")
     def _filter_keeps_schema(self) -> TransformNode:
@@ -528,13 +543,12 @@ def _node(stage: SourceNode | TransformNode | KeyedNode | SinkNode) -> Node:
             function=None if aggregate else op.function,
         )
     role: Role = "sink" if isinstance(stage, SinkNode) else stage.kind
-    partitioning: Partitioning | None = stage.partitioning
     return Node(
         stage.name,
         role,
         stage.parallelism,
         stage.input_names(),
-        partitioning,
+        stage.partitioning,
         stage.key_by,
         stage.fields if isinstance(stage, TransformNode) else None,
         function=stage.function if isinstance(stage, TransformNode) else None,
@@ -787,15 +801,7 @@ class JobSpec(_Model):
                 raise ValueError(str(exc)) from None
         return self
 
-    @field_validator("fields")
-    @classmethod
-    def _no_reserved(cls, fields: dict[str, FieldType]) -> dict[str, FieldType]:
-        reserved = sorted(set(fields) & RESERVED_FIELDS)
-        if reserved:
-            raise ValueError(f"field names {reserved} are reserved for record metadata")
-        if not fields:
-            raise ValueError("a job needs at least one field")
-        return fields
+    _no_reserved = field_validator("fields")(_record_fields)
 
     def stages(self) -> list[Stage]:
         return [self.source, self.keyed, self.sink]

@@ -276,6 +276,14 @@ BAD_STAGES: dict[str, tuple[dict, str]] = {
         "a generator's records are",
     ),
     "an unknown kind": ({"keep": {"kind": "join"}}, "unknown kind 'join'"),
+    "a source with a reserved field": (
+        {"clicks": {"config": {"kind": "ingest"}, "fields": {"seq": "int"}}},
+        "graph.0.fields: Value error, field names ['seq'] are reserved for record metadata",
+    ),
+    "a map emitting no fields": (
+        {"keep": {"kind": "map", "fields": {}}},
+        "graph.1.fields: Value error, a schema needs at least one field",
+    ),
     "a bad stage name": ({"keep": {"name": "Keep!"}}, "graph.1.name"),
     "a function that does not import": (
         {"keep": {"function": "tests.nowhere:fn"}},
