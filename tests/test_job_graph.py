@@ -12,7 +12,8 @@ import pyarrow as pa
 import pytest
 import yaml
 
-from keyshift.runtime.job import JobError, load_job, parse_job
+from keyshift.operator.autoscaled_job import AutoscaledJob
+from keyshift.runtime.job import JobError, load_job, parse_job, parse_job_as
 from keyshift.runtime.job_graph import Edge, GraphError, Node, build_graph, keyed_output
 from keyshift.runtime.keyed_stage import process_output_schema
 from keyshift.runtime.records import ARROW_TYPES, METADATA_FIELDS
@@ -412,6 +413,8 @@ def test_a_graph_of_functions_elsewhere_is_checked_by_form_only() -> None:
 
 
 def test_the_autoscaler_scales_process_stages_not_chained_ones() -> None:
-    message = refused(graph_job(chain(), autoscaler={"stages": {"keep": {}}}))
+    with pytest.raises(JobError) as err:
+        parse_job_as(AutoscaledJob, graph_job(chain(), autoscaler={"stages": {"keep": {}}}))
+    message = str(err.value)
     assert "autoscaler.stages names ['keep'], which are not stages" in message
     assert "map and filter stages run in their source's processes" in message
