@@ -23,7 +23,7 @@ from __future__ import annotations
 import json
 import shutil
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -58,6 +58,7 @@ HITS_BYTES = 8
 _SIGN = np.uint64(1 << 63)
 MARKER = "keyshift-state.json"
 DATABASE = "db"
+COPY_CHUNK = 65536  # keys per write batch when a checkpoint's ranges are copied in
 
 
 class RocksStateError(RuntimeError):
@@ -83,8 +84,9 @@ def _prefix(group: int) -> bytes:
 def prepare_directory(path: Path, owner: str) -> Path:
     """The database directory of `owner` below `path`, empty and marked as keyshift's.
 
-    A database this owner left (a crash, a restart) is wiped: its contents are older than the
-    checkpoint or migration the instance is about to load. Anything else is refused."""
+    A database this owner left (a crash, a restart) is wiped, with any checkpoint or download
+    directory beside it: its contents are older than the checkpoint or migration the instance
+    is about to load. Anything else is refused."""
     marker = path / MARKER
     try:
         if path.exists():
@@ -98,7 +100,9 @@ def prepare_directory(path: Path, owner: str) -> Path:
                         f"{path} holds the RocksDB state of {found!r}, not of {owner!r}: "
                         "give each keyed instance its own state path"
                     )
-                shutil.rmtree(path / DATABASE, ignore_errors=True)
+                for child in path.iterdir():
+                    if child.name != MARKER:
+                        shutil.rmtree(child, ignore_errors=True)
             elif any(path.iterdir()):
                 raise RocksStateError(
                     f"{path} is not empty and is not a keyshift state directory "
@@ -184,18 +188,11 @@ class RocksStore(ABC):
 
     def _scan(self, group: int) -> tuple[list[bytes], list[bytes]]:
         """Every key and value of one key group: one range of the database."""
-        prefix = _prefix(group)
         keys: list[bytes] = []
         values: list[bytes] = []
-        it = self._db.iter()
-        it.seek(prefix)
-        while it.valid():
-            key = it.key()
-            if key[:GROUP_BYTES] != prefix:
-                break
-            keys.append(key)
-            values.append(it.value())
-            it.next()
+        for chunk_keys, chunk_values in _ranges(self._db, group, 1 << 62):
+            keys += chunk_keys
+            values += chunk_values
         return keys, values
 
     def _scan_groups(self, groups: Iterable[int]) -> tuple[list[bytes], list[bytes]]:
@@ -315,9 +312,78 @@ class RocksStore(ABC):
     def close(self) -> None:
         self._db.close()
 
+    # -- native checkpoints (keyshift.runtime.rocksdb_checkpoint) ----------------------------
+
+    @property
+    def directory(self) -> Path:
+        """The instance's state directory: its database, and room for checkpoint files beside
+        it (on the same file system, so a checkpoint's files are hard links)."""
+        return Path(self._db.path()).parent
+
+    def checkpoint_into(self, target: Path) -> None:
+        """A RocksDB checkpoint of the database in `target` (which must not exist): its
+        memtables flushed, its SST files hard-linked."""
+        try:
+            rocksdict.Checkpoint(self._db).create_checkpoint(str(target))
+        except Exception as exc:  # rocksdict raises plain Exceptions for RocksDB's errors
+            raise RocksStateError(f"cannot take a RocksDB checkpoint in {target}: {exc}") from exc
+
+    def copy_groups(self, source: Path, groups: Iterable[int]) -> int:
+        """Copy the ranges of `groups` from the database at `source` (a downloaded checkpoint,
+        opened read-only) into this one; the keys copied. A group that already holds keys here
+        is an ownership error, and nothing of it is copied."""
+        wanted = sorted(int(g) for g in groups)
+        held = [g for g in wanted if self._group_keys[g]]
+        if held:
+            raise ValueError(f"restore would duplicate the state of key groups {held[:5]}")
+        try:
+            other = rocksdict.Rdict(
+                str(source),
+                rocksdict.Options(raw_mode=True),
+                access_type=rocksdict.AccessType.read_only(),
+            )
+        except Exception as exc:  # rocksdict raises plain Exceptions for RocksDB's errors
+            raise RocksStateError(f"cannot open the RocksDB checkpoint at {source}: {exc}") from exc
+        copied = 0
+        try:
+            for group in wanted:
+                for keys, values in _ranges(other, group, COPY_CHUNK):
+                    self._write(zip(keys, values, strict=True))
+                    self._group_keys[group] += len(keys)
+                    self._group_hits[group] += int(_hits(values).sum())
+                    copied += len(keys)
+        finally:
+            other.close()
+        self._key_count += copied
+        self._restored.update(wanted)
+        return copied
+
+
+def _ranges(
+    db: rocksdict.Rdict, group: int, chunk: int
+) -> Iterator[tuple[list[bytes], list[bytes]]]:
+    """The keys and values of one key group's range, `chunk` keys at a time."""
+    prefix = _prefix(group)
+    keys: list[bytes] = []
+    values: list[bytes] = []
+    it = db.iter()
+    it.seek(prefix)
+    while it.valid():
+        key = it.key()
+        if key[:GROUP_BYTES] != prefix:
+            break
+        keys.append(key)
+        values.append(it.value())
+        if len(keys) >= chunk:
+            yield keys, values
+            keys, values = [], []
+        it.next()
+    if keys:
+        yield keys, values
+
 
 def _hits(values: list[bytes]) -> np.ndarray:
-    return np.array([int.from_bytes(v[:HITS_BYTES], "little") for v in values], dtype=np.int64)
+    return np.frombuffer(b"".join(v[:HITS_BYTES] for v in values), dtype="<i8").astype(np.int64)
 
 
 class RocksAggregateState(RocksStore):
