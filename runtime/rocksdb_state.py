@@ -93,8 +93,11 @@ def prepare_directory(path: Path, owner: str) -> Path:
             if marker.exists():
                 try:
                     found = json.loads(marker.read_text()).get("owner")
-                except ValueError:
-                    found = None
+                except (ValueError, AttributeError) as exc:
+                    raise RocksStateError(
+                        f"{marker} cannot be read ({exc}): whose state {path} holds is not "
+                        "known; refusing to use or delete it"
+                    ) from exc
                 if found != owner:
                     raise RocksStateError(
                         f"{path} holds the RocksDB state of {found!r}, not of {owner!r}: "
@@ -215,7 +218,16 @@ class RocksStore(ABC):
             writes.put(key, value)
         for key in deletes:
             writes.delete(key)
-        self._db.write(writes)
+        self._commit(writes)
+
+    def _commit(self, writes: rocksdict.WriteBatch) -> None:
+        try:
+            self._db.write(writes)
+        except Exception as exc:  # rocksdict raises plain Exceptions for RocksDB's errors
+            # A write batch is atomic and the counts are only updated after it: a failed one
+            # changed nothing. The instance stops; the job recovers from its last checkpoint
+            # (its database is rebuilt then), never going on with a partial batch.
+            raise RocksStateError(f"cannot write RocksDB state at {self.directory}: {exc}") from exc
 
     def _note(self, table: dict[int, set[bytes]], groups: np.ndarray, keys: list[bytes]) -> None:
         if self._track:
@@ -265,19 +277,20 @@ class RocksStore(ABC):
 
     def drop_groups(self, groups: Iterable[int]) -> int:
         writes = rocksdict.WriteBatch(raw_mode=True)
-        dropped = 0
+        doomed = []
         for group in (int(g) for g in groups):
             self._changed.pop(group, None)
             self._deleted.pop(group, None)
-            if not self._group_keys[group]:
-                continue
-            writes.delete_range(_prefix(group), _prefix(group + 1))
-            dropped += int(self._group_keys[group])
-            self._group_keys[group] = 0
-            self._group_hits[group] = 0
-        if dropped:
-            self._db.write(writes)
-            self._key_count -= dropped
+            if self._group_keys[group]:
+                writes.delete_range(_prefix(group), _prefix(group + 1))
+                doomed.append(group)
+        if not doomed:
+            return 0
+        self._commit(writes)
+        dropped = int(self._group_keys[doomed].sum())
+        self._group_keys[doomed] = 0
+        self._group_hits[doomed] = 0
+        self._key_count -= dropped
         return dropped
 
     def drop_keys(self, keys: Sequence[Any]) -> int:
