@@ -179,6 +179,15 @@ class RocksStore(ABC):
         groups = np.array([int.from_bytes(k[:GROUP_BYTES], "big") for k in dbkeys], np.int32)
         return groups, [k[GROUP_BYTES:].decode() for k in dbkeys]
 
+    def _order(self, groups: np.ndarray, keys: Any) -> np.ndarray:
+        """The permutation that puts these keys in the database's (byte) order."""
+        if self._numeric:
+            # Big-endian group, then the sign-flipped key: numeric order is byte order.
+            flipped = np.asarray(keys, dtype=np.int64).view(np.uint64) ^ _SIGN
+            return np.lexsort((flipped, groups))
+        dbkeys = self._encode(groups, keys)
+        return np.array(sorted(range(len(dbkeys)), key=dbkeys.__getitem__), dtype=np.int64)
+
     def _encode_keys(self, keys: Sequence[Any]) -> list[bytes]:
         """Keys whose groups are not at hand: their groups are computed as the sources do."""
         groups = key_groups(pa.array(keys, type=self.key_type), self.max_key_groups)
@@ -438,11 +447,9 @@ class RocksAggregateState(RocksStore):
             return empty_update(self.output_schema())
         field = None if self.function == "count" else value_field
         part = BatchAggregate.of(batch, key_field, field, self._numeric)
-        dbkeys = self._encode(part.groups, part.keys)
         # In the database's own order, lookups and inserts walk its memtable and files forward.
-        order = np.array(sorted(range(len(dbkeys)), key=dbkeys.__getitem__), dtype=np.int64)
-        part = part.take(order)
-        dbkeys = [dbkeys[i] for i in order.tolist()]
+        part = part.take(self._order(part.groups, part.keys))
+        dbkeys = self._encode(part.groups, part.keys)
         found = _multi_get(self._db, dbkeys)
         new = np.array([v is None for v in found], dtype=bool)
         cols = np.frombuffer(
