@@ -26,6 +26,7 @@ from keyshift.runtime.checkpoint_store import (
 )
 from keyshift.runtime.checkpointing import KeyedCheckpointer
 from keyshift.runtime.job import CheckpointSettings
+from keyshift.runtime.protocol import KeyedCheckpointAck
 from keyshift.runtime.records import GROUP
 from keyshift.runtime.rocksdb_state import RocksAggregateState, open_database, prepare_directory
 from keyshift.runtime.state import AggregateState
@@ -71,26 +72,26 @@ def take(
     number: int,
     previous: int | None,
     owned: np.ndarray = EVERY,
-) -> dict[str, Any]:
+) -> KeyedCheckpointAck:
     ack = checkpointer.take({"id": number, "previous": previous}, state, owned)
-    assert not ack.get("error"), ack
+    assert ack.error is None, ack
     return ack
 
 
-def commit(store: CheckpointStore, number: int, acks: list[dict[str, Any]]) -> CheckpointMeta:
+def commit(store: CheckpointStore, number: int, acks: list[KeyedCheckpointAck]) -> CheckpointMeta:
     """The checkpoint's metadata from the keyed instances' acks, as the coordinator makes it."""
     groups = {}
     databases = {}
     for ack in acks:
-        groups.update(chains_from_json(ack["chains"]))
-        if ack.get("database") is not None:
-            databases[ack["writer"]] = database_from_json(ack["database"])
+        groups.update(chains_from_json(ack.chains))
+        if ack.writer is not None and ack.database is not None:
+            databases[ack.writer] = database_from_json(ack.database)
     meta = CheckpointMeta(
         id=number,
         created=time.time(),
         groups=groups,
         databases=databases,
-        written=sum(a["written"] for a in acks),
+        written=sum(a.written for a in acks),
     )
     store.commit(meta)
     return store.load(number)
@@ -110,9 +111,9 @@ def test_a_native_checkpoint_uploads_only_new_sst_files_and_restores_exactly(
     second = take(checkpointer, state, 2, 1)
     meta2 = commit(store, 2, [second])
 
-    assert first["reused"] == 0 and first["written"] > 0
+    assert first.reused == 0 and first.written > 0
     # The first checkpoint's SST files are named again, not uploaded again.
-    assert second["reused"] > 0 and second["written"] < first["written"]
+    assert second.reused > 0 and second.written < first.written
     reused = set(meta1.databases["keyed-0"].values()) & set(meta2.databases["keyed-0"].values())
     assert any(f.path.endswith(".sst") for f in reused)
     assert set(meta2.groups) == set(range(G))
@@ -127,7 +128,7 @@ def test_a_native_checkpoint_uploads_only_new_sst_files_and_restores_exactly(
     np.testing.assert_array_equal(fresh.group_hits(), state.group_hits())
     # A restored database is a new one: its next checkpoint stores all its files.
     after = take(restorer, fresh, 3, 2)
-    assert after["reused"] == 0 and after["written"] > 0
+    assert after.reused == 0 and after.written > 0
 
 
 def test_a_checkpoint_restores_onto_other_instances_each_with_its_own_groups(
@@ -244,7 +245,7 @@ def test_a_checkpoint_whose_storage_fails_fails_and_the_next_uploads_everything(
     feed(state, range(1_000))
     checkpointer = KeyedCheckpointer(CheckpointSettings(storage=str(blocked / "ckpt")), "keyed-0")
     ack = checkpointer.take({"id": 1, "previous": None}, state, EVERY)
-    assert "cannot write" in ack["error"]
+    assert ack.error is not None and "cannot write" in ack.error
     assert state.items() == truth(range(1_000))
     # No checkpoint directory is left beside the database.
     assert sorted(p.name for p in state.directory.iterdir()) == ["db", "keyshift-state.json"]

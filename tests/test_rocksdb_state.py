@@ -109,7 +109,7 @@ def test_a_full_disk_stops_the_writes_with_an_error_naming_it_and_loses_nothing(
             CheckpointSettings(storage=str(tmp_path / "checkpoints")), "keyed-0"
         )
         ack = checkpointer.take({"id": 1, "previous": None}, state, np.ones(G, dtype=bool))
-        assert "No space left" in ack["error"], ack
+        assert ack.error is not None and "No space left" in ack.error, ack
         assert state.key_count == written
         with pytest.raises(Exception, match="No space left"):
             state.close()  # its memtable cannot be flushed either
