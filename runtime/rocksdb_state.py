@@ -124,9 +124,16 @@ def open_database(directory: Path, block_cache_mb: int, write_buffer_mb: int) ->
     options.create_if_missing(True)
     table = rocksdict.BlockBasedOptions()
     table.set_block_cache(rocksdict.Cache(block_cache_mb << 20))
-    # Index and filter blocks count against the cache instead of growing beside it.
+    # Index and filter blocks count against the cache instead of growing beside it. Partitioned,
+    # with the top level and L0's pinned there: a lookup of a key the cache has not seen lately
+    # (every new key) then reads one small partition instead of evicting data blocks for a
+    # whole file's filter. 3-4x faster at 3-4 M keys with a 64 MiB cache (bench/README.md).
     table.set_cache_index_and_filter_blocks(True)
     table.set_bloom_filter(10, False)
+    table.set_index_type(rocksdict.BlockBasedIndexType.two_level_index_search())
+    table.set_partition_filters(True)
+    table.set_pin_top_level_index_and_filter(True)
+    table.set_pin_l0_filter_and_index_blocks_in_cache(True)
     options.set_block_based_table_factory(table)
     options.set_write_buffer_size(write_buffer_mb << 20)
     options.set_max_write_buffer_number(2)
