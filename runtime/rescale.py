@@ -300,7 +300,7 @@ class RescaleDriver:
         target, senders, receivers = self.step or (self.current, set(), set())
         owners = target.owners.copy()
         died = np.isin(owners, list(lost))
-        owners[died] = current[died]  # not handed over: the old owner still has it
+        owners[died] = current[died]  # back to the old owner, with what it has not handed over
         gone = np.isin(owners, list(lost))
 
         # The instances a scale-out started may still be registering: they take a share too.
@@ -317,9 +317,12 @@ class RescaleDriver:
         alive = sorted(set(self.host.keyed_addresses()) - lost)
         if gone.any():
             owners[gone] = np.asarray(alive, dtype=np.int32)[np.arange(gone.sum()) % len(alive)]
-        # Survivors take those groups up before any source routes a record of them there.
+        # Survivors take up every group of a lost instance they now own before any source
+        # routes a record of it there: those whose state died, and those given back to their
+        # old owner, whose move out may have handed all of it over and closed already (its
+        # `out_done` in) while the new owner died before its `in_done`.
         adopt = {
-            str(i): g.tolist() for i in alive if len(g := np.flatnonzero(gone & (owners == i)))
+            str(i): g.tolist() for i in alive if len(g := np.flatnonzero(died & (owners == i)))
         }
         recovered = Assignment(max(target.epoch, self.current.epoch) + 1, owners)
         participants = (senders | receivers | {int(i) for i in adopt}) - lost

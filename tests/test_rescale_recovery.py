@@ -1,0 +1,152 @@
+"""The rescale driver's recovery (keyshift.runtime.rescale's `RescaleDriver._recover`) when a new
+owner dies mid-move, driven deterministically: a real Coordinator served on loopback in this
+process, and the test playing its instances over the real control calls (Register, Watch,
+Report), so every command and event is the real message at the moment the test chooses.
+
+The race it pins down: an old owner may have handed over everything of a move (its `out_done`
+is in) while the new owner dies before its `in_done`. The recovery gives those groups back to
+the old owner, which no longer counts them as its own (its move out is closed), so the `abort`
+must tell it to take them up; it once did not, and the survivor failed on their next records
+("records of key group … neither owns nor is receiving").
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import numpy as np
+import pytest
+
+from keyshift.runtime.coordinator import SERVICE, Coordinator
+from keyshift.runtime.job import parse_job
+from keyshift.runtime.protocol import (
+    Abort,
+    Ack,
+    Command,
+    Empty,
+    Event,
+    InstanceCall,
+    MigrateIn,
+    MigrateOut,
+    OutDone,
+    RegisterRequest,
+    ReportRequest,
+    Reroute,
+    RescaleRequest,
+    parse_command,
+)
+from keyshift.runtime.transport import JsonClient, TransportError, start_server
+from tests.conftest import count_job, wait_for
+
+C = TypeVar("C", bound=Command)
+
+
+@dataclass
+class PlayedInstance:
+    """One instance the test plays: registered, watching its commands, reporting events."""
+
+    stage: str
+    index: int
+    client: JsonClient
+    identity: Any
+    commands: queue.Queue[Command] = field(default_factory=queue.Queue)
+
+    def watch(self) -> None:
+        call = InstanceCall(stage=self.stage, index=self.index, identity=self.identity)
+        try:
+            for body in self.client.stream("Watch", call.wire()):
+                self.commands.put(parse_command(body))
+        except TransportError:
+            pass  # closed by the test ("killed") or at its end
+
+    def expect(self, kind: type[C]) -> C:
+        """The next command of `kind`; others (topology, rescaling) are skipped."""
+        while True:
+            command = self.commands.get(timeout=30)
+            if isinstance(command, kind):
+                return command
+
+    def report(self, *events: Event, hits: dict[str, int] | None = None) -> None:
+        request = ReportRequest(
+            stage=self.stage,
+            index=self.index,
+            identity=self.identity,
+            events=list(events),
+            group_hits=hits,
+        )
+        self.client.call("Report", request.wire())
+
+
+@pytest.fixture
+def job() -> Iterator[tuple[Coordinator, str]]:
+    spec = parse_job(count_job(keyed={"parallelism": 1}, sink={"parallelism": 1}))
+    coordinator = Coordinator(spec, 30.0)
+    server, port = start_server("127.0.0.1:0", [coordinator.handler()])
+    try:
+        yield coordinator, f"127.0.0.1:{port}"
+    finally:
+        coordinator.shutdown(Empty())
+        server.stop(None)
+
+
+def join(address: str, stage: str, index: int) -> PlayedInstance:
+    client = JsonClient(address, SERVICE)
+    request = RegisterRequest(stage=stage, index=index, data_address=f"127.0.0.1:{1000 + index}")
+    reply = client.call("Register", request.wire())
+    played = PlayedInstance(stage, index, client, reply["identity"])
+    threading.Thread(target=played.watch, daemon=True).start()
+    return played
+
+
+def test_a_new_owner_lost_after_the_old_owner_handed_everything_over_gives_it_back(
+    job: tuple[Coordinator, str],
+) -> None:
+    coordinator, address = job
+    spec = coordinator.spec
+    source, old = join(address, "source", 0), join(address, "counts", 0)
+    sink = join(address, "sink", 0)
+    wait_for(lambda: coordinator.phase == "running", 10, "the job to run")
+    # Every group carries load, so the plan moves half of them to the new instance.
+    old.report(hits={str(g): 1 for g in range(spec.max_key_groups)})
+    client = JsonClient(address, SERVICE)
+    client.call("Rescale", RescaleRequest(stage="counts", parallelism=2).wire())
+    wait_for(lambda: coordinator.desired["counts"] == 2, 10, "the scale-out to start")
+    new = join(address, "counts", 1)
+    played = [source, old, sink, new]
+    try:
+        migrate_in = new.expect(MigrateIn)
+        new.report(Ack(step="migrate_in", epoch=migrate_in.epoch))
+        migrate_out = old.expect(MigrateOut)
+        moving = sorted(migrate_out.groups["1"])
+        assert moving and sorted(migrate_in.groups["0"]) == moving
+        old.report(Ack(step="migrate_out", epoch=migrate_out.epoch))
+        reroute = source.expect(Reroute)
+        source.report(Ack(step="reroute", epoch=reroute.epoch))
+        wait_for(lambda: client.call("Status")["rescale"]["phase"] == "moving", 10, "the move")
+        # The old owner is done: all pushed, all forwarded, its move out closed. Then the new
+        # owner dies before it has taken everything in (its command stream breaks).
+        old.report(OutDone(epoch=migrate_out.epoch, stats={}))
+        new.client.close()
+
+        abort = old.expect(Abort)
+        assert abort.lost == [1]
+        # The groups go back to the old owner: the abort tells it to own them again.
+        assert sorted(abort.adopt.get("0", [])) == moving
+        old.report(Ack(step="abort", epoch=abort.epoch))
+        recovered = source.expect(Reroute)
+        owners = np.asarray(recovered.assignment["owners"])
+        assert (owners[moving] == 0).all() and recovered.lost == [1]
+        source.report(Ack(step="reroute", epoch=recovered.epoch))
+        wait_for(lambda: coordinator.rescale_history, 10, "the rescale to end")
+        (result,) = coordinator.rescale_history
+        assert result.phase == "failed" and result.error is not None
+        assert "recovered at parallelism 1" in result.error, result.error
+        assert coordinator.assignment.epoch == recovered.epoch
+    finally:
+        client.close()
+        for instance in played:
+            instance.client.close()
