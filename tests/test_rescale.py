@@ -191,11 +191,13 @@ def test_scale_out_and_in_under_load_keeps_exactly_once_and_order(
 
 def test_hot_keys_move_while_hot(tmp_path: Path) -> None:
     """Zipf 1.3: a few keys carry most records; they are fetched on demand, not waited for.
-    The trickle is slow enough (~25k moving keys at 5k/s) that records for keys it has not
-    pushed yet arrive however busy the machine is."""
+    Only keys that have been seen have state to push (~1.4k after 10k records, 2.9k after 30k;
+    groups without state cost the trickle nothing), so at 200 keys/s the push of the moving
+    half lasts seconds: records for keys it has not pushed yet arrive however busy the machine
+    is. (At 5k keys/s it lasted a fraction of a second, and a busy machine could miss it.)"""
     source = {"kind": "generator", "keys": 50_000, "distribution": "zipf", "zipf_exponent": 1.3,
               "seed": 4, "profile": {"rate": 15_000}}  # fmt: skip
-    slow = {"chunk_keys": 512, "trickle_keys_per_s": 5000}
+    slow = {"chunk_keys": 512, "trickle_keys_per_s": 200}
     (result,) = run_with_rescales(tmp_path, source, 1, [(2, "lazy")], options=slow)
     assert result["progress"]["keys_fetched"] > 0
     assert result["progress"]["records_parked"] > 0
@@ -363,13 +365,16 @@ def test_new_owner_dying_mid_move_fails_the_rescale_and_the_stage_goes_on(
     all state not yet handed over, and the job keeps running correctly for every key except
     those whose state had already moved to the dead instance."""
     out = tmp_path / "out"
-    source = {"kind": "generator", "keys": 5_000, "seed": 2, "profile": {"rate": 10_000}}
+    # Many keys, each seldom hit: few are fetched on demand before the kill, and lazy's
+    # trickle pushes the rest for a minute, so the move is still running when the new owner
+    # dies. (With few keys every one is soon fetched, the groups left are empty, and their
+    # push costs the trickle nothing: the move could end before the kill.)
+    source = {"kind": "generator", "keys": 200_000, "seed": 2, "profile": {"rate": 10_000}}
     job = tracked_job(out, source, 1, state=state_settings(backend, tmp_path))
     with running_job(tmp_path, job) as local:
         client = JsonClient(local.address, SERVICE)
         wait_for(lambda: local.status()["phase"] == "running", 30, "the job to run")
         wait_for(lambda: sum_out(local) > 20_000, 30, "records to flow")
-        # lazy moves state slowly, so the move is still running when the new owner dies.
         client.call("Rescale", {"stage": "track", "parallelism": 2, "strategy": "lazy",
                                 "options": {"trickle_keys_per_s": 200}})  # fmt: skip
 
