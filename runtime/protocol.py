@@ -11,7 +11,9 @@ Three families travel as JSON over the control calls of `keyshift.runtime.transp
   `SinkCheckpointAck`);
 - the bodies of the unary calls: `RegisterRequest`/`RegisterReply`, `InstanceCall` (Watch),
   `ReportRequest`, `RescaleRequest` (stage, parallelism, strategy, options) and its reply
-  `RescaleReport`, `DrainReply`.
+  `RescaleReport`, `DrainReply`;
+- between instances: a checkpoint `Barrier`'s body on a data stream, and a migration fetch's
+  `FetchBody` and the `FetchReplyHeader` of its reply.
 
 A sender builds a model and sends `message.wire()`; a receiver calls `parse`, `parse_command`
 or `parse_event`, which raise `ProtocolError` naming the message and each wrong field (unknown
@@ -345,6 +347,34 @@ class DrainReply(Message):
 
 class Empty(Message):
     """The body of calls that carry nothing (Status's request, Shutdown's)."""
+
+
+# --- between instances: checkpoint barriers and migration fetches -------------------------------
+
+
+class Barrier(Message):
+    """A BARRIER's body on a data stream: checkpoint `id`, on top of `previous` (the last one
+    completed, which a keyed instance's deltas build on)."""
+
+    id: int
+    previous: int | None
+
+
+class FetchBody(Message):
+    """A new owner asks the old owner of `epoch`'s move for these keys' state (keyshift.Migrate
+    Fetch); `groups[i]` is `keys[i]`'s key group."""
+
+    epoch: int
+    keys: list[int | str]
+    groups: list[int]
+
+
+class FetchReplyHeader(Message):
+    """The header of a Fetch reply, before the state found: the keys the old owner holds no
+    state of (`absent`), and those already on their way in a pushed chunk (`in_transit`)."""
+
+    in_transit: list[int | str]
+    absent: list[int | str]
 
 
 # --- parsing, in one place ----------------------------------------------------------------------

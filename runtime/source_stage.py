@@ -25,6 +25,7 @@ from keyshift.runtime.keyspace import Assignment, key_groups
 from keyshift.runtime.metrics import MetricName
 from keyshift.runtime.protocol import (
     Ack,
+    Barrier,
     Checkpoint,
     CheckpointComplete,
     Command,
@@ -230,7 +231,7 @@ class Emitter:
 
     def barrier(self, command: Checkpoint) -> None:
         """Checkpoint here, between two batches: what was emitted so far is in it."""
-        barrier = json.dumps({"id": command.id, "previous": command.previous}).encode()
+        barrier = json.dumps(Barrier(id=command.id, previous=command.previous).wire()).encode()
         for index, outlet in self.router.outlets.items():
             if index not in self.router.dead:
                 self.ctx.send(outlet, barrier, kind=BARRIER)
