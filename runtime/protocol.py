@@ -11,7 +11,7 @@ Three families travel as JSON over the control calls of `keyshift.runtime.transp
   `SinkCheckpointAck`);
 - the bodies of the unary calls: `RegisterRequest`/`RegisterReply`, `InstanceCall` (Watch),
   `ReportRequest`, `RescaleRequest` (stage, parallelism, strategy, options) and its reply
-  `RescaleReport`, `DrainReply`;
+  `RescaleReport`, `StatusReply`, `DrainReply`;
 - between instances: a checkpoint `Barrier`'s body on a data stream, and a migration fetch's
   `FetchBody` and the `FetchReplyHeader` of its reply.
 
@@ -339,6 +339,44 @@ class RescaleReport(Message):
     groups_moved: int
     steps: int
     progress: dict[str, float]
+
+
+class InstanceStatus(Message):
+    """One instance in a Status reply: where it is, and its latest report's counters."""
+
+    index: int
+    address: str
+    metrics: str
+    pid: int
+    finished: bool
+    retiring: bool
+    stats: dict[str, Any]
+
+
+class StageStatus(Message):
+    name: str
+    parallelism: int  # instances registered now
+    desired: int  # instances the coordinator wants (a host keeps 0..desired-1 running)
+    instances: list[InstanceStatus]
+
+
+class StatusReply(Message):
+    """The coordinator's Status: the job's phase, every stage and instance, the rescale
+    running and the latest ones, checkpoints and recoveries."""
+
+    job: str
+    incarnation: str
+    phase: str
+    errors: list[str]
+    epoch: int
+    uptime: float
+    stages: list[StageStatus]
+    rescale: RescaleReport | None
+    lost: list[str]
+    rescales: list[RescaleReport]
+    checkpoints: dict[str, Any] | None
+    restored_from: int | None
+    recoveries: dict[str, Any]
 
 
 class DrainReply(Message):

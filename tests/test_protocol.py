@@ -43,6 +43,7 @@ from keyshift.runtime.protocol import (
     Retire,
     SinkCheckpointAck,
     SourceCheckpointAck,
+    StatusReply,
     Stop,
     Topology,
     parse,
@@ -253,3 +254,22 @@ def test_a_malformed_fetch_is_refused_and_a_good_one_reaches_the_stage_loop() ->
         channel.close()
         nowhere.close()
         server.stop(None)
+
+
+def test_the_status_reply_is_a_status_reply_on_the_wire(
+    coordinator: tuple[Coordinator, str],
+) -> None:
+    coord, address = coordinator
+    coord.register(RegisterRequest(stage="counts", index=0, data_address="a:1", pid=7))
+    client = JsonClient(address, SERVICE)
+    try:
+        status = parse(StatusReply, client.call("Status"))
+    finally:
+        client.close()
+    assert (status.phase, status.rescale, status.rescales) == ("starting", None, [])
+    counts = next(s for s in status.stages if s.name == "counts")
+    assert (counts.parallelism, counts.instances[0].address, counts.instances[0].pid) == (
+        1,
+        "a:1",
+        7,
+    )
