@@ -24,6 +24,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from keyshift.operator.autoscaled_job import AutoscaledJob
 from keyshift.operator.k8s_children import (
     APP_DIR,
     CHILD_OPTIONS_ENV,
@@ -49,7 +50,7 @@ from keyshift.operator.k8s_children import (
 )
 from keyshift.operator.streamingjob import StreamingJobSpec
 from keyshift.runtime.instance import _index
-from keyshift.runtime.job import parse_job
+from keyshift.runtime.job import parse_job_as
 from tests.conftest import KEYSHIFT, REPO
 
 NAME = "clicks"
@@ -219,7 +220,8 @@ def test_the_config_map_holds_the_same_job() -> None:
     spec, manifests = build()
     config = by_kind(manifests, "ConfigMap")[config_map_name(NAME)]
     text = config["data"][JOB_FILE]
-    assert parse_job(yaml.safe_load(text), resolve_functions=False) == spec.job_spec()
+    loaded = parse_job_as(AutoscaledJob, yaml.safe_load(text), resolve_functions=False)
+    assert loaded == spec.job_spec()
     coordinator = by_kind(manifests, "Deployment")["clicks-coordinator"]
     pod = coordinator["spec"]["template"]["spec"]
     (container,) = pod["containers"]
