@@ -72,6 +72,7 @@ from keyshift.runtime.transport import (
 )
 
 IDLE_WAIT = 0.05
+PUSH_SLICE = 0.05  # seconds of state pushing between two batches of records, at most
 log = logging.getLogger("keyshift.keyed")
 
 
@@ -87,7 +88,9 @@ def make_state(
     if settings.backend == "rocksdb":
         directory = prepare_directory(Path(settings.path) / spec.name / owner, owner)
         db = open_database(directory, settings.block_cache_mb, settings.write_buffer_mb)
-        track = spec.checkpoints is not None
+        # Its checkpoints are native (keyshift.runtime.rocksdb_checkpoint): no change marks,
+        # which would grow with the keys.
+        track = False
         if isinstance(op, AggregateOperator):
             return RocksAggregateState(op.function, spec.max_key_groups, key_type, db, track)
         function = resolve_function(op.function)
@@ -359,7 +362,7 @@ class KeyedStage:
                 self.fetch(request)
             if self.move_out is not None:
                 self.move_out.flush()
-                self.move_out.push_some()
+                self.move_out.push_for(PUSH_SLICE)
             self.finish_moves()
             if self.retire and self.move_out is None and self.move_in is None:
                 break

@@ -229,6 +229,12 @@ class KeyedCheckpointAck(Message):
     base_groups: int = 0
     delta_groups: int = 0
     seconds: float = 0.0
+    # A native RocksDB checkpoint: the writer whose database holds the groups, its files by
+    # local name (keyshift.runtime.checkpoint_store.database_from_json parses them), and the
+    # bytes of SST files an earlier checkpoint stored.
+    writer: str | None = None
+    database: dict[str, Any] | None = None
+    reused: int = 0
 
 
 class SinkCheckpointAck(Message):
@@ -339,6 +345,8 @@ class RescaleReport(Message):
     groups_moved: int
     steps: int
     progress: dict[str, float]
+    # MB/s of state at each end of the moves (out, in); None until that end finished one.
+    mb_per_s: dict[str, float | None] = Field(default_factory=dict)
 
 
 class InstanceStatus(Message):
