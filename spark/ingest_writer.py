@@ -114,6 +114,16 @@ class WriterOptions:
         return cls(endpoints, bad_rows, timeout, security, rows, size, due)
 
 
+def check_due_column(options: WriterOptions, columns: Sequence[str]) -> None:
+    """ValueError, when the query starts, if option dueColumn names a column the DataFrame
+    does not have."""
+    if options.due_column is not None and options.due_column not in columns:
+        raise ValueError(
+            f"option 'dueColumn' names {options.due_column!r}, which the DataFrame does not have "
+            f"(it has {', '.join(columns)})"
+        )
+
+
 def _positive_int(options: dict[str, str], name: str, default: int) -> int:
     raw = options.get(name, str(default))
     if not raw.isdigit() or int(raw) < 1:

@@ -10,7 +10,12 @@ from keyshift.runtime.auth import Security
 from keyshift.runtime.job import StepProfile
 from keyshift.runtime.job_secret import SECRET_ENV, new_job_secret
 from keyshift.spark.bids import DUE_COLUMN, BidOptions, bids, profile_json
-from keyshift.spark.ingest_writer import KeyshiftWriteError, WriterOptions, due_backlog
+from keyshift.spark.ingest_writer import (
+    KeyshiftWriteError,
+    WriterOptions,
+    check_due_column,
+    due_backlog,
+)
 from keyshift.spark.log_reader import limit_ends
 
 
@@ -136,3 +141,11 @@ def test_a_due_column_that_is_missing_or_not_a_time_says_so() -> None:
         due_backlog(rows, "due", 0, now=1.0)
     with pytest.raises(KeyshiftWriteError, match="must hold epoch microseconds or timestamps"):
         due_backlog(rows, "note", 0, now=1.0)
+
+
+def test_a_due_column_the_dataframe_lacks_is_refused_when_the_query_starts() -> None:
+    options = WriterOptions.parse({"endpoint": "a:1", "duecolumn": "due_us"})
+    check_due_column(options, ["seq", "due_us"])
+    check_due_column(WriterOptions.parse({"endpoint": "a:1"}), ["seq"])  # no option, no check
+    with pytest.raises(ValueError, match=r"names 'due_us', which the DataFrame does not have"):
+        check_due_column(options, ["seq", "price"])
