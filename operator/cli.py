@@ -20,6 +20,7 @@ from typing import Any
 
 from rich.console import Console
 
+from keyshift.operator.autoscaled_job import AutoscaledJob
 from keyshift.operator.crd import CRD_DIRS, stale_crds, write_crds
 from keyshift.operator.dashboards import DASHBOARD_DIR, stale_dashboards, write_dashboards
 from keyshift.operator.job_registry import RegistryError, lookup, register, resolve
@@ -35,10 +36,16 @@ from keyshift.operator.local_scaling import LocalAutoscaler, TargetsFile, local_
 from keyshift.operator.run_report import Timeline, write_png
 from keyshift.policies.settings import AutoscalerSettings
 from keyshift.runtime.auth import AuthError, Security
-from keyshift.runtime.job import JobError, JobSpec, load_job
+from keyshift.runtime.job import JobError, JobSpec, load_job_as
 from keyshift.runtime.job_secret import SECRET_ENV, JobSecretError
 from keyshift.runtime.lifecycle import allow_user_code
-from keyshift.runtime.rescale import STRATEGIES
+from keyshift.runtime.protocol import (
+    STRATEGIES,
+    RescaleReport,
+    RescaleRequest,
+    finished_rescales,
+    parse,
+)
 from keyshift.runtime.transport import JsonClient, RequestRefused, TransportError
 
 # Seconds `keyshift rescale` waits for an unreachable coordinator (one restarting in a
@@ -193,37 +200,37 @@ def _client(job: str) -> JsonClient:
     return JsonClient(address, COORDINATOR_SERVICE, Security.from_env(environ))
 
 
-def describe_rescale(r: dict[str, Any]) -> str:
-    progress = r.get("progress") or {}
+def describe_rescale(r: RescaleReport) -> str:
+    progress = r.progress
     moved = progress.get("keys_in", 0) + progress.get("keys_fetched", 0)
     megabytes = progress.get("bytes_in", 0) / 1e6
     text = (
-        f"rescale {r['id']} of {r['stage']} {r['from']}->{r['to']} ({r['strategy']}): "
-        f"{r['phase']} after {r['duration']:.2f} s; {r['groups_moved']}/{r['groups_to_move']} "
-        f"groups, {moved:,.0f} keys, {megabytes:.1f} MB moved; "
+        f"rescale {r.id} of {r.stage} {r.from_parallelism}->{r.to_parallelism} ({r.strategy}): "
+        f"{r.phase} after {r.duration:.2f} s in {r.steps} step(s); "
+        f"{r.groups_moved}/{r.groups_to_move} groups, {moved:,.0f} keys, {megabytes:.1f} MB moved; "
         f"{progress.get('keys_fetched', 0):,.0f} keys fetched on demand, "
         f"{progress.get('records_parked', 0):,.0f} records parked, "
         f"{progress.get('records_forwarded', 0):,.0f} forwarded"
     )
-    return text + (f"; error: {r['error']}" if r.get("error") else "")
+    return text + (f"; error: {r.error}" if r.error else "")
 
 
 def cmd_rescale(args: argparse.Namespace, console: Console) -> int:
     try:
-        options = _options(args.option)
-        client = _client(args.job)
-        started = client.call(
-            "Rescale",
+        request = parse(
+            RescaleRequest,
             {"stage": args.stage, "parallelism": args.parallelism,
-             "strategy": args.strategy, "options": options},
+             "strategy": args.strategy, "options": _options(args.option)},
         )  # fmt: skip
+        client = _client(args.job)
+        started = parse(RescaleReport, client.call("Rescale", request.wire()))
     except (ValueError, RegistryError, RequestRefused) as exc:
         _error(console, exc)
         return 2
     except TransportError as exc:
         _error(console, exc)
         return 1
-    console.print(f"started rescale {started['id']}: {args.stage} -> {args.parallelism}")
+    console.print(f"started rescale {started.id}: {args.stage} -> {args.parallelism}")
     if args.no_wait:
         return 0
     deadline = time.monotonic() + args.timeout
@@ -241,19 +248,19 @@ def cmd_rescale(args: argparse.Namespace, console: Console) -> int:
             time.sleep(0.2)
             continue
         unreachable_since = None
-        if status.get("incarnation") != started.get("incarnation"):
+        if status.get("incarnation") != started.incarnation:
             # Ids start again at 1 in a restarted coordinator: its rescale of this id is not ours.
             _error(
                 console,
-                f"the coordinator restarted while rescale {started['id']} ran; a restarted job "
+                f"the coordinator restarted while rescale {started.id} ran; a restarted job "
                 "goes on from its latest checkpoint, without the rescale: see `keyshift status` "
                 "and rescale again",
             )
             return 1
-        done = next((r for r in status["rescales"] if r["id"] == started["id"]), None)
+        done = next((r for r in finished_rescales(status) if r.id == started.id), None)
         if done is not None:
             console.print(describe_rescale(done), highlight=False, soft_wrap=True)
-            return 0 if done["phase"] == "done" else 1
+            return 0 if done.phase == "done" else 1
         time.sleep(0.2)
     _error(console, f"rescale not finished after {args.timeout:.0f} s")
     return 1
@@ -317,7 +324,7 @@ def cmd_dashboards(args: argparse.Namespace, console: Console) -> int:
 
 def cmd_run(args: argparse.Namespace, console: Console) -> int:
     try:
-        spec = load_job(args.job)
+        spec = load_job_as(AutoscaledJob, args.job)
     except JobError as exc:
         _error(console, exc)
         return 2
@@ -379,7 +386,7 @@ def cmd_run(args: argparse.Namespace, console: Console) -> int:
     console.print(
         final_report(result.status, view.tracker, time.monotonic() - started), highlight=False
     )
-    for rescale in result.status.get("rescales", []):
+    for rescale in finished_rescales(result.status):
         console.print("  " + describe_rescale(rescale), highlight=False, soft_wrap=True)
     for recovery in job.recoveries:
         took = recovery["seconds"]

@@ -19,6 +19,7 @@ from typing import Any
 from kubernetes_asyncio import client as k8s
 from pydantic import ValidationError
 
+from keyshift.operator.autoscaled_job import AutoscaledJob
 from keyshift.operator.autoscaler import AutoscalingLoop
 from keyshift.operator.k8s_apply import apply_replicas
 from keyshift.operator.k8s_children import stage_set_name
@@ -35,7 +36,6 @@ from keyshift.policies import make_policy
 from keyshift.policies.guards import GuardState
 from keyshift.policies.model import Decision
 from keyshift.runtime.auth import Security
-from keyshift.runtime.job import JobSpec
 from keyshift.runtime.metrics import AutoscalerMetrics
 from keyshift.runtime.transport import JsonClient
 
@@ -193,7 +193,7 @@ def remembered(status: Mapping[str, Any]) -> tuple[Memory, list[str]]:
 def kube_job(
     name: str,
     namespace: str,
-    job: JobSpec,
+    job: AutoscaledJob,
     coordinator: str,
     exported: AutoscalerMetrics,
     plan: MigrationPlan,

@@ -15,6 +15,13 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from keyshift.operator.autoscaler import RescaleOutcome, RescaleRefused
+from keyshift.runtime.protocol import (
+    DEFAULT_STRATEGY,
+    RescaleRequest,
+    Strategy,
+    finished_rescales,
+    running_rescale,
+)
 from keyshift.runtime.transport import JsonClient, TransportError
 
 Status = Callable[[], Mapping[str, Any]]
@@ -41,7 +48,7 @@ class WorkerPool(Protocol):
 class MigrationPlan:
     """How state moves in every rescale this host starts, manual or the autoscaler's."""
 
-    strategy: str = "hot-first"
+    strategy: Strategy = DEFAULT_STRATEGY
     options: Mapping[str, float] = field(default_factory=dict)
 
 
@@ -100,46 +107,45 @@ class CoordinatorExecutor:
         self._reconcile = True
 
     def apply(self, stage: str, parallelism: int) -> None:
-        request = {
-            "stage": stage,
-            "parallelism": parallelism,
-            "strategy": self.plan.strategy,
-            "options": dict(self.plan.options),
-        }
+        request = RescaleRequest(
+            stage=stage,
+            parallelism=parallelism,
+            strategy=self.plan.strategy,
+            options=dict(self.plan.options),
+        )
         try:
-            self.client.call("Rescale", request, timeout=10.0)
+            self.client.call("Rescale", request.wire(), timeout=10.0)
         except TransportError as exc:
             raise RescaleRefused(str(exc)) from None
         self.pool.ensure(stage, parallelism)
 
     def running(self) -> str | None:
-        rescale = self.status().get("rescale")
-        return str(rescale["stage"]) if rescale else None
+        rescale = running_rescale(self.status())
+        return rescale.stage if rescale is not None else None
 
     def finished(self) -> list[RescaleOutcome]:
         status = self.status()
         incarnation = status.get("incarnation")
         if not isinstance(incarnation, str):
             return []  # no status from a coordinator yet
-        history = status.get("rescales", [])
+        history = finished_rescales(status)
         if incarnation != self._incarnation:
             if self._incarnation is None and self.handled is None:
-                last = max((int(r["id"]) for r in history), default=0)
+                last = max((r.id for r in history), default=0)
                 self.handled = RescaleMark(incarnation, last)
             self._incarnation = incarnation
             self._reconcile = True
         outcomes = []
         for rescale in history:
             if self.handled is not None and (
-                self.handled.incarnation == incarnation and rescale["id"] <= self.handled.id
+                self.handled.incarnation == incarnation and rescale.id <= self.handled.id
             ):
                 continue
-            self.handled = RescaleMark(incarnation, int(rescale["id"]))
-            ok = rescale["phase"] == "done"
-            if ok and rescale["to"] < rescale["from"]:
-                self.pool.shrink(rescale["stage"], rescale["to"])
-            detail = rescale.get("error") or rescale["phase"]
-            outcomes.append(RescaleOutcome(rescale["stage"], ok, str(detail)))
+            self.handled = RescaleMark(incarnation, rescale.id)
+            ok = rescale.phase == "done"
+            if ok and rescale.to_parallelism < rescale.from_parallelism:
+                self.pool.shrink(rescale.stage, rescale.to_parallelism)
+            outcomes.append(RescaleOutcome(rescale.stage, ok, rescale.error or rescale.phase))
         if self._reconcile:
             self._match_pool(status)
         return outcomes
@@ -150,10 +156,10 @@ class CoordinatorExecutor:
         workers now (the host that asked for them may have died before starting them)."""
         if status.get("phase") not in RECONCILED_PHASES:
             return
-        running = status.get("rescale")
+        running = running_rescale(status)
         if running is not None:
-            if running["to"] > running["from"]:
-                self.pool.ensure(running["stage"], int(running["to"]))
+            if running.to_parallelism > running.from_parallelism:
+                self.pool.ensure(running.stage, running.to_parallelism)
             return
         for stage in status.get("stages", []):
             self.pool.match(stage["name"], int(stage["desired"]))

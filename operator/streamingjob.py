@@ -13,9 +13,17 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from keyshift.operator.autoscaled_job import AutoscaledJob
 from keyshift.operator.pod_hardening import template_problems
-from keyshift.runtime.job import JobError, JobSpec, parse_job
-from keyshift.runtime.rescale import STRATEGIES, RescaleError, options_for
+from keyshift.runtime.job import JobError, parse_job_as
+from keyshift.runtime.protocol import (
+    DEFAULT_STRATEGY,
+    STRATEGIES,
+    ProtocolError,
+    Strategy,
+    parse_strategy,
+)
+from keyshift.runtime.rescale import RescaleError, options_for
 
 GROUP = "keyshift.io"
 VERSION = "v1alpha1"
@@ -50,8 +58,8 @@ class Migration(_Model):
     """How keyed state moves between instances when the keyed stage rescales: the one place
     for every rescale of the job, manual (`kubectl scale`, an edit) or the autoscaler's."""
 
-    strategy: Literal["hot-first", "all-at-once", "batched", "lazy"] = Field(
-        default="hot-first",
+    strategy: Strategy = Field(
+        default=DEFAULT_STRATEGY,
         description="how keyed state moves in every rescale, manual or the autoscaler's "
         "(spec.job.autoscaler.strategy is a deprecated alias)",
     )
@@ -181,10 +189,10 @@ class StreamingJobSpec(_Model):
             raise ValueError("job.name is required")
         return job
 
-    def job_spec(self) -> JobSpec:
+    def job_spec(self) -> AutoscaledJob:
         """The embedded job, validated as `keyshift run` would, but without importing the user's
         functions (they live in the image): raises JobError naming each bad field."""
-        return parse_job(self.job, origin="spec.job", resolve_functions=False)
+        return parse_job_as(AutoscaledJob, self.job, "spec.job", resolve_functions=False)
 
     def _alias_strategy(self) -> str | None:
         """spec.job.autoscaler.strategy, the deprecated place of the loop's strategy."""
@@ -192,13 +200,13 @@ class StreamingJobSpec(_Model):
         strategy = autoscaler.get("strategy") if isinstance(autoscaler, dict) else None
         return str(strategy) if strategy is not None else None
 
-    def strategy(self) -> str:
+    def strategy(self) -> Strategy:
         """The strategy of every rescale: spec.migration.strategy, or the deprecated
         spec.job.autoscaler.strategy when only that one is set (`problems` refuses the two
         set apart)."""
         alias = self._alias_strategy()
         if alias is not None and "strategy" not in self.migration.model_fields_set:
-            return alias
+            return parse_strategy(alias)
         return self.migration.strategy
 
     def deprecations(self) -> list[str]:
@@ -214,7 +222,7 @@ class StreamingJobSpec(_Model):
         """What the schema cannot express but makes the job unrunnable; every problem found,
         one message each (empty when the spec can run)."""
         found: list[str] = []
-        spec: JobSpec | None
+        spec: AutoscaledJob | None
         try:
             spec = self.job_spec()
         except JobError as exc:
@@ -233,7 +241,7 @@ class StreamingJobSpec(_Model):
             )
         try:
             options_for(self.strategy(), dict(self.migration.options))
-        except RescaleError as exc:
+        except (RescaleError, ProtocolError) as exc:
             found.append(f"spec.migration: {exc}")
         found += template_problems(self.pod_template)
         if spec is not None and spec.checkpoints is not None:

@@ -13,7 +13,7 @@ Three parts, one per role:
   barriers the same way, flushes its output log and acks the log's end offset. When every
   instance has acked, the driver writes the checkpoint's metadata (id, assignment epoch,
   source positions, output offsets, every group's chain) in one atomic write: the checkpoint
-  is complete. It tells the sources and sinks so (CHECKPOINT_COMPLETE): an ingest source
+  is complete. It tells the sources and sinks so (`CheckpointComplete`): an ingest source
   lets go of the logged rows the checkpoint covers, and a sink lets readers see its output
   up to the checkpoint's offset. Then it deletes what the retained checkpoints no longer need.
 - `BarrierAligner` is the alignment both keyed and sink instances do.
@@ -54,6 +54,15 @@ from keyshift.runtime.checkpoint_store import (
     chains_to_json,
 )
 from keyshift.runtime.job import CheckpointSettings
+from keyshift.runtime.protocol import (
+    CHECKPOINT_ACKS,
+    Checkpoint,
+    KeyedCheckpointAck,
+    Reported,
+    SinkCheckpointAck,
+    SourceCheckpointAck,
+    checkpoint_of,
+)
 from keyshift.runtime.state import KeyedState
 from keyshift.runtime.state_checkpoint import read_groups, write_groups
 from keyshift.runtime.storage import Backoff, retrying
@@ -61,12 +70,6 @@ from keyshift.runtime.transport import Delivery
 
 log = logging.getLogger("keyshift.checkpoints")
 
-SOURCE_ACK = "checkpoint_source"
-KEYED_ACK = "checkpoint_keyed"
-SINK_ACK = "checkpoint_sink"
-# Sent to sources and sinks once a checkpoint is complete, with its positions and offsets:
-# what it covers need not be kept for a replay, and the output up to it may be read.
-CHECKPOINT_COMPLETE = "checkpoint_complete"
 FIRST_CHECKPOINT_POLL = 0.2  # seconds between looks for a running job to take a first one of
 RETRY_PAUSE_LIMIT = 10.0  # the longest pause (seconds) between checkpoints while they fail
 
@@ -87,13 +90,13 @@ class CheckpointHost(Protocol):
         a rescale running)."""
         ...
 
-    def checkpoint_send(self, index: int, command: dict[str, Any]) -> None: ...
+    def checkpoint_send(self, index: int, command: Checkpoint) -> None: ...
 
     def checkpoint_assignment(self) -> dict[str, Any]:
         """The keyed stage's assignment (unchanged while a checkpoint is in flight)."""
         ...
 
-    def checkpoint_events(self, checkpoint: int, timeout: float) -> list[dict[str, Any]] | None:
+    def checkpoint_events(self, checkpoint: int, timeout: float) -> list[Reported] | None:
         """Wait until every instance in flight acked `checkpoint` (or one failed it); None on
         timeout. A source that has ended acks with its final position. CheckpointAbandoned
         when the job stops running meanwhile."""
@@ -212,7 +215,7 @@ class CheckpointDriver:
                 return outcome
         checkpoint = self.next_id
         self.next_id += 1
-        command = {"type": "checkpoint", "id": checkpoint, "previous": self.last_completed}
+        command = Checkpoint(id=checkpoint, previous=self.last_completed)
         for index in sorted(members["source"]):
             self.host.checkpoint_send(index, command)
         outcome = CheckpointOutcome(checkpoint, False, started, 0.0)
@@ -224,9 +227,9 @@ class CheckpointDriver:
                     f"not complete within {self.settings.timeout:g} s"
                     + (f" (storage failing: {failing})" if failing else "")
                 )
-            failed = [e for e in events if e.get("error")]
+            failed = [(r.instance, why) for r in events if (why := _error_of(r))]
             if failed:
-                raise CheckpointError(f"{failed[0]['instance']}: {failed[0]['error']}")
+                raise CheckpointError(f"{failed[0][0]}: {failed[0][1]}")
             meta = self._metadata(checkpoint, started, events)
             self.store.commit(meta)
             self.host.checkpoint_completed(meta)
@@ -249,22 +252,20 @@ class CheckpointDriver:
         self.host.checkpoint_ended(outcome)
         return outcome
 
-    def _metadata(
-        self, checkpoint: int, started: float, events: list[dict[str, Any]]
-    ) -> CheckpointMeta:
+    def _metadata(self, checkpoint: int, started: float, events: list[Reported]) -> CheckpointMeta:
         groups: dict[int, GroupChain] = {}
         sources: dict[str, Any] = {}
         outputs: dict[str, int] = {}
         written = 0
-        for event in events:
-            kind = event["type"]
-            if kind == SOURCE_ACK:
-                sources[str(event["index"])] = event["position"]
-            elif kind == KEYED_ACK:
-                groups.update(chains_from_json(event["chains"]))
-                written += int(event["written"])
-            elif kind == SINK_ACK and event.get("offset") is not None:
-                outputs[str(event["index"])] = int(event["offset"])
+        for reported in events:
+            event = reported.event
+            if isinstance(event, SourceCheckpointAck):
+                sources[str(reported.index)] = event.position
+            elif isinstance(event, KeyedCheckpointAck):
+                groups.update(chains_from_json(event.chains))
+                written += event.written
+            elif isinstance(event, SinkCheckpointAck) and event.offset is not None:
+                outputs[str(reported.index)] = event.offset
         assignment = self.host.checkpoint_assignment()
         return CheckpointMeta(
             id=checkpoint,
@@ -278,18 +279,23 @@ class CheckpointDriver:
         )
 
 
-def acked(events: Iterable[dict[str, Any]], checkpoint: int, members: dict[str, set[int]]) -> bool:
+def _error_of(reported: Reported) -> str | None:
+    event = reported.event
+    return event.error if isinstance(event, CHECKPOINT_ACKS) else None
+
+
+def acked(events: Iterable[Reported], checkpoint: int, members: dict[str, set[int]]) -> bool:
     """Whether every member has acked `checkpoint`, or one of them failed it."""
-    kinds = {"source": SOURCE_ACK, "keyed": KEYED_ACK, "sink": SINK_ACK}
+    kinds = {"source": SourceCheckpointAck, "keyed": KeyedCheckpointAck, "sink": SinkCheckpointAck}
     seen: dict[str, set[int]] = {role: set() for role in kinds}
-    for event in events:
-        if event.get("id") != checkpoint:
+    for reported in events:
+        if checkpoint_of(reported) != checkpoint:
             continue
-        if event.get("error"):
+        if _error_of(reported):
             return True
         for role, kind in kinds.items():
-            if event.get("type") == kind:
-                seen[role].add(int(event["index"]))
+            if isinstance(reported.event, kind):
+                seen[role].add(reported.index)
     return all(seen[role] >= members[role] for role in kinds)
 
 
@@ -366,7 +372,9 @@ class KeyedCheckpointer:
         self.last_chains = chains
         return int(rows.num_rows)
 
-    def take(self, barrier: dict[str, Any], state: KeyedState, owned: np.ndarray) -> dict[str, Any]:
+    def take(
+        self, barrier: dict[str, Any], state: KeyedState, owned: np.ndarray
+    ) -> KeyedCheckpointAck:
         """Write the owned groups for the barrier's checkpoint; the ack event (with `error`
         when the storage failed: the job goes on, and the next checkpoint writes bases)."""
         checkpoint = int(barrier["id"])
@@ -388,15 +396,14 @@ class KeyedCheckpointer:
             )
         except CheckpointError as exc:
             self.last_id = None
-            return {"type": KEYED_ACK, "id": checkpoint, "error": str(exc)}
+            return KeyedCheckpointAck(id=checkpoint, error=str(exc))
         self.last_id = checkpoint
         self.last_chains = written.chains
-        return {
-            "type": KEYED_ACK,
-            "id": checkpoint,
-            "chains": chains_to_json(written.chains),
-            "written": written.shard.size if written.shard else 0,
-            "base_groups": written.base_groups,
-            "delta_groups": written.delta_groups,
-            "seconds": time.monotonic() - t0,
-        }
+        return KeyedCheckpointAck(
+            id=checkpoint,
+            chains=chains_to_json(written.chains),
+            written=written.shard.size if written.shard else 0,
+            base_groups=written.base_groups,
+            delta_groups=written.delta_groups,
+            seconds=time.monotonic() - t0,
+        )

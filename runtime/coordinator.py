@@ -31,8 +31,6 @@ import numpy as np
 from keyshift.runtime.auth import AuthError, Security
 from keyshift.runtime.checkpoint_store import CheckpointError, CheckpointMeta, CheckpointStore
 from keyshift.runtime.checkpointing import (
-    CHECKPOINT_COMPLETE,
-    SOURCE_ACK,
     CheckpointAbandoned,
     CheckpointDriver,
     CheckpointOutcome,
@@ -45,6 +43,33 @@ from keyshift.runtime.job import MAX_PARALLELISM, JobError, JobSpec, load_job
 from keyshift.runtime.keyspace import Assignment
 from keyshift.runtime.lifecycle import allow_user_code, die_with_parent
 from keyshift.runtime.metrics import UNAUTHENTICATED, CoordinatorMetrics
+from keyshift.runtime.protocol import (
+    CHECKPOINT_ACKS,
+    Checkpoint,
+    CheckpointComplete,
+    Command,
+    Drain,
+    DrainReply,
+    Empty,
+    InDone,
+    InstanceCall,
+    OutDone,
+    ProtocolError,
+    RegisterReply,
+    RegisterRequest,
+    Reported,
+    ReportRequest,
+    RescaleReport,
+    RescaleRequest,
+    Rescaling,
+    Retire,
+    SourceCheckpointAck,
+    Stop,
+    Topology,
+    checkpoint_of,
+    handles,
+    parse,
+)
 from keyshift.runtime.rescale import RescaleDriver, RescaleError, RescaleStatus, options_for
 from keyshift.runtime.storage import retrying
 from keyshift.runtime.transport import ControlError, PortInUseError, json_handler, start_server
@@ -63,7 +88,7 @@ class InstanceRecord:
     metrics_address: str
     pid: int
     identity: Identity
-    commands: queue.Queue[dict[str, Any] | None] = field(default_factory=queue.Queue)
+    commands: queue.Queue[Command | None] = field(default_factory=queue.Queue)
     stats: dict[str, Any] = field(default_factory=dict)
     finished: bool = False
     retiring: bool = False
@@ -113,7 +138,7 @@ class Coordinator:
         self._drain_requested = False
         self._lock = threading.RLock()
         self._changed = threading.Condition(self._lock)
-        self._events: list[dict[str, Any]] = []
+        self._events: list[Reported] = []
         self._abort: str | None = None
         self._lost_keyed: set[int] = set()
         self.lost: list[str] = []  # instances lost and recovered from; their hosts let them go
@@ -121,7 +146,7 @@ class Coordinator:
         self.rescale_history: list[RescaleStatus] = []
         self._group_rates = GroupRates(spec.max_key_groups)
         self.checkpoints = CheckpointStats()
-        self._checkpoint_events: list[dict[str, Any]] = []
+        self._checkpoint_events: list[Reported] = []
         self._checkpoint_members: dict[str, set[int]] | None = None
         self.stopped = threading.Event()
         self.metrics = CoordinatorMetrics(spec.name)
@@ -159,7 +184,7 @@ class Coordinator:
             self.errors.append(message)
         self.phase = "failed"
         for record in self._records():
-            record.commands.put({"type": "stop", "reason": message})
+            record.commands.put(Stop(reason=message))
 
     def _restart_to_recover(self, message: str) -> None:
         """Stop every instance and exit with RESTART_EXIT_CODE: the host (the local host, or
@@ -174,15 +199,15 @@ class Coordinator:
         self.phase = "recovering"
         self.restart = True
         for record in self._records():
-            record.commands.put({"type": "stop", "reason": f"recovering: {message}"})
+            record.commands.put(Stop(reason=f"recovering: {message}"))
         self.stopped.set()
 
-    def _topology(self) -> dict[str, Any]:
+    def _topology(self) -> Topology:
         stages = {
             name: {str(i): r.data_address for i, r in sorted(members.items())}
             for name, members in self.members.items()
         }
-        return {"type": "topology", "stages": stages, "assignment": self.assignment.to_json()}
+        return Topology(stages=stages, assignment=self.assignment.to_json())
 
     def _broadcast_topology(self) -> None:
         topology = self._topology()
@@ -202,7 +227,7 @@ class Coordinator:
         with self._lock:
             return {i for i, r in self.members[self.spec.source.name].items() if r.finished}
 
-    def send(self, stage: str, index: int, command: dict[str, Any]) -> None:
+    def send(self, stage: str, index: int, command: Command) -> None:
         with self._lock:
             self.members[stage][index].commands.put(command)
 
@@ -210,7 +235,7 @@ class Coordinator:
         with self._lock:
             self.desired[self.spec.keyed.name] = parallelism
 
-    def broadcast_keyed(self, command: dict[str, Any]) -> None:
+    def broadcast_keyed(self, command: Command) -> None:
         with self._lock:
             for record in self.members[self.spec.keyed.name].values():
                 record.commands.put(command)
@@ -226,7 +251,7 @@ class Coordinator:
             for index in indexes:
                 record = self.members[self.spec.keyed.name][index]
                 record.retiring = True
-                record.commands.put({"type": "retire"})
+                record.commands.put(Retire())
         self.wait_for(
             lambda _events: not any(i in self.members[self.spec.keyed.name] for i in indexes),
             30.0,
@@ -234,7 +259,7 @@ class Coordinator:
         )
 
     def wait_for(
-        self, predicate: Callable[[list[dict[str, Any]]], bool], timeout: float, what: str
+        self, predicate: Callable[[list[Reported]], bool], timeout: float, what: str
     ) -> None:
         deadline = time.monotonic() + timeout
         with self._changed:
@@ -249,9 +274,9 @@ class Coordinator:
 
     # -- RPCs ----------------------------------------------------------------------------
 
-    def register(self, body: dict[str, Any]) -> dict[str, Any]:
+    def register(self, request: RegisterRequest) -> RegisterReply:
         with self._changed:
-            stage, index = str(body.get("stage")), int(body.get("index", -1))
+            stage, index = request.stage, request.index
             if stage not in self.desired or not 0 <= index < self.desired[stage]:
                 raise ControlError(
                     f"no instance {stage}/{index} in job {self.spec.name}",
@@ -264,9 +289,9 @@ class Coordinator:
             record = InstanceRecord(
                 stage=stage,
                 index=index,
-                data_address=str(body["data_address"]),
-                metrics_address=str(body["metrics_address"]),
-                pid=int(body.get("pid", 0)),
+                data_address=request.data_address,
+                metrics_address=request.metrics_address,
+                pid=request.pid,
                 identity=self.identities.issue(f"{stage}/{index}"),
             )
             self.members[stage][index] = record
@@ -279,21 +304,24 @@ class Coordinator:
             elif self.phase == "running":
                 self._broadcast_topology()
                 if self.rescale_status is not None:
-                    record.commands.put({"type": "rescaling", "active": True})
+                    record.commands.put(Rescaling(active=True))
             self._changed.notify_all()
-            return {
-                "job": self.spec.model_dump(mode="json"),
-                "restore": self.restored_from,
-                "identity": record.identity.to_json(),
-            }
+            return RegisterReply(
+                job=self.spec.model_dump(mode="json"),
+                restore=self.restored_from,
+                identity=record.identity.to_json(),
+            )
 
     def watch(self, body: dict[str, Any], context: grpc.ServicerContext) -> Any:
+        try:
+            call = parse(InstanceCall, body)
+        except ProtocolError as exc:
+            raise ControlError(str(exc), grpc.StatusCode.INVALID_ARGUMENT) from None
         with self._lock:
-            stage = str(body.get("stage"))
-            record = self.members.get(stage, {}).get(int(body.get("index", -1)))
+            record = self.members.get(call.stage, {}).get(call.index)
             if record is None:
                 raise ControlError("watch before register", grpc.StatusCode.FAILED_PRECONDITION)
-            self._check_identity(record, body)
+            self._check_identity(record, call)
             record.watching = True
         try:
             while context.is_active():
@@ -303,13 +331,13 @@ class Coordinator:
                     continue
                 if command is None:
                     return
-                yield command
+                yield command.wire()
         finally:
             self._lost(record)
 
-    def _check_identity(self, record: InstanceRecord, body: dict[str, Any]) -> None:
+    def _check_identity(self, record: InstanceRecord, call: InstanceCall) -> None:
         """Refuse a call that does not carry the identity `record`'s registrant was issued."""
-        presented = Identity.from_json(body.get("identity"))
+        presented = Identity.from_json(call.identity)
         if presented is None or not hmac.compare_digest(
             presented.credential, record.identity.credential
         ):
@@ -365,41 +393,40 @@ class Coordinator:
                 self._abort = message
             self._changed.notify_all()
 
-    def report(self, body: dict[str, Any]) -> dict[str, Any]:
+    def report(self, request: ReportRequest) -> Empty:
         with self._changed:
-            stage = str(body.get("stage"))
-            record = self.members.get(stage, {}).get(int(body.get("index", -1)))
+            record = self.members.get(request.stage, {}).get(request.index)
             if record is None:
                 raise ControlError("report before register", grpc.StatusCode.FAILED_PRECONDITION)
-            self._check_identity(record, body)
-            record.stats = dict(body.get("stats", {}))
+            self._check_identity(record, request)
+            record.stats = dict(request.stats)
             record.last_report = time.monotonic()
-            if body.get("metrics_address"):
-                record.metrics_address = str(body["metrics_address"])
-            if "group_hits" in body:
-                self._group_rates.update(record.name, body["group_hits"], time.monotonic())
-            for event in body.get("events", []):
-                event = {**event, "stage": record.stage, "index": record.index}
-                if str(event.get("type", "")).startswith("checkpoint"):
-                    self._checkpoint_events.append({**event, "instance": record.name})
+            if request.metrics_address:
+                record.metrics_address = request.metrics_address
+            if request.group_hits is not None:
+                self._group_rates.update(record.name, request.group_hits, time.monotonic())
+            for event in request.events:
+                reported = Reported(record.stage, record.index, event)
+                if isinstance(event, CHECKPOINT_ACKS):
+                    self._checkpoint_events.append(reported)
                 else:
-                    self._events.append(event)
-            if body.get("error"):
-                self._fail(f"instance {record.name} failed: {body['error']}")
-            if body.get("finished"):
+                    self._events.append(reported)
+            if request.error:
+                self._fail(f"instance {record.name} failed: {request.error}")
+            if request.finished:
                 record.finished = True
                 active = [r for r in self._records() if not r.retiring]
                 if self._all_registered() and all(r.finished for r in active):
                     self.phase = "finished"
             self._changed.notify_all()
-            return {}
+            return Empty()
 
     def _start_draining(self) -> None:
         self.phase = "draining"
         for record in self.members[self.spec.source.name].values():
-            record.commands.put({"type": "drain"})
+            record.commands.put(Drain())
 
-    def drain(self, body: dict[str, Any]) -> dict[str, Any]:
+    def drain(self, request: Empty) -> DrainReply:
         """Stop the sources; the rest of the job finishes what is in flight, then ends."""
         with self._lock:
             if self.phase == "running" and self.rescale_status is None:
@@ -407,12 +434,12 @@ class Coordinator:
             elif self.phase in ("starting", "running"):
                 # Honoured once every instance is registered and any rescale has finished.
                 self._drain_requested = True
-            return {"phase": self.phase}
+            return DrainReply(phase=self.phase)
 
-    def rescale(self, body: dict[str, Any]) -> dict[str, Any]:
+    def rescale(self, request: RescaleRequest) -> RescaleReport:
         """Start a rescale of the keyed stage; refused while another one runs."""
         with self._lock:
-            stage = str(body.get("stage"))
+            stage = request.stage
             if stage != self.spec.keyed.name:
                 if stage in self.desired:
                     raise ControlError(
@@ -421,19 +448,19 @@ class Coordinator:
                     )
                 raise ControlError(f"job {self.spec.name} has no stage {stage!r}",
                                    grpc.StatusCode.NOT_FOUND)  # fmt: skip
-            parallelism = body.get("parallelism")
+            parallelism = request.parallelism
             groups = self.spec.max_key_groups
             most = min(groups, MAX_PARALLELISM)
-            if not isinstance(parallelism, int) or not 1 <= parallelism <= most:
+            if not 1 <= parallelism <= most:
                 raise ControlError(
                     f"parallelism must be an integer from 1 to {most} (the maximum parallelism "
                     f"is {MAX_PARALLELISM}, and a stage cannot have more instances than its "
                     f"max_key_groups, {groups}), got {parallelism!r}",
                     grpc.StatusCode.INVALID_ARGUMENT,
                 )
-            strategy = str(body.get("strategy") or "hot-first")
+            strategy = request.strategy
             try:
-                options = options_for(strategy, body.get("options"))
+                options = options_for(strategy, request.options)
             except RescaleError as exc:
                 raise ControlError(str(exc), grpc.StatusCode.INVALID_ARGUMENT) from None
             if self.phase != "running" or self._drain_requested:
@@ -469,7 +496,7 @@ class Coordinator:
             )  # fmt: skip
         self.metrics.rescale_started(stage)
         threading.Thread(target=self._run_rescale, args=(driver,), daemon=True).start()
-        return status.to_json()
+        return status.report()
 
     def _wait_for_checkpoint(self) -> None:
         """A rescale waits for the checkpoint in flight: the two never overlap (called with
@@ -500,16 +527,16 @@ class Coordinator:
             self._checkpoint_events.clear()
             return members
 
-    def checkpoint_send(self, index: int, command: dict[str, Any]) -> None:
+    def checkpoint_send(self, index: int, command: Checkpoint) -> None:
         with self._lock:
-            self.checkpoints.in_flight = int(command["id"])
+            self.checkpoints.in_flight = command.id
             self.members[self.spec.source.name][index].commands.put(command)
 
     def checkpoint_assignment(self) -> dict[str, Any]:
         with self._lock:
             return self.assignment.to_json()
 
-    def checkpoint_events(self, checkpoint: int, timeout: float) -> list[dict[str, Any]] | None:
+    def checkpoint_events(self, checkpoint: int, timeout: float) -> list[Reported] | None:
         deadline = time.monotonic() + timeout
         with self._changed:
             members = self._checkpoint_members
@@ -527,13 +554,13 @@ class Coordinator:
                 if remaining <= 0:
                     return None
                 self._changed.wait(min(remaining, 0.5))
-            events = [e for e in self._checkpoint_events if e.get("id") == checkpoint]
-            positioned = {e["index"] for e in events if e.get("type") == SOURCE_ACK}
+            events = [r for r in self._checkpoint_events if checkpoint_of(r) == checkpoint]
+            positioned = {r.index for r in events if isinstance(r.event, SourceCheckpointAck)}
+            source = self.spec.source.name
             for index, position in ended.items():
                 if index not in positioned:
-                    events.append(
-                        {"type": SOURCE_ACK, "id": checkpoint, "index": index, "position": position}
-                    )
+                    ack = SourceCheckpointAck(id=checkpoint, position=position)
+                    events.append(Reported(source, index, ack))
             return events
 
     def _ended_source_positions(self) -> dict[int, int]:
@@ -546,12 +573,11 @@ class Coordinator:
         }
 
     def checkpoint_completed(self, meta: CheckpointMeta) -> None:
-        command = {
-            "type": CHECKPOINT_COMPLETE,
-            "id": meta.id,
-            "sources": meta.sources,
-            "outputs": meta.outputs,
-        }
+        command = CheckpointComplete(
+            id=meta.id,
+            sources={k: int(v) for k, v in meta.sources.items()},
+            outputs=meta.outputs,
+        )
         with self._lock:
             for stage in (self.spec.source.name, self.spec.sink.name):
                 for record in self.members[stage].values():
@@ -601,14 +627,14 @@ class Coordinator:
     def _progress(self, live: bool = True) -> dict[str, float]:
         """The rescale's counters: finished moves (their done events) plus running ones."""
         totals: Counter[str] = Counter()
-        for event in self._events:
-            if event.get("type") in ("out_done", "in_done"):
-                totals.update(event.get("stats", {}))
+        for reported in self._events:
+            if isinstance(reported.event, OutDone | InDone):
+                totals.update(reported.event.stats)
         for record in self.members[self.spec.keyed.name].values() if live else ():
             totals.update(record.stats.get("migration", {}))
         return {k: float(v) for k, v in totals.items()}
 
-    def status(self, body: dict[str, Any]) -> dict[str, Any]:
+    def status(self, request: Empty) -> dict[str, Any]:
         with self._lock:
             stages = []
             for stage in self.spec.stages():
@@ -635,7 +661,7 @@ class Coordinator:
             rescale = None
             if self.rescale_status is not None:
                 self.rescale_status.progress = self._progress()
-                rescale = self.rescale_status.to_json()
+                rescale = self.rescale_status.report().wire()
             return {
                 "job": self.spec.name,
                 "incarnation": self.incarnation,
@@ -646,7 +672,7 @@ class Coordinator:
                 "stages": stages,
                 "rescale": rescale,
                 "lost": list(self.lost),
-                "rescales": [r.to_json() for r in self.rescale_history[-20:]],
+                "rescales": [r.report().wire() for r in self.rescale_history[-20:]],
                 "checkpoints": self.checkpoints.to_json() if self.spec.checkpoints else None,
                 "restored_from": self.restored_from,
                 "recoveries": {
@@ -655,15 +681,15 @@ class Coordinator:
                 },
             }
 
-    def shutdown(self, body: dict[str, Any]) -> dict[str, Any]:
+    def shutdown(self, request: Empty) -> Empty:
         with self._lock:
             if self.phase not in ("failed", "finished"):
                 self.phase = "stopping"
             for record in self._records():
-                record.commands.put({"type": "stop", "reason": "shutdown"})
+                record.commands.put(Stop(reason="shutdown"))
                 record.commands.put(None)
         self.stopped.set()
-        return {}
+        return Empty()
 
     def record_recovery(self) -> None:
         """Once a restored job runs again, add its recovery to the record (called from the
@@ -723,12 +749,12 @@ class Coordinator:
         return json_handler(
             SERVICE,
             {
-                "Register": self.register,
-                "Report": self.report,
-                "Drain": self.drain,
-                "Rescale": self.rescale,
-                "Status": self.status,
-                "Shutdown": self.shutdown,
+                "Register": handles(RegisterRequest, self.register),
+                "Report": handles(ReportRequest, self.report),
+                "Drain": handles(Empty, self.drain),
+                "Rescale": handles(RescaleRequest, self.rescale),
+                "Status": handles(Empty, self.status),
+                "Shutdown": handles(Empty, self.shutdown),
             },
             {"Watch": self.watch},
         )

@@ -14,7 +14,7 @@ import inspect
 import types
 from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import (
     BaseModel,
@@ -28,8 +28,6 @@ from pydantic import (
     model_validator,
 )
 
-from keyshift.policies.settings import MAX_PARALLELISM as MAX_PARALLELISM
-from keyshift.policies.settings import AutoscalerSettings
 from keyshift.runtime.job_file import JobFileError, check_data, read_job_file
 from keyshift.runtime.records import READER_NAME, RESERVED_FIELDS
 from keyshift.runtime.transport import MAX_MESSAGE
@@ -37,6 +35,7 @@ from keyshift.runtime.transport import MAX_MESSAGE
 FieldType = Literal["int", "float", "str", "bool"]
 AggregateFunction = Literal["count", "sum", "min", "max", "mean"]
 STAGE_NAME_PATTERN = r"^[a-z][a-z0-9-]{0,39}$"
+MAX_PARALLELISM = 256  # instances of one stage at most (the policies' bounds stop there too)
 
 
 class JobError(ValueError):
@@ -428,7 +427,10 @@ class JobSpec(_Model):
     keyed: KeyedStage = Field(default_factory=KeyedStage)
     sink: SinkStage = Field(default_factory=SinkStage)
     batching: Batching = Field(default_factory=Batching)
-    autoscaler: AutoscalerSettings | None = Field(
+    # The autoscaler's settings are the policies' model, which the runtime does not import: it
+    # carries them unread, and the hosts load a job as keyshift.operator.autoscaled_job's
+    # AutoscaledJob, which parses and checks them.
+    autoscaler: Any = Field(
         default=None, description="pick the parallelism by itself; none keeps it as given"
     )
     checkpoints: CheckpointSettings | None = Field(
@@ -448,16 +450,6 @@ class JobSpec(_Model):
         names = [self.source.name, self.keyed.name, self.sink.name]
         if len(set(names)) != len(names):
             raise ValueError(f"stage names must be distinct, got {names}")
-        unknown = sorted(set(self.autoscaler.stages) - set(names)) if self.autoscaler else []
-        if unknown:
-            raise ValueError(f"autoscaler.stages names {unknown}, which are not stages {names}")
-        if self.autoscaler is not None:
-            ceiling = self.autoscaler.bounds_of(self.keyed.name).max_parallelism
-            if ceiling > self.max_key_groups:
-                raise ValueError(
-                    f"the autoscaler's max_parallelism for {self.keyed.name} ({ceiling}) must "
-                    f"not exceed max_key_groups ({self.max_key_groups})"
-                )
         if self.keyed.key_by not in self.fields:
             raise ValueError(
                 f"keyed.key_by {self.keyed.key_by!r} is not one of fields {list(self.fields)}"
@@ -501,6 +493,9 @@ class JobSpec(_Model):
         return [self.source, self.keyed, self.sink]
 
 
+J = TypeVar("J", bound=JobSpec)
+
+
 def _format_errors(exc: ValidationError, origin: str) -> str:
     lines = [f"invalid job {origin}:"]
     for err in exc.errors():
@@ -517,6 +512,13 @@ def _format_errors(exc: ValidationError, origin: str) -> str:
 def parse_job(data: Any, origin: str = "definition", resolve_functions: bool = True) -> JobSpec:
     """Validate a job given as plain data; raise JobError naming each bad field and why.
     Without `resolve_functions`, user functions are checked for their form only."""
+    return parse_job_as(JobSpec, data, origin, resolve_functions)
+
+
+def parse_job_as(
+    model: type[J], data: Any, origin: str = "definition", resolve_functions: bool = True
+) -> J:
+    """`parse_job` into `model`, a JobSpec that reads more of the job (a host's)."""
     if not isinstance(data, dict):
         raise JobError(f"invalid job {origin}: the top level must be a mapping")
     try:
@@ -524,15 +526,20 @@ def parse_job(data: Any, origin: str = "definition", resolve_functions: bool = T
     except JobFileError as exc:
         raise JobError(f"invalid job {origin}: {exc}") from None
     try:
-        return JobSpec.model_validate(data, context={"resolve_functions": resolve_functions})
+        return model.model_validate(data, context={"resolve_functions": resolve_functions})
     except ValidationError as exc:
         raise JobError(_format_errors(exc, origin)) from None
 
 
 def load_job(path: str | Path, resolve_functions: bool = True) -> JobSpec:
     """Read (within the limits of keyshift.runtime.job_file) and validate a YAML job file."""
+    return load_job_as(JobSpec, path, resolve_functions)
+
+
+def load_job_as(model: type[J], path: str | Path, resolve_functions: bool = True) -> J:
+    """`load_job` into `model`, a JobSpec that reads more of the job (a host's)."""
     try:
         data = read_job_file(path)
     except JobFileError as exc:
         raise JobError(str(exc)) from None
-    return parse_job(data, origin=f"file {path}", resolve_functions=resolve_functions)
+    return parse_job_as(model, data, f"file {path}", resolve_functions)

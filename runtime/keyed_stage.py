@@ -18,11 +18,20 @@ import numpy as np
 import pyarrow as pa
 
 from keyshift.runtime.checkpointing import BarrierAligner, KeyedCheckpointer
-from keyshift.runtime.instance import FetchRequest, InstanceContext
 from keyshift.runtime.job import AggregateOperator, JobSpec, resolve_function
-from keyshift.runtime.keyspace import Assignment
 from keyshift.runtime.metrics import MetricName
 from keyshift.runtime.migration import MoveIn, MoveOut, ProtocolError
+from keyshift.runtime.protocol import (
+    Abort,
+    Ack,
+    Command,
+    InDone,
+    MigrateIn,
+    MigrateOut,
+    OutDone,
+    Rescaling,
+    Retire,
+)
 from keyshift.runtime.records import (
     ARROW_TYPES,
     EVENT_TIME,
@@ -40,6 +49,7 @@ from keyshift.runtime.rocksdb_state import (
     open_database,
     prepare_directory,
 )
+from keyshift.runtime.stage_context import FetchRequest, InstanceContext
 from keyshift.runtime.state import (
     KEY_COL,
     AggregateState,
@@ -127,7 +137,7 @@ class KeyedStage:
         self.out_schema = process_output_schema(self.state.key_type)
         self.sinks = ctx.connect(spec.sink.name)
         self.sources = ctx.upstream_names(spec.source.name)
-        self.owned = Assignment.from_json(ctx.wait_topology()["assignment"]).owners == ctx.index
+        self.owned = ctx.assignment().owners == ctx.index
         self.ended: set[str] = set()
         self.backlog: deque[tuple[str, bytes, Any]] = deque()
         self.move_out: MoveOut | None = None
@@ -195,15 +205,14 @@ class KeyedStage:
 
     # -- control ---------------------------------------------------------------------------
 
-    def command(self, command: dict[str, Any]) -> None:
-        kind = command.get("type")
-        if kind == "migrate_in":
+    def command(self, command: Command) -> None:
+        if isinstance(command, MigrateIn):
             if self.move_in is not None:
                 raise ProtocolError("migrate_in while another move in is running")
             self.move_in = MoveIn(self.ctx, self.state, command, self.apply, self.seal)
             self.owned |= self.move_in.source_of >= 0
-            self.ctx.emit({"type": "ack", "step": "migrate_in", "epoch": self.move_in.epoch})
-        elif kind == "migrate_out":
+            self.ctx.emit(Ack(step="migrate_in", epoch=self.move_in.epoch))
+        elif isinstance(command, MigrateOut):
             if self.move_out is not None:
                 raise ProtocolError("migrate_out while another move out is running")
             move = MoveOut(self.ctx, self.state, command, self.seal)
@@ -212,23 +221,23 @@ class KeyedStage:
                 move.marker(ended, None)
             self.owned &= move.target < 0
             self.forward_queued(move)
-            self.ctx.emit({"type": "ack", "step": "migrate_out", "epoch": move.epoch})
-        elif kind == "abort":
-            lost = set(command["lost"])
+            self.ctx.emit(Ack(step="migrate_out", epoch=move.epoch))
+        elif isinstance(command, Abort):
+            lost = set(command.lost)
             if self.move_out is not None:
                 self.owned |= self.move_out.abandon(lost)
             if self.move_in is not None:
                 self.move_in.abandon(lost)
             # Groups whose state died with a lost instance go on here, from empty.
-            adopted = command.get("adopt", {}).get(str(self.ctx.index), [])
+            adopted = command.adopt.get(str(self.ctx.index), [])
             self.owned[np.asarray(adopted, dtype=np.int64)] = True
-            self.ctx.emit({"type": "ack", "step": "abort", "epoch": command["epoch"]})
-        elif kind == "retire":
+            self.ctx.emit(Ack(step="abort", epoch=command.epoch))
+        elif isinstance(command, Retire):
             self.retire = True
-        elif kind == "rescaling":
-            self.rescaling = bool(command["active"])
+        elif isinstance(command, Rescaling):
+            self.rescaling = command.active
             # Sources that ended before this instance joined never sent it their END.
-            self.ended |= set(command.get("ended", ())) & self.sources
+            self.ended |= set(command.ended) & self.sources
 
     def forward_queued(self, move: MoveOut) -> None:
         """Re-route what already waits in the inbox: moving records leave now, the rest stay
@@ -265,16 +274,14 @@ class KeyedStage:
             move.close()
             self.last_out = move
             self.move_out = None
-            self.ctx.emit({"type": "out_done", "epoch": move.epoch, "stats": dict(move.stats)})
+            self.ctx.emit(OutDone(epoch=move.epoch, stats=dict(move.stats)))
         if self.move_in is not None:
             self.move_in.handle_replies()
             if self.move_in.done():
                 move_in = self.move_in
                 move_in.close()
                 self.move_in = None
-                self.ctx.emit(
-                    {"type": "in_done", "epoch": move_in.epoch, "stats": dict(move_in.stats)}
-                )
+                self.ctx.emit(InDone(epoch=move_in.epoch, stats=dict(move_in.stats)))
         live: Counter[str] = Counter()
         for move_stats in (m.stats for m in (self.move_out, self.move_in) if m is not None):
             live.update(move_stats)
@@ -324,7 +331,7 @@ class KeyedStage:
         if self.checkpointer is None:
             raise ProtocolError("a checkpoint barrier arrived, but the job takes no checkpoints")
         ack = self.checkpointer.take(barrier, self.state, self.owned)
-        if ack.get("error"):
+        if ack.error:
             self.ctx.metrics.storage_failed("checkpoint")
         self.ctx.emit(ack)
         encoded = json.dumps(barrier).encode()

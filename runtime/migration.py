@@ -25,8 +25,9 @@ import grpc
 import numpy as np
 import pyarrow as pa
 
-from keyshift.runtime.instance import MIGRATE_SERVICE, FetchRequest, InstanceContext
+from keyshift.runtime.protocol import MigrateIn, MigrateOut
 from keyshift.runtime.records import GROUP, encode, pack, unpack
+from keyshift.runtime.stage_context import MIGRATE_SERVICE, FetchRequest, InstanceContext
 from keyshift.runtime.state import KEY_COL, KeyedState
 from keyshift.runtime.state_integrity import StateSeal
 from keyshift.runtime.transport import (
@@ -56,25 +57,24 @@ class MoveOut:
         self,
         ctx: InstanceContext,
         state: KeyedState,
-        command: dict[str, Any],
+        command: MigrateOut,
         seal: StateSeal,
     ) -> None:
         self.ctx = ctx
         self.state = state
         self.seal = seal
         self.stats = ctx.metrics.migration_stats()
-        self.epoch = int(command["epoch"])
-        self.sources = int(command["sources"])
+        self.epoch = command.epoch
+        self.sources = command.sources
         groups = ctx.spec.max_key_groups
         self.target = np.full(groups, -1, dtype=np.int32)
-        for dst, moving in command["groups"].items():
+        for dst, moving in command.groups.items():
             self.target[np.asarray(moving, dtype=np.int64)] = int(dst)
-        self.outlets = {int(dst): ctx.outlet(command["peers"][dst]) for dst in command["groups"]}
+        self.outlets = {int(dst): ctx.outlet(command.peers[dst]) for dst in command.groups}
         self.outbox: dict[int, deque[tuple[bytes, bytes]]] = {d: deque() for d in self.outlets}
         self.unreachable: set[int] = set()
-        push = command.get("push", {})
-        self.chunk_keys = int(push.get("chunk_keys", 32768))
-        self.trickle = push.get("trickle_keys_per_s")
+        self.chunk_keys = command.push.chunk_keys
+        self.trickle = command.push.trickle_keys_per_s
         hits = state.group_hits()
         moving_groups = np.flatnonzero(self.target >= 0)
         self.push_order = list(moving_groups[np.argsort(-hits[moving_groups], kind="stable")])
@@ -214,7 +214,7 @@ class MoveIn:
         self,
         ctx: InstanceContext,
         state: KeyedState,
-        command: dict[str, Any],
+        command: MigrateIn,
         apply: Callable[[pa.RecordBatch], None],
         seal: StateSeal,
     ) -> None:
@@ -223,13 +223,13 @@ class MoveIn:
         self.apply = apply
         self.seal = seal
         self.stats = ctx.metrics.migration_stats()
-        self.epoch = int(command["epoch"])
+        self.epoch = command.epoch
         groups = ctx.spec.max_key_groups
         self.source_of = np.full(groups, -1, dtype=np.int32)
-        for src, incoming in command["groups"].items():
+        for src, incoming in command.groups.items():
             self.source_of[np.asarray(incoming, dtype=np.int64)] = int(src)
         self.complete = np.zeros(groups, dtype=bool)
-        self.old_owners = {int(src) for src in command["groups"]}
+        self.old_owners = {int(src) for src in command.groups}
         self.forward_done: set[int] = set()
         self.arrived: set[Any] = set()
         self.requested: set[Any] = set()
@@ -241,8 +241,8 @@ class MoveIn:
         self.parked_keys: dict[bool, Counter[Any]] = {True: Counter(), False: Counter()}
         self.replies: queue.Queue[tuple[int, bytes | Exception]] = queue.Queue()
         self.channels = {
-            int(src): ctx.security.channel(command["peers"][src], GRPC_OPTIONS)
-            for src in command["groups"]
+            int(src): ctx.security.channel(command.peers[src], GRPC_OPTIONS)
+            for src in command.groups
         }
         self.key_field = ctx.spec.keyed.key_by
         self.stats["groups_in"] += int((self.source_of >= 0).sum())

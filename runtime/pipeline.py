@@ -323,7 +323,8 @@ class Pipeline:
 
     def autoscale(self, **settings: Any) -> Pipeline:
         """Let the job pick its parallelism; keyword arguments are the autoscaler settings
-        (keyshift.policies.settings.AutoscalerSettings; the README lists them)."""
+        (keyshift.policies.settings.AutoscalerSettings; the README lists them), checked when a
+        host loads the job (`keyshift run`, the operator): the runtime carries them unread."""
         if self._draft.autoscaler is not None:
             raise JobError("autoscale() was already called: a job has one autoscaler")
         return Pipeline._of(replace(self._draft, autoscaler=dict(settings)))

@@ -32,10 +32,28 @@ import numpy as np
 
 from keyshift.runtime.assignment_planner import moves, plan
 from keyshift.runtime.keyspace import Assignment
+from keyshift.runtime.protocol import (
+    STRATEGIES,
+    Abort,
+    Ack,
+    AckStep,
+    Command,
+    InDone,
+    MigrateIn,
+    MigrateOut,
+    OutDone,
+    Pause,
+    PushOptions,
+    Reported,
+    Reroute,
+    RescaleReport,
+    Rescaling,
+    Resume,
+    Strategy,
+)
 
 log = logging.getLogger("keyshift.rescale")
 
-STRATEGIES = ("hot-first", "all-at-once", "batched", "lazy")
 DEFAULT_OPTIONS: dict[str, dict[str, float]] = {
     "hot-first": {"chunk_keys": 32768},
     "all-at-once": {"chunk_keys": 65536},
@@ -45,7 +63,6 @@ DEFAULT_OPTIONS: dict[str, dict[str, float]] = {
 # These keep records flowing, so they may also cap their push (trickle_keys_per_s, unlimited
 # unless given): moving a large state then leaves an old owner CPU for its records.
 CAPPABLE = ("hot-first", "batched")
-PUSH_OPTIONS = ("chunk_keys", "trickle_keys_per_s")
 STEP_TIMEOUT = 30.0
 MOVE_TIMEOUT = 600.0
 
@@ -65,7 +82,7 @@ class RescaleHost(Protocol):
 
     def finished_sources(self) -> set[int]: ...
 
-    def send(self, stage: str, index: int, command: dict[str, Any]) -> None: ...
+    def send(self, stage: str, index: int, command: Command) -> None: ...
 
     def set_desired(self, parallelism: int) -> None: ...
 
@@ -74,10 +91,10 @@ class RescaleHost(Protocol):
     def retire(self, indexes: list[int]) -> None: ...
 
     def wait_for(
-        self, predicate: Callable[[list[dict[str, Any]]], bool], timeout: float, what: str
+        self, predicate: Callable[[list[Reported]], bool], timeout: float, what: str
     ) -> None: ...
 
-    def broadcast_keyed(self, command: dict[str, Any]) -> None: ...
+    def broadcast_keyed(self, command: Command) -> None: ...
 
     def lost_keyed(self) -> set[int]: ...
 
@@ -91,7 +108,7 @@ class RescaleStatus:
     stage: str
     from_parallelism: int
     to_parallelism: int
-    strategy: str
+    strategy: Strategy
     options: dict[str, float]
     phase: str = "requested"
     started: float = field(default_factory=time.time)
@@ -103,26 +120,26 @@ class RescaleStatus:
     steps: int = 0
     progress: dict[str, float] = field(default_factory=dict)
 
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "incarnation": self.incarnation,
-            "id": self.id,
-            "stage": self.stage,
-            "from": self.from_parallelism,
-            "to": self.to_parallelism,
-            "strategy": self.strategy,
-            "options": self.options,
-            "phase": self.phase,
-            "started": self.started,
-            "finished": self.finished,
-            "duration": (self.finished or time.time()) - self.started,
-            "error": self.error,
-            "epoch": self.epoch,
-            "groups_to_move": self.groups_to_move,
-            "groups_moved": self.groups_moved,
-            "steps": self.steps,
-            "progress": self.progress,
-        }
+    def report(self) -> RescaleReport:
+        return RescaleReport(
+            incarnation=self.incarnation,
+            id=self.id,
+            stage=self.stage,
+            from_parallelism=self.from_parallelism,
+            to_parallelism=self.to_parallelism,
+            strategy=self.strategy,
+            options=dict(self.options),
+            phase=self.phase,
+            started=self.started,
+            finished=self.finished,
+            duration=(self.finished or time.time()) - self.started,
+            error=self.error,
+            epoch=self.epoch,
+            groups_to_move=self.groups_to_move,
+            groups_moved=self.groups_moved,
+            steps=self.steps,
+            progress=dict(self.progress),
+        )
 
 
 def options_for(strategy: str, given: dict[str, Any] | None) -> dict[str, float]:
@@ -140,21 +157,23 @@ def options_for(strategy: str, given: dict[str, Any] | None) -> dict[str, float]
     return options
 
 
-def _acked(step: str, epoch: int, expected: set[tuple[str, int]]) -> Callable[..., bool]:
-    def check(events: list[dict[str, Any]]) -> bool:
+def _acked(step: AckStep, epoch: int, expected: set[tuple[str, int]]) -> Callable[..., bool]:
+    def check(events: list[Reported]) -> bool:
         got = {
-            (e["stage"], e["index"])
-            for e in events
-            if e.get("type") == "ack" and e.get("step") == step and e.get("epoch") == epoch
+            (r.stage, r.index)
+            for r in events
+            if isinstance(r.event, Ack) and r.event.step == step and r.event.epoch == epoch
         }
         return expected <= got
 
     return check
 
 
-def _reported(kind: str, epoch: int, expected: set[int]) -> Callable[..., bool]:
-    def check(events: list[dict[str, Any]]) -> bool:
-        got = {e["index"] for e in events if e.get("type") == kind and e.get("epoch") == epoch}
+def _reported(
+    kind: type[OutDone] | type[InDone], epoch: int, expected: set[int]
+) -> Callable[..., bool]:
+    def check(events: list[Reported]) -> bool:
+        got = {r.index for r in events if isinstance(r.event, kind) and r.event.epoch == epoch}
         return expected <= got
 
     return check
@@ -183,7 +202,7 @@ class RescaleDriver:
     def run(self) -> None:
         status = self.status
         # Keyed instances stay up while a rescale runs, even once every source has ended.
-        self.host.broadcast_keyed({"type": "rescaling", "active": True})
+        self.host.broadcast_keyed(Rescaling(active=True))
         try:
             self._run()
             status.phase = "done"
@@ -200,7 +219,7 @@ class RescaleDriver:
         finally:
             status.finished = time.time()
             ended = [f"{self.source}/{i}" for i in sorted(self.host.finished_sources())]
-            self.host.broadcast_keyed({"type": "rescaling", "active": False, "ended": ended})
+            self.host.broadcast_keyed(Rescaling(active=False, ended=ended))
 
     def _phase(self, phase: str) -> None:
         self.status.phase = phase
@@ -229,7 +248,7 @@ class RescaleDriver:
             steps = [moving]
         paused = status.strategy == "all-at-once"
         if paused:
-            self._broadcast_sources({"type": "pause"}, "pause", self.current.epoch)
+            self._broadcast_sources(Pause(epoch=self.current.epoch))
         try:
             for groups in steps:
                 owners = self.current.owners.copy()
@@ -238,7 +257,7 @@ class RescaleDriver:
         finally:
             if paused:
                 self._phase("resuming")
-                self._broadcast_sources({"type": "resume"}, "resume", self.current.epoch)
+                self._broadcast_sources(Resume(epoch=self.current.epoch))
         if new_p < old_p:
             self._phase("retiring")
             # Lowered first: a host keeps instances 0..desired-1 running, and must not start a
@@ -246,15 +265,16 @@ class RescaleDriver:
             self.host.set_desired(new_p)
             self.host.retire(list(range(new_p, old_p)))
 
-    def _broadcast_sources(self, command: dict[str, Any], step: str, epoch: int) -> None:
+    def _broadcast_sources(self, command: Pause | Resume | Reroute) -> None:
         """Send a command to the sources and wait for their acks; a source that has ended
         sends nothing more, so it needs no command (its END also ends the old epoch)."""
+        step, epoch = command.type, command.epoch
         expected = {(self.source, i) for i in range(self.host.source_count())}
         for _, index in expected:
-            self.host.send(self.source, index, {**command, "epoch": epoch})
+            self.host.send(self.source, index, command)
         acked = _acked(step, epoch, expected)
 
-        def done(events: list[dict[str, Any]]) -> bool:
+        def done(events: list[Reported]) -> bool:
             ended = {(self.source, i) for i in self.host.finished_sources()}
             return _acked(step, epoch, expected - ended)(events) or acked(events)
 
@@ -291,25 +311,23 @@ class RescaleDriver:
         }
         recovered = Assignment(max(target.epoch, self.current.epoch) + 1, owners)
         participants = (senders | receivers | {int(i) for i in adopt}) - lost
-        self.host.broadcast_keyed(
-            {"type": "abort", "epoch": target.epoch, "lost": sorted(lost), "adopt": adopt}
-        )
+        self.host.broadcast_keyed(Abort(epoch=target.epoch, lost=sorted(lost), adopt=adopt))
         self.host.wait_for(
             _acked("abort", target.epoch, {(self.keyed, i) for i in participants}),
             STEP_TIMEOUT,
             "survivors to abandon the moves to and from the lost instance",
         )
-        reroute = {
-            "type": "reroute",
-            "assignment": recovered.to_json(),
-            "keyed": {str(i): a for i, a in self.host.keyed_addresses().items() if i not in lost},
-            "lost": sorted(lost),
-        }
-        self._broadcast_sources(reroute, "reroute", recovered.epoch)
+        reroute = Reroute(
+            epoch=recovered.epoch,
+            assignment=recovered.to_json(),
+            keyed={str(i): a for i, a in self.host.keyed_addresses().items() if i not in lost},
+            lost=sorted(lost),
+        )
+        self._broadcast_sources(reroute)
         self.host.wait_for(
             lambda events: (
-                _reported("out_done", target.epoch, senders - lost)(events)
-                and _reported("in_done", target.epoch, receivers - lost)(events)
+                _reported(OutDone, target.epoch, senders - lost)(events)
+                and _reported(InDone, target.epoch, receivers - lost)(events)
             ),
             MOVE_TIMEOUT,
             "the survivors' moves to finish",
@@ -339,24 +357,25 @@ class RescaleDriver:
         self._phase("preparing")
         for dst, by_src in incoming.items():
             groups_in = {str(k): v for k, v in by_src.items()}
-            command = {"type": "migrate_in", "epoch": epoch, "groups": groups_in, "peers": peers}
-            self.host.send(self.keyed, dst, command)
+            self.host.send(self.keyed, dst, MigrateIn(epoch=epoch, groups=groups_in, peers=peers))
         self.host.wait_for(
             _acked("migrate_in", epoch, {(self.keyed, d) for d in incoming}),
             STEP_TIMEOUT,
             "new owners to prepare",
         )
         self._phase("freezing")
-        push = {k: v for k, v in status.options.items() if k in PUSH_OPTIONS}
+        push = PushOptions(
+            chunk_keys=int(status.options["chunk_keys"]),
+            trickle_keys_per_s=status.options.get("trickle_keys_per_s"),
+        )
         for src, by_dst in outgoing.items():
-            command = {
-                "type": "migrate_out",
-                "epoch": epoch,
-                "groups": {str(k): v for k, v in by_dst.items()},
-                "peers": peers,
-                "sources": self.host.source_count(),
-                "push": push,
-            }
+            command = MigrateOut(
+                epoch=epoch,
+                groups={str(k): v for k, v in by_dst.items()},
+                peers=peers,
+                sources=self.host.source_count(),
+                push=push,
+            )
             self.host.send(self.keyed, src, command)
         self.host.wait_for(
             _acked("migrate_out", epoch, {(self.keyed, s) for s in outgoing}),
@@ -364,17 +383,17 @@ class RescaleDriver:
             "old owners to freeze the moving groups",
         )
         self._phase("rerouting")
-        reroute = {
-            "type": "reroute",
-            "assignment": new.to_json(),
-            "keyed": {str(i): a for i, a in addresses.items()},
-        }
-        self._broadcast_sources(reroute, "reroute", epoch)
+        reroute = Reroute(
+            epoch=epoch,
+            assignment=new.to_json(),
+            keyed={str(i): a for i, a in addresses.items()},
+        )
+        self._broadcast_sources(reroute)
         self._phase("moving")
         self.host.wait_for(
             lambda events: (
-                _reported("out_done", epoch, set(outgoing))(events)
-                and _reported("in_done", epoch, set(incoming))(events)
+                _reported(OutDone, epoch, set(outgoing))(events)
+                and _reported(InDone, epoch, set(incoming))(events)
             ),
             MOVE_TIMEOUT,
             "state to move",

@@ -26,13 +26,14 @@ from typing import Any
 
 import numpy as np
 
-from keyshift.runtime.checkpointing import CHECKPOINT_COMPLETE, SINK_ACK, BarrierAligner
-from keyshift.runtime.instance import InstanceContext
+from keyshift.runtime.checkpointing import BarrierAligner
 from keyshift.runtime.job import FunctionSink, resolve_function
 from keyshift.runtime.log_retention import LogRetention
 from keyshift.runtime.metrics import MetricName
 from keyshift.runtime.output_log import OutputLogWriter, OutputStorageError
+from keyshift.runtime.protocol import CheckpointComplete, SinkCheckpointAck
 from keyshift.runtime.records import GROUP, INGEST_TIME, decode, now_us
+from keyshift.runtime.stage_context import InstanceContext
 from keyshift.runtime.storage import Backoff, retrying
 from keyshift.runtime.transport import BARRIER, END, LEAVE, Delivery
 
@@ -106,7 +107,7 @@ def run(ctx: InstanceContext) -> None:
 
     def fail_checkpoint(checkpoint: int) -> None:
         failed.add(checkpoint)
-        ctx.emit({"type": SINK_ACK, "id": checkpoint, "error": f"output log: {stall.error}"})
+        ctx.emit(SinkCheckpointAck(id=checkpoint, error=f"output log: {stall.error}"))
 
     def stalled() -> bool:
         """Whether the log is stalled now; a stall fails the checkpoint being aligned (its
@@ -142,8 +143,8 @@ def run(ctx: InstanceContext) -> None:
         ctx.check()
         while (command := ctx.next_command()) is not None:
             # Topology updates are read through ctx.upstream_names.
-            if command.get("type") == CHECKPOINT_COMPLETE and writer is not None:
-                published = command["outputs"].get(str(ctx.index))
+            if isinstance(command, CheckpointComplete) and writer is not None:
+                published = command.outputs.get(str(ctx.index))
                 if published is not None:
                     stall.publish_to = int(published)
         if writer is not None and stalled():
@@ -200,7 +201,7 @@ def run(ctx: InstanceContext) -> None:
                 # The output so far is the checkpoint's: it must be in segments, at an offset.
                 if writer is None or stall.attempt(writer.flush):
                     offset = writer.end_offset if writer is not None else None
-                    ctx.emit({"type": SINK_ACK, "id": aligned["id"], "offset": offset})
+                    ctx.emit(SinkCheckpointAck(id=int(aligned["id"]), offset=offset))
                 else:
                     fail_checkpoint(int(aligned["id"]))
                 held.extend(aligner.finish())

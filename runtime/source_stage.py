@@ -17,14 +17,23 @@ import grpc
 import numpy as np
 import pyarrow as pa
 
-from keyshift.runtime.checkpointing import CHECKPOINT_COMPLETE, SOURCE_ACK
 from keyshift.runtime.generator import KeyGenerator, Pacer, instance_total, rate_at
 from keyshift.runtime.ingest import REMEMBERED_BATCH_IDS, IngestLimits, IngestService
 from keyshift.runtime.ingest_log import IngestLog, ingest_log_url
-from keyshift.runtime.instance import InstanceContext
 from keyshift.runtime.job import GeneratorSource, IngestSource, JobSpec, resolve_function
 from keyshift.runtime.keyspace import Assignment, key_groups
 from keyshift.runtime.metrics import MetricName
+from keyshift.runtime.protocol import (
+    Ack,
+    Checkpoint,
+    CheckpointComplete,
+    Command,
+    Pause,
+    Reroute,
+    Resume,
+    SourceCheckpointAck,
+    Topology,
+)
 from keyshift.runtime.records import (
     EVENT_TIME,
     GROUP,
@@ -39,6 +48,7 @@ from keyshift.runtime.records import (
     split_by_owner,
 )
 from keyshift.runtime.schema_check import check_records
+from keyshift.runtime.stage_context import InstanceContext
 from keyshift.runtime.storage import StorageError
 from keyshift.runtime.transport import (
     BARRIER,
@@ -114,7 +124,7 @@ class Router:
         self.ctx = ctx
         self.keyed = ctx.spec.keyed.name
         self.outlets = ctx.connect(self.keyed)
-        self.assignment = Assignment.from_json(ctx.wait_topology()["assignment"])
+        self.assignment = ctx.assignment()
         self.paused = False
         self.dead: set[int] = set()
         self.stranded: list[bytes] = []
@@ -141,36 +151,35 @@ class Router:
                 self.dead.add(owner)
                 self.stranded.append(payload)
 
-    def handle(self, command: dict[str, Any]) -> None:
-        kind = command.get("type")
-        if kind == "reroute":
+    def handle(self, command: Command) -> None:
+        if isinstance(command, Reroute):
             self.reroute(command)
-        elif kind == "topology":
-            current = {int(i) for i in command["stages"][self.keyed]}
+        elif isinstance(command, Topology):
+            current = command.addresses(self.keyed)
             for index in [i for i in self.outlets if i not in current]:
                 self.outlets.pop(index).abort()
-        elif kind in ("pause", "resume"):
-            self.paused = kind == "pause"
-            self.ctx.emit({"type": "ack", "step": kind, "epoch": command["epoch"]})
+        elif isinstance(command, Pause | Resume):
+            self.paused = isinstance(command, Pause)
+            self.ctx.emit(Ack(step=command.type, epoch=command.epoch))
 
-    def reroute(self, command: dict[str, Any]) -> None:
-        new = Assignment.from_json(command["assignment"])
-        for index in set(command.get("lost", ())) | self.dead:
+    def reroute(self, command: Reroute) -> None:
+        new = Assignment.from_json(command.assignment)
+        for index in set(command.lost) | self.dead:
             if index in self.outlets:
                 self.outlets.pop(index).abort()
         self.dead.clear()
         marker = json.dumps({"epoch": new.epoch}).encode()
         for outlet in self.outlets.values():
             self.ctx.send(outlet, marker, kind=MARKER)
-        for index, address in command["keyed"].items():
-            if int(index) not in self.outlets:
-                self.outlets[int(index)] = self.ctx.outlet(address)
+        for joined, address in command.keyed.items():
+            if int(joined) not in self.outlets:
+                self.outlets[int(joined)] = self.ctx.outlet(address)
         self.assignment = new
         stranded, self.stranded = self.stranded, []
         for payload in stranded:
             batch = decode(payload)
             self.send(self.route(batch, batch.column(GROUP).to_numpy()))
-        self.ctx.emit({"type": "ack", "step": "reroute", "epoch": new.epoch})
+        self.ctx.emit(Ack(step="reroute", epoch=new.epoch))
 
     def finish(self) -> None:
         for outlet in self.outlets.values():
@@ -212,20 +221,20 @@ class Emitter:
 
     def follow_commands(self) -> None:
         while (command := self.ctx.next_command()) is not None:
-            if command.get("type") == "checkpoint":
+            if isinstance(command, Checkpoint):
                 self.barrier(command)
-            elif command.get("type") == CHECKPOINT_COMPLETE:
-                self.on_complete(int(command["sources"].get(str(self.ctx.index), 0)))
+            elif isinstance(command, CheckpointComplete):
+                self.on_complete(command.sources.get(str(self.ctx.index), 0))
             else:
                 self.router.handle(command)
 
-    def barrier(self, command: dict[str, Any]) -> None:
+    def barrier(self, command: Checkpoint) -> None:
         """Checkpoint here, between two batches: what was emitted so far is in it."""
-        barrier = json.dumps({"id": command["id"], "previous": command["previous"]}).encode()
+        barrier = json.dumps({"id": command.id, "previous": command.previous}).encode()
         for index, outlet in self.router.outlets.items():
             if index not in self.router.dead:
                 self.ctx.send(outlet, barrier, kind=BARRIER)
-        self.ctx.emit({"type": SOURCE_ACK, "id": command["id"], "position": self.emitted})
+        self.ctx.emit(SourceCheckpointAck(id=command.id, position=self.emitted))
 
 
 def run(ctx: InstanceContext) -> None:

@@ -38,10 +38,11 @@ from keyshift.runtime.coordinator import SERVICE, Coordinator
 from keyshift.runtime.identity import Issuer
 from keyshift.runtime.ingest import COMMIT_METHOD, PUSH_METHOD, IngestService, pack_request
 from keyshift.runtime.ingest_client import IngestClient, encode_rows
-from keyshift.runtime.instance import MIGRATE_SERVICE, migrate_handler
+from keyshift.runtime.instance import migrate_handler
 from keyshift.runtime.job import parse_job
 from keyshift.runtime.job_secret import SECRET_ENV, new_job_secret
 from keyshift.runtime.metrics import UNAUTHENTICATED
+from keyshift.runtime.stage_context import MIGRATE_SERVICE
 from keyshift.runtime.transport import (
     BATCH,
     DATA_SERVICE,

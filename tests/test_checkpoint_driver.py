@@ -17,17 +17,20 @@ from pathlib import Path
 from typing import Any
 
 from keyshift.runtime.checkpoint_store import CheckpointStore
-from keyshift.runtime.checkpointing import (
-    CHECKPOINT_COMPLETE,
-    KEYED_ACK,
-    SINK_ACK,
-    SOURCE_ACK,
-    CheckpointDriver,
-    CheckpointOutcome,
-)
+from keyshift.runtime.checkpointing import CheckpointDriver, CheckpointOutcome
 from keyshift.runtime.coordinator import Coordinator
 from keyshift.runtime.job import parse_job
 from keyshift.runtime.metrics import JOB_LABEL, MetricName
+from keyshift.runtime.protocol import (
+    CheckpointComplete,
+    Command,
+    Empty,
+    KeyedCheckpointAck,
+    RegisterRequest,
+    ReportRequest,
+    SinkCheckpointAck,
+    SourceCheckpointAck,
+)
 from tests.conftest import count_job
 
 STAGES = {"source": 2, "counts": 1, "sink": 1}
@@ -63,8 +66,8 @@ class Job:
         )
         self.identities = {
             (stage, index): self.coordinator.register(
-                {"stage": stage, "index": index, "data_address": "-", "metrics_address": "-"}
-            )["identity"]
+                RegisterRequest(stage=stage, index=index, data_address="-")
+            ).identity
             for stage, n in STAGES.items()
             for index in range(n)
         }
@@ -73,9 +76,9 @@ class Job:
         return {"stage": stage, "index": index, "identity": self.identities[stage, index]}
 
     def report(self, stage: str, index: int, **body: Any) -> None:
-        self.coordinator.report({**self.whoami(stage, index), **body})
+        self.coordinator.report(ReportRequest(**self.whoami(stage, index), **body))
 
-    def commands(self, stage: str, index: int) -> list[dict[str, Any] | None]:
+    def commands(self, stage: str, index: int) -> list[Command | None]:
         """The commands sent to an instance so far (None ends its command stream)."""
         found = []
         commands = self.coordinator.members[stage][index].commands
@@ -97,11 +100,9 @@ class Job:
         return outcome[0]
 
     def ack_keyed_and_sink(self, checkpoint: int, offset: int) -> None:
-        self.report("counts", 0, events=[
-            {"type": KEYED_ACK, "id": checkpoint, "chains": {"shards": [], "groups": {}},
-             "written": 0}
-        ])  # fmt: skip
-        self.report("sink", 0, events=[{"type": SINK_ACK, "id": checkpoint, "offset": offset}])
+        chains = {"shards": [], "groups": {}}
+        self.report("counts", 0, events=[KeyedCheckpointAck(id=checkpoint, chains=chains)])
+        self.report("sink", 0, events=[SinkCheckpointAck(id=checkpoint, offset=offset)])
 
 
 def test_an_ended_source_is_in_every_later_checkpoint_at_its_final_position(
@@ -111,7 +112,7 @@ def test_an_ended_source_is_in_every_later_checkpoint_at_its_final_position(
     job.report("source", 1, stats={"emitted": 700}, finished=True)  # ended before
 
     def answer(checkpoint: int) -> None:
-        job.report("source", 0, events=[{"type": SOURCE_ACK, "id": checkpoint, "position": 50}])
+        job.report("source", 0, events=[SourceCheckpointAck(id=checkpoint, position=50)])
         job.ack_keyed_and_sink(checkpoint, 40)
 
     first = job.take(answer)
@@ -136,25 +137,23 @@ def test_sources_and_sinks_are_told_when_a_checkpoint_is_complete(tmp_path: Path
 
     def answer(checkpoint: int) -> None:
         for index in range(2):
-            job.report("source", index, events=[
-                {"type": SOURCE_ACK, "id": checkpoint, "position": 10 * (index + 1)}
-            ])  # fmt: skip
+            ack = SourceCheckpointAck(id=checkpoint, position=10 * (index + 1))
+            job.report("source", index, events=[ack])
         job.ack_keyed_and_sink(checkpoint, 30)
 
     outcome = job.take(answer)
     assert outcome.ok, outcome.error
-    told = {"type": CHECKPOINT_COMPLETE, "id": outcome.id, "sources": {"0": 10, "1": 20},
-            "outputs": {"0": 30}}  # fmt: skip
+    told = CheckpointComplete(id=outcome.id, sources={"0": 10, "1": 20}, outputs={"0": 30})
     for stage, index in [("source", 0), ("source", 1), ("sink", 0)]:
         assert told in job.commands(stage, index), (stage, index)
-    assert not any(c and c["type"] == CHECKPOINT_COMPLETE for c in job.commands("counts", 0))
+    assert not any(isinstance(c, CheckpointComplete) for c in job.commands("counts", 0))
 
 
 def test_a_checkpoint_the_job_end_cuts_short_is_abandoned_not_failed(tmp_path: Path) -> None:
     job = Job(tmp_path)
 
     def the_job_stops(checkpoint: int) -> None:
-        job.coordinator.shutdown({})
+        job.coordinator.shutdown(Empty())
 
     outcome = job.take(the_job_stops)
     assert outcome.abandoned and not outcome.ok
@@ -169,9 +168,7 @@ def test_a_restarted_coordinator_records_its_recovery(tmp_path: Path) -> None:
 
     def answer(checkpoint: int) -> None:
         for index in range(2):
-            first.report("source", index, events=[
-                {"type": SOURCE_ACK, "id": checkpoint, "position": 5}
-            ])  # fmt: skip
+            first.report("source", index, events=[SourceCheckpointAck(id=checkpoint, position=5)])
         first.ack_keyed_and_sink(checkpoint, 5)
 
     assert first.take(answer).ok
@@ -186,7 +183,7 @@ def test_a_restarted_coordinator_records_its_recovery(tmp_path: Path) -> None:
     (entry,) = store.recoveries()
     assert entry["checkpoint"] == meta.id
     assert entry["reason"].startswith("instance counts/0") and entry["seconds"] >= 0
-    status = second.coordinator.status({})
+    status = second.coordinator.status(Empty())
     assert status["recoveries"] == {"total": 1, "last": entry}
     exported = second.coordinator.metrics.registry.get_sample_value(
         MetricName.RECOVERIES, {JOB_LABEL: "t"}
@@ -221,8 +218,7 @@ def test_an_instance_silent_past_the_heartbeat_timeout_is_lost(tmp_path: Path) -
     spec = parse_job(count_job(keyed={"parallelism": 1}, sink={"parallelism": 1}))
     plain = Coordinator(spec, 30.0)
     for stage, index in [("source", 0), ("counts", 0), ("sink", 0)]:
-        plain.register({"stage": stage, "index": index, "data_address": "-",
-                        "metrics_address": "-"})  # fmt: skip
+        plain.register(RegisterRequest(stage=stage, index=index, data_address="-"))
     plain.members["sink"][0].last_report -= spec.heartbeat_timeout + 1
     plain.check_heartbeats()
     assert plain.phase == "failed" and "instance sink/0" in plain.errors[0]

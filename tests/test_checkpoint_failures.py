@@ -14,10 +14,10 @@ from pathlib import Path
 from keyshift.runtime.checkpoint_store import CheckpointMeta
 from keyshift.runtime.checkpointing import (
     FIRST_CHECKPOINT_POLL,
-    KEYED_ACK,
     RETRY_PAUSE_LIMIT,
     CheckpointDriver,
 )
+from keyshift.runtime.protocol import KeyedCheckpointAck
 from tests.test_checkpoint_driver import Job
 
 
@@ -49,7 +49,7 @@ def test_failing_checkpoints_are_retried_after_growing_pauses(tmp_path: Path) ->
         while not stop.is_set():
             checkpoint = job.coordinator.checkpoints.in_flight
             if checkpoint is not None:
-                error = {"type": KEYED_ACK, "id": checkpoint, "error": "cannot write: down"}
+                error = KeyedCheckpointAck(id=checkpoint, error="cannot write: down")
                 job.report("counts", 0, events=[error])
                 failures += 1
             threading.Event().wait(0.01)

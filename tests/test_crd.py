@@ -28,7 +28,7 @@ from keyshift.operator.crd import (
 )
 from keyshift.operator.streamingjob import StreamingJob
 from keyshift.runtime.job import MAX_PARALLELISM
-from keyshift.runtime.rescale import STRATEGIES
+from keyshift.runtime.protocol import STRATEGIES
 from tests.conftest import KEYSHIFT, REPO
 
 EXAMPLE = REPO / "examples" / "streamingjob.yaml"

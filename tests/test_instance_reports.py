@@ -1,4 +1,4 @@
-"""An instance's periodic reports are its coordinator's heartbeat: keyshift.runtime.instance's
+"""An instance's periodic reports are its coordinator's heartbeat: keyshift.runtime.stage_context's
 InstanceContext reporting to a real Coordinator served on loopback in this process. A report
 that fails to gather is logged and the next one follows, so a healthy instance is never taken as
 lost by its silence (a keyed instance once was: reading its group hit counts while its stage
@@ -15,8 +15,9 @@ import pytest
 
 from keyshift.runtime.coordinator import SERVICE, Coordinator
 from keyshift.runtime.identity import Identity
-from keyshift.runtime.instance import InstanceContext
 from keyshift.runtime.job import parse_job
+from keyshift.runtime.protocol import RegisterRequest
+from keyshift.runtime.stage_context import InstanceContext
 from keyshift.runtime.transport import Inbox, JsonClient, start_server
 from tests.conftest import count_job, wait_for
 
@@ -36,11 +37,9 @@ def test_a_report_that_fails_is_logged_and_the_reports_go_on(
     coordinator: tuple[Coordinator, str], caplog: pytest.LogCaptureFixture
 ) -> None:
     coord, address = coordinator
-    reply = coord.register(
-        {"stage": "counts", "index": 0, "data_address": "-", "metrics_address": "-"}
-    )
+    reply = coord.register(RegisterRequest(stage="counts", index=0, data_address="-"))
     control = JsonClient(address, SERVICE)
-    identity = Identity.from_json(reply["identity"])
+    identity = Identity.from_json(reply.identity)
     ctx = InstanceContext(coord.spec, "counts", 0, control, Inbox(), identity=identity)
     failed = threading.Event()
 

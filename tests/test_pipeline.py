@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import re
 import subprocess
 import sys
 from collections.abc import Callable
@@ -12,7 +13,16 @@ from typing import Any
 import pytest
 import yaml
 
-from keyshift.runtime.job import JobError, JobSpec, StepProfile, load_job, parse_job
+from keyshift.operator.autoscaled_job import AutoscaledJob
+from keyshift.runtime.job import (
+    JobError,
+    JobSpec,
+    StepProfile,
+    load_job,
+    load_job_as,
+    parse_job,
+    parse_job_as,
+)
 from keyshift.runtime.pipeline import Pipeline, function_path
 from tests import pipeline_fns as fns
 
@@ -293,8 +303,6 @@ def test_steps_in_order_show_the_order_when_refused() -> None:
         (Pipeline("a").fields(event_time="int").key_by("key").count(), "reserved"),
         (Pipeline("a").generator(profile={"kind": "step", "rate": 1}).key_by("key").count(), "to"),
         (Pipeline("a", max_key_groups=2).key_by("key").count(parallelism=4), "max_key_groups"),
-        (Pipeline("a", max_key_groups=4).key_by("key").count().autoscale(), "max_key_groups"),
-        (Pipeline("a").key_by("key").count().autoscale(interval=0), "autoscaler.interval"),
     ],
 )
 def test_invalid_jobs_fail_with_job_py_messages(pipeline: Pipeline, why: str) -> None:
@@ -318,7 +326,31 @@ def test_fields_accepts_a_mapping_for_names_that_are_not_identifiers() -> None:
 
 
 def test_autoscale_sets_the_autoscaler_settings() -> None:
-    spec = Pipeline("a").key_by("key").count().autoscale(policy="threshold", dry_run=True).build()
-    assert spec.autoscaler is not None
-    assert (spec.autoscaler.policy, spec.autoscaler.dry_run) == ("threshold", True)
+    """The runtime carries them as given; a host reads them as AutoscalerSettings."""
+    pipeline = Pipeline("a").key_by("key").count().autoscale(policy="threshold", dry_run=True)
+    assert pipeline.build().autoscaler == {"policy": "threshold", "dry_run": True}
+    hosted = parse_job_as(AutoscaledJob, pipeline.to_dict())
+    assert hosted.autoscaler is not None
+    assert (hosted.autoscaler.policy, hosted.autoscaler.dry_run) == ("threshold", True)
     assert Pipeline("a").key_by("key").count().build().autoscaler is None
+
+
+@pytest.mark.parametrize(
+    ("pipeline", "why"),
+    [
+        (Pipeline("a", max_key_groups=4).key_by("key").count().autoscale(), "max_key_groups (4)"),
+        (Pipeline("a").key_by("key").count().autoscale(interval=0), "autoscaler.interval"),
+        (Pipeline("a").key_by("key").count().autoscale(stages={"x": {}}), "names ['x']"),
+        (Pipeline("a").key_by("key").count().autoscale(policy="hpa"), "autoscaler.policy"),
+    ],
+)
+def test_bad_autoscaler_settings_fail_where_a_host_loads_the_job(
+    tmp_path: Path, pipeline: Pipeline, why: str
+) -> None:
+    """`keyshift run` loads the job file this way before it starts anything; the message is
+    the same as every other job error's."""
+    path = tmp_path / "job.yaml"
+    path.write_text(pipeline.to_yaml())
+    with pytest.raises(JobError, match=re.escape(why)) as info:
+        load_job_as(AutoscaledJob, path)
+    assert str(info.value).startswith(f"invalid job file {path}:")

@@ -21,7 +21,7 @@ from keyshift.runtime.job import GeneratorSource
 from keyshift.runtime.keyspace import key_groups
 from keyshift.runtime.metrics import JOB_LABEL, MetricName
 from keyshift.runtime.output_log import OutputLogReader
-from keyshift.runtime.rescale import STRATEGIES
+from keyshift.runtime.protocol import STRATEGIES
 from keyshift.runtime.transport import JsonClient, TransportError
 from tests.conftest import (
     STATE_BACKENDS,
@@ -267,10 +267,18 @@ def test_bad_rescale_requests_are_refused_and_change_nothing(tmp_path: Path) -> 
             ({"stage": "track", "parallelism": 0}, "from 1 to 256 (the maximum parallelism"),
             ({"stage": "track", "parallelism": 257}, "from 1 to 256 (the maximum parallelism"),
             ({"stage": "track", "parallelism": 5000}, "its max_key_groups, 4096), got 5000"),
-            ({"stage": "track", "parallelism": "2"}, "must be an integer from 1 to 256"),
+            (
+                {"stage": "track", "parallelism": "2"},
+                "parallelism: Input should be a valid integer",
+            ),
+            ({"stage": "track"}, "malformed RescaleRequest: parallelism: Field required"),
+            ({"stage": "track", "parallelism": 2, "speed": 9}, "speed: Extra inputs are not"),
             ({"stage": "source", "parallelism": 2}, "stage 'source' has no keyed state"),
             ({"stage": "nope", "parallelism": 2}, "has no stage 'nope'"),
-            ({"stage": "track", "parallelism": 2, "strategy": "teleport"}, "unknown strategy"),
+            (
+                {"stage": "track", "parallelism": 2, "strategy": "teleport"},
+                "strategy: Input should be 'hot-first', 'all-at-once', 'batched' or 'lazy'",
+            ),
             (
                 {
                     "stage": "track",

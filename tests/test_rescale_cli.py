@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import math
 import os
+import re
 import signal
 import subprocess
 from pathlib import Path
@@ -46,6 +48,11 @@ def test_rescale_a_running_job_by_name(tmp_path: Path) -> None:
                        "--option", "batch_groups=500")  # fmt: skip
         assert out.returncode == 0, out.stdout + out.stderr
         assert "3->2 (batched): done" in out.stdout
+        # The option reached the coordinator's driver: one step per 500 moving groups.
+        found = re.search(r"in (\d+) step\(s\); (\d+)/(\d+) groups", out.stdout)
+        assert found is not None, out.stdout
+        steps, to_move = int(found[1]), int(found[3])
+        assert to_move > 500 and steps == math.ceil(to_move / 500), out.stdout
         os.kill(run.pid, signal.SIGINT)
         output, _ = run.communicate(timeout=60)
     assert run.returncode == 0, output

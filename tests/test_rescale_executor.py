@@ -10,6 +10,7 @@ by tests/test_control_plane_restarts.py). The last test starts rescales at a rea
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -24,6 +25,7 @@ from keyshift.operator.rescale_executor import (
     MigrationPlan,
     RescaleMark,
 )
+from keyshift.runtime.rescale import RescaleStatus
 from keyshift.runtime.transport import JsonClient
 from tests.conftest import count_job, running_job, wait_for
 from tests.prometheus_server import free_port
@@ -44,8 +46,10 @@ class RecordingPool:
 
 
 def rescale(id_: int, before: int, after: int, phase: str = "done") -> dict[str, Any]:
-    return {"id": id_, "stage": "counts", "from": before, "to": after, "phase": phase,
-            "error": None if phase == "done" else "boom"}  # fmt: skip
+    """A rescale as the coordinator's status lists it."""
+    error = None if phase == "done" else "boom"
+    made = RescaleStatus("a", id_, "counts", before, after, "hot-first", {}, phase, error=error)
+    return made.report().wire()
 
 
 def status(
@@ -192,6 +196,9 @@ def test_the_plan_travels_with_every_rescale_to_the_coordinator(tmp_path: Path) 
         assert done["phase"] == "done", done["error"]
         assert done["strategy"] == "batched"
         assert done["options"] == {"batch_groups": 64.0, "chunk_keys": 1000.0}
+        # The options change what the driver does: one step per 64 moving groups.
+        assert done["groups_to_move"] > 256
+        assert done["steps"] == math.ceil(done["groups_to_move"] / 64), done
         refused = CoordinatorExecutor(
             local.client, local, latest, frozenset({"counts"}),
             MigrationPlan("lazy", {"batch_groups": 64}),

@@ -1,0 +1,421 @@
+"""The control protocol: every message between the coordinator, the stage instances, the hosts
+and the autoscaler, each a typed model defined once here and parsed here.
+
+Three families travel as JSON over the control calls of `keyshift.runtime.transport`:
+
+- commands, coordinator -> instance on the `Watch` stream (`Command`: `Topology`, `Drain`,
+  `Stop`, `Checkpoint`, `CheckpointComplete`, `Reroute`, `Pause`, `Resume`, `MigrateIn`,
+  `MigrateOut`, `Abort`, `Retire`, `Rescaling`), told apart by their `type`;
+- events, instance -> coordinator inside a `Report` (`Event`: `Ack` of a protocol step,
+  `OutDone`, `InDone`, and the checkpoint acks `SourceCheckpointAck`, `KeyedCheckpointAck`,
+  `SinkCheckpointAck`);
+- the bodies of the unary calls: `RegisterRequest`/`RegisterReply`, `InstanceCall` (Watch),
+  `ReportRequest`, `RescaleRequest` (stage, parallelism, strategy, options) and its reply
+  `RescaleReport`, `DrainReply`.
+
+A sender builds a model and sends `message.wire()`; a receiver calls `parse`, `parse_command`
+or `parse_event`, which raise `ProtocolError` naming the message and each wrong field (unknown
+type, missing field, wrong type, unexpected field). Servers wrap their handlers in `handles`,
+so a malformed request is refused with INVALID_ARGUMENT before any handler code runs.
+`STRATEGIES`, the rescale strategies, are defined here once; the CLI, the CRD, the settings
+and the coordinator derive theirs from it. Used by the coordinator, the instances and their
+stage loops, the rescale and checkpoint drivers, and the operator's executor and CLI.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Annotated, Any, Literal, TypeVar, get_args
+
+import grpc
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
+
+from keyshift.runtime.transport import ControlError
+
+Strategy = Literal["hot-first", "all-at-once", "batched", "lazy"]
+STRATEGIES: tuple[str, ...] = get_args(Strategy)
+DEFAULT_STRATEGY: Strategy = "hot-first"
+
+
+class ProtocolError(ValueError):
+    """A control message that does not fit its model; the message says which field and why."""
+
+
+class Message(BaseModel):
+    """A control message: strict (no coercion of "3" into 3), closed (no unknown fields)."""
+
+    model_config = ConfigDict(strict=True, extra="forbid", frozen=True, populate_by_name=True)
+
+    def wire(self) -> dict[str, Any]:
+        """The JSON body that carries this message."""
+        return self.model_dump(mode="json", by_alias=True)
+
+
+# --- commands: coordinator -> instance ----------------------------------------------------------
+
+
+class Topology(Message):
+    """Every stage's instances (index -> data address) and the keyed stage's assignment."""
+
+    type: Literal["topology"] = "topology"
+    stages: dict[str, dict[str, str]]
+    assignment: dict[str, Any]
+
+    def addresses(self, stage: str) -> dict[int, str]:
+        return {int(i): a for i, a in self.stages[stage].items()}
+
+
+class Drain(Message):
+    """Sources: stop taking new records; the job finishes what is in flight."""
+
+    type: Literal["drain"] = "drain"
+
+
+class Stop(Message):
+    type: Literal["stop"] = "stop"
+    reason: str
+
+
+class Checkpoint(Message):
+    """Sources: put a barrier for checkpoint `id` on every stream now."""
+
+    type: Literal["checkpoint"] = "checkpoint"
+    id: int
+    previous: int | None
+
+
+class CheckpointComplete(Message):
+    """Sources and sinks: checkpoint `id` is complete at these positions and offsets."""
+
+    type: Literal["checkpoint_complete"] = "checkpoint_complete"
+    id: int
+    sources: dict[str, int]
+    outputs: dict[str, int]
+
+
+class Reroute(Message):
+    """Sources: route by `assignment` from now on (after an epoch marker on every stream)."""
+
+    type: Literal["reroute"] = "reroute"
+    epoch: int
+    assignment: dict[str, Any]
+    keyed: dict[str, str]
+    lost: list[int] = []
+
+
+class Pause(Message):
+    type: Literal["pause"] = "pause"
+    epoch: int
+
+
+class Resume(Message):
+    type: Literal["resume"] = "resume"
+    epoch: int
+
+
+class MigrateIn(Message):
+    """A new owner: these groups (by old owner) come to you in `epoch`; park their records."""
+
+    type: Literal["migrate_in"] = "migrate_in"
+    epoch: int
+    groups: dict[str, list[int]]
+    peers: dict[str, str]
+
+
+class PushOptions(Message):
+    """How an old owner pushes state: keys per chunk, and an optional cap in keys per second."""
+
+    chunk_keys: int = Field(default=32768, gt=0)
+    trickle_keys_per_s: float | None = Field(default=None, gt=0)
+
+
+class MigrateOut(Message):
+    """An old owner: these groups (by new owner) leave in `epoch`; forward and push them."""
+
+    type: Literal["migrate_out"] = "migrate_out"
+    epoch: int
+    groups: dict[str, list[int]]
+    peers: dict[str, str]
+    sources: int
+    push: PushOptions = PushOptions()
+
+
+class Abort(Message):
+    """Keyed instances: abandon `epoch`'s moves to and from `lost`; take up `adopt`'s groups."""
+
+    type: Literal["abort"] = "abort"
+    epoch: int
+    lost: list[int]
+    adopt: dict[str, list[int]] = {}
+
+
+class Retire(Message):
+    type: Literal["retire"] = "retire"
+
+
+class Rescaling(Message):
+    """Keyed instances: a rescale runs (stay up), or ended (`ended`: the sources done by then)."""
+
+    type: Literal["rescaling"] = "rescaling"
+    active: bool
+    ended: list[str] = []
+
+
+Command = Annotated[
+    Topology
+    | Drain
+    | Stop
+    | Checkpoint
+    | CheckpointComplete
+    | Reroute
+    | Pause
+    | Resume
+    | MigrateIn
+    | MigrateOut
+    | Abort
+    | Retire
+    | Rescaling,
+    Field(discriminator="type"),
+]
+
+
+# --- events: instance -> coordinator, inside a Report -------------------------------------------
+
+AckStep = Literal["migrate_in", "migrate_out", "abort", "reroute", "pause", "resume"]
+
+
+class Ack(Message):
+    """A protocol step done for `epoch`."""
+
+    type: Literal["ack"] = "ack"
+    step: AckStep
+    epoch: int
+
+
+class OutDone(Message):
+    """An old owner has forwarded and pushed everything of `epoch`'s move."""
+
+    type: Literal["out_done"] = "out_done"
+    epoch: int
+    stats: dict[str, float]
+
+
+class InDone(Message):
+    """A new owner has all of `epoch`'s state in and nothing parked."""
+
+    type: Literal["in_done"] = "in_done"
+    epoch: int
+    stats: dict[str, float]
+
+
+class SourceCheckpointAck(Message):
+    type: Literal["checkpoint_source"] = "checkpoint_source"
+    id: int
+    position: int
+    error: str | None = None
+
+
+class KeyedCheckpointAck(Message):
+    """The groups a keyed instance wrote for checkpoint `id` (or the storage error)."""
+
+    type: Literal["checkpoint_keyed"] = "checkpoint_keyed"
+    id: int
+    error: str | None = None
+    chains: dict[str, Any] = {}
+    written: int = 0
+    base_groups: int = 0
+    delta_groups: int = 0
+    seconds: float = 0.0
+
+
+class SinkCheckpointAck(Message):
+    """A sink's output log end for checkpoint `id` (None for a function sink), or the error."""
+
+    type: Literal["checkpoint_sink"] = "checkpoint_sink"
+    id: int
+    offset: int | None = None
+    error: str | None = None
+
+
+CheckpointAck = SourceCheckpointAck | KeyedCheckpointAck | SinkCheckpointAck
+CHECKPOINT_ACKS = (SourceCheckpointAck, KeyedCheckpointAck, SinkCheckpointAck)
+Event = Annotated[
+    Ack | OutDone | InDone | SourceCheckpointAck | KeyedCheckpointAck | SinkCheckpointAck,
+    Field(discriminator="type"),
+]
+
+
+@dataclass(frozen=True)
+class Reported:
+    """An event as the coordinator keeps it: with the instance that reported it."""
+
+    stage: str
+    index: int
+    event: Event
+
+    @property
+    def instance(self) -> str:
+        return f"{self.stage}/{self.index}"
+
+
+def checkpoint_of(reported: Reported) -> int | None:
+    """The checkpoint a reported event acks, if it is a checkpoint ack."""
+    event = reported.event
+    return event.id if isinstance(event, CHECKPOINT_ACKS) else None
+
+
+# --- unary call bodies ---------------------------------------------------------------------------
+
+
+class RegisterRequest(Message):
+    stage: str
+    index: int
+    data_address: str
+    metrics_address: str = ""
+    pid: int = 0
+
+
+class RegisterReply(Message):
+    """The job spec (as JSON: every process runs the coordinator's definition), the
+    checkpoint to restore from after a crash, and the instance's identity."""
+
+    job: dict[str, Any]
+    restore: int | None
+    identity: dict[str, str]
+
+
+class InstanceCall(Message):
+    """Who a call speaks for, with the identity that proves it (Watch's body)."""
+
+    stage: str
+    index: int
+    # Checked by the coordinator, not here: a missing or malformed identity is refused as
+    # unauthenticated (and counted so), like a forged one.
+    identity: Any = None
+
+
+class ReportRequest(InstanceCall):
+    """The heartbeat: counters, and the protocol steps done since the last report."""
+
+    stats: dict[str, Any] = {}
+    metrics_address: str = ""
+    group_hits: dict[str, int] | None = None
+    events: list[Event] = []
+    finished: bool = False
+    error: str | None = None
+
+
+class RescaleRequest(Message):
+    """Rescale `stage` to `parallelism` instances, moving state by `strategy` with `options`
+    (checked against the strategy's options by the coordinator)."""
+
+    stage: str
+    parallelism: int
+    strategy: Strategy = DEFAULT_STRATEGY
+    options: dict[str, float] = {}
+
+
+class RescaleReport(Message):
+    """A rescale as the coordinator reports it: in Rescale's reply and in Status."""
+
+    incarnation: str
+    id: int
+    stage: str
+    # "from" and "to" on the wire ("from" is a Python keyword).
+    from_parallelism: int = Field(validation_alias="from", serialization_alias="from")
+    to_parallelism: int = Field(validation_alias="to", serialization_alias="to")
+    strategy: Strategy
+    options: dict[str, float]
+    phase: str
+    started: float
+    finished: float | None
+    duration: float
+    error: str | None
+    epoch: int | None
+    groups_to_move: int
+    groups_moved: int
+    steps: int
+    progress: dict[str, float]
+
+
+class DrainReply(Message):
+    phase: str
+
+
+class Empty(Message):
+    """The body of calls that carry nothing (Status's request, Shutdown's)."""
+
+
+# --- parsing, in one place ----------------------------------------------------------------------
+
+M = TypeVar("M", bound=Message)
+_COMMAND: TypeAdapter[Command] = TypeAdapter(Command)
+_EVENT: TypeAdapter[Event] = TypeAdapter(Event)
+_STRATEGY: TypeAdapter[Strategy] = TypeAdapter(Strategy)
+
+
+def _describe(what: str, exc: ValidationError) -> str:
+    problems = []
+    for error in exc.errors():
+        where = ".".join(str(part) for part in error["loc"])
+        problems.append(f"{where}: {error['msg']}" if where else error["msg"])
+    return f"malformed {what}: " + "; ".join(problems)
+
+
+def parse(model: type[M], body: Any) -> M:
+    """`body` (decoded JSON) as a `model`; ProtocolError saying what is wrong."""
+    try:
+        return model.model_validate(body)
+    except ValidationError as exc:
+        raise ProtocolError(_describe(model.__name__, exc)) from None
+
+
+def parse_command(body: Any) -> Command:
+    try:
+        return _COMMAND.validate_python(body)
+    except ValidationError as exc:
+        raise ProtocolError(_describe("command", exc)) from None
+
+
+def parse_event(body: Any) -> Event:
+    try:
+        return _EVENT.validate_python(body)
+    except ValidationError as exc:
+        raise ProtocolError(_describe("event", exc)) from None
+
+
+def parse_strategy(name: Any) -> Strategy:
+    """`name` as one of STRATEGIES; ProtocolError naming them otherwise."""
+    try:
+        return _STRATEGY.validate_python(name)
+    except ValidationError as exc:
+        raise ProtocolError(_describe("strategy", exc)) from None
+
+
+def running_rescale(status: Mapping[str, Any]) -> RescaleReport | None:
+    """The rescale a Status reply shows running, if any."""
+    running = status.get("rescale")
+    return None if running is None else parse(RescaleReport, running)
+
+
+def finished_rescales(status: Mapping[str, Any]) -> list[RescaleReport]:
+    """The finished rescales a Status reply lists (the latest ones, oldest first)."""
+    return [parse(RescaleReport, r) for r in status.get("rescales", [])]
+
+
+def handles(
+    model: type[M], handler: Callable[[M], Message | Mapping[str, Any]]
+) -> Callable[[dict[str, Any]], dict[str, Any]]:
+    """A JSON control handler that parses its request as `model` first (a malformed one is
+    refused with INVALID_ARGUMENT) and sends a Message reply as its wire form."""
+
+    def call(body: dict[str, Any]) -> dict[str, Any]:
+        try:
+            request = parse(model, body)
+        except ProtocolError as exc:
+            raise ControlError(str(exc), grpc.StatusCode.INVALID_ARGUMENT) from None
+        reply = handler(request)
+        return reply.wire() if isinstance(reply, Message) else dict(reply)
+
+    return call

@@ -1,0 +1,217 @@
+"""The typed control protocol (keyshift.runtime.protocol): every command and event survives its
+wire form; a malformed one (unknown type, missing field, wrong type, unexpected field) is a
+ProtocolError naming the field; a malformed request to a real coordinator is refused with
+INVALID_ARGUMENT and changes nothing; an instance handed a malformed command stops, saying why.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import grpc
+import pytest
+
+from keyshift.runtime.coordinator import SERVICE, Coordinator
+from keyshift.runtime.job import parse_job
+from keyshift.runtime.protocol import (
+    STRATEGIES,
+    Abort,
+    Ack,
+    Checkpoint,
+    CheckpointComplete,
+    Drain,
+    InDone,
+    KeyedCheckpointAck,
+    MigrateIn,
+    MigrateOut,
+    OutDone,
+    Pause,
+    ProtocolError,
+    PushOptions,
+    RegisterRequest,
+    ReportRequest,
+    Reroute,
+    RescaleReport,
+    RescaleRequest,
+    Rescaling,
+    Resume,
+    Retire,
+    SinkCheckpointAck,
+    SourceCheckpointAck,
+    Stop,
+    Topology,
+    parse,
+    parse_command,
+    parse_event,
+)
+from keyshift.runtime.stage_context import InstanceContext
+from keyshift.runtime.transport import (
+    Inbox,
+    JsonClient,
+    TransportError,
+    json_handler,
+    start_server,
+)
+from tests.conftest import count_job
+
+COMMANDS = [
+    Topology(stages={"counts": {"0": "a:1"}}, assignment={"epoch": 1, "owners": [0]}),
+    Drain(),
+    Stop(reason="shutdown"),
+    Checkpoint(id=3, previous=None),
+    CheckpointComplete(id=3, sources={"0": 10}, outputs={"0": 7}),
+    Reroute(epoch=2, assignment={"epoch": 2}, keyed={"0": "a:1"}, lost=[1]),
+    Pause(epoch=1),
+    Resume(epoch=1),
+    MigrateIn(epoch=2, groups={"0": [1, 2]}, peers={"0": "a:1"}),
+    MigrateOut(
+        epoch=2,
+        groups={"1": [1, 2]},
+        peers={"1": "b:2"},
+        sources=2,
+        push=PushOptions(chunk_keys=10, trickle_keys_per_s=5.0),
+    ),
+    Abort(epoch=2, lost=[1], adopt={"0": [4]}),
+    Retire(),
+    Rescaling(active=False, ended=["source/0"]),
+]
+EVENTS = [
+    Ack(step="reroute", epoch=2),
+    OutDone(epoch=2, stats={"keys_out": 4.0}),
+    InDone(epoch=2, stats={"keys_in": 4.0}),
+    SourceCheckpointAck(id=3, position=10),
+    KeyedCheckpointAck(id=3, chains={"shards": [], "groups": {}}, written=5),
+    SinkCheckpointAck(id=3, offset=None, error="output log: full"),
+]
+
+
+@pytest.mark.parametrize("command", COMMANDS, ids=lambda c: c.type)
+def test_every_command_survives_its_wire_form(command: Any) -> None:
+    assert parse_command(command.wire()) == command
+
+
+@pytest.mark.parametrize("event", EVENTS, ids=lambda e: e.type)
+def test_every_event_survives_its_wire_form_inside_a_report(event: Any) -> None:
+    report = ReportRequest(stage="counts", index=0, events=[event])
+    assert parse(ReportRequest, report.wire()).events == [event]
+    assert parse_event(event.wire()) == event
+
+
+@pytest.mark.parametrize(
+    ("body", "message"),
+    [
+        ({"type": "teleport"}, "malformed command: Input tag 'teleport' found using 'type'"),
+        ({"epoch": 1}, "malformed command: Unable to extract tag using discriminator 'type'"),
+        ({"type": "pause"}, "malformed command: pause.epoch: Field required"),
+        ({"type": "pause", "epoch": "1"}, "pause.epoch: Input should be a valid integer"),
+        ({"type": "retire", "now": True}, "retire.now: Extra inputs are not permitted"),
+        (
+            {"type": "migrate_out", "epoch": 1, "groups": {}, "peers": {}, "sources": 1,
+             "push": {"chunk_keys": 0}},
+            "migrate_out.push.chunk_keys: Input should be greater than 0",
+        ),
+        ("pause", "malformed command: Input should be a valid dictionary"),
+    ],
+)  # fmt: skip
+def test_a_malformed_command_names_what_is_wrong(body: Any, message: str) -> None:
+    with pytest.raises(ProtocolError) as raised:
+        parse_command(body)
+    assert message in str(raised.value)
+
+
+@pytest.mark.parametrize(
+    ("body", "message"),
+    [
+        ({"type": "nack", "epoch": 1}, "malformed event: Input tag 'nack'"),
+        ({"type": "ack", "epoch": 1}, "ack.step: Field required"),
+        ({"type": "ack", "step": "jump", "epoch": 1}, "ack.step: Input should be 'migrate_in'"),
+        ({"type": "checkpoint_source", "id": 1, "position": 1.5}, "position: Input should be"),
+    ],
+)
+def test_a_malformed_event_names_what_is_wrong(body: Any, message: str) -> None:
+    with pytest.raises(ProtocolError) as raised:
+        parse_event(body)
+    assert message in str(raised.value)
+
+
+def test_rescale_messages_carry_the_strategy_and_its_options() -> None:
+    request = parse(
+        RescaleRequest,
+        {"stage": "counts", "parallelism": 3, "strategy": "batched",
+         "options": {"batch_groups": 8}},
+    )  # fmt: skip
+    assert (request.strategy, request.options) == ("batched", {"batch_groups": 8.0})
+    assert parse(RescaleRequest, {"stage": "counts", "parallelism": 3}).strategy == "hot-first"
+    assert set(STRATEGIES) == {"hot-first", "all-at-once", "batched", "lazy"}
+    with pytest.raises(ProtocolError, match=r"options\.batch_groups: Input should be a valid"):
+        parse(RescaleRequest, {"stage": "c", "parallelism": 1, "options": {"batch_groups": "8"}})
+    with pytest.raises(
+        ProtocolError, match=r"malformed RescaleReport: .*; from: Field required; strategy"
+    ):
+        parse(RescaleReport, {"to": 2})
+
+
+@pytest.fixture
+def coordinator() -> Iterator[tuple[Coordinator, str]]:
+    spec = parse_job(count_job(keyed={"parallelism": 1}, sink={"parallelism": 1}))
+    coordinator = Coordinator(spec, 30.0)
+    server, port = start_server("127.0.0.1:0", [coordinator.handler()])
+    try:
+        yield coordinator, f"127.0.0.1:{port}"
+    finally:
+        server.stop(None)
+
+
+@pytest.mark.parametrize(
+    ("method", "body", "message"),
+    [
+        ("Register", {"stage": "counts", "index": "0", "data_address": "-"}, "index: Input"),
+        ("Register", {"stage": "counts", "index": 0}, "data_address: Field required"),
+        ("Report", {"stage": "counts", "index": 0, "events": [{"type": "?"}]}, "events.0"),
+        ("Report", {"stage": "counts", "index": 0, "finished": "yes"}, "finished: Input"),
+        ("Drain", {"now": True}, "malformed Empty: now: Extra inputs are not permitted"),
+        ("Watch", {"stage": "counts"}, "malformed InstanceCall: index: Field required"),
+    ],
+)
+def test_a_malformed_request_is_refused_before_it_changes_anything(
+    coordinator: tuple[Coordinator, str], method: str, body: dict[str, Any], message: str
+) -> None:
+    coord, address = coordinator
+    client = JsonClient(address, SERVICE)
+    try:
+        with pytest.raises(TransportError) as raised:
+            if method == "Watch":
+                next(client.stream(method, body))
+            else:
+                client.call(method, body)
+        assert message in str(raised.value)
+        assert coord.members["counts"] == {} and coord.phase == "starting"
+    finally:
+        client.close()
+
+
+def test_an_instance_handed_a_malformed_command_stops_and_says_why(
+    coordinator: tuple[Coordinator, str],
+) -> None:
+    """The coordinator runs the same protocol: a command that does not fit is a bug, and the
+    instance stops rather than go on without a step of the protocol."""
+    coord, _ = coordinator
+
+    def watch(body: dict[str, Any], context: grpc.ServicerContext) -> Iterator[dict[str, Any]]:
+        yield Pause(epoch=1).wire()
+        yield {"type": "pause", "epoch": "soon"}
+
+    server, port = start_server("127.0.0.1:0", [json_handler(SERVICE, {}, {"Watch": watch})])
+    control = JsonClient(f"127.0.0.1:{port}", SERVICE)
+    try:
+        reply = coord.register(RegisterRequest(stage="counts", index=0, data_address="-"))
+        ctx = InstanceContext(coord.spec, "counts", 0, control, Inbox())
+        assert reply.identity
+        ctx.follow_commands()  # returns once the stream has been read
+        assert ctx.stop.is_set()
+        assert ctx.next_command() == Pause(epoch=1)
+        assert ctx.fatal is not None and "pause.epoch: Input should be a valid integer" in ctx.fatal
+    finally:
+        control.close()
+        server.stop(None)
