@@ -183,7 +183,7 @@ class _IngestWriter:
                 left = rows.num_rows
                 for fmt, payload, count in client.pieces(rows):
                     left -= count
-                    backlog = self._backlog(rows, left, client_id)
+                    backlog = self._backlog(rows, left, client_id, time.time())
                     part = f"{partition}-{attempt}-{index}"
                     index += 1
                     reply = _retrying(
@@ -200,13 +200,15 @@ class _IngestWriter:
                     staged.reasons += [r for r in reply.reasons if r not in staged.reasons]
         return staged
 
-    def _backlog(self, rows: pa.Table, left: int, client_id: str) -> ClientBacklog | None:
-        """What is due and not pushed once a piece of `rows` is, `left` of them still to go;
-        None without option dueColumn."""
+    def _backlog(
+        self, rows: pa.Table, left: int, client_id: str, now: float
+    ) -> ClientBacklog | None:
+        """What is due and not pushed at `now` (epoch seconds) once a piece of `rows` is,
+        `left` of them still to go; None without option dueColumn."""
         column = self.options.due_column
         if column is None:
             return None
-        due, oldest = due_backlog(rows, column, rows.num_rows - left, time.time())
+        due, oldest = due_backlog(rows, column, rows.num_rows - left, now)
         # Each endpoint hears of its share: the job sums its source instances' reports.
         return ClientBacklog(client_id, due // len(self.options.endpoints), oldest)
 

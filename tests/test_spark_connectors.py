@@ -11,6 +11,7 @@ from keyshift.runtime.job import StepProfile
 from keyshift.runtime.job_secret import SECRET_ENV, new_job_secret
 from keyshift.spark.bids import DUE_COLUMN, BidOptions, bids, profile_json
 from keyshift.spark.ingest_writer import (
+    KeyshiftStreamWriter,
     KeyshiftWriteError,
     WriterOptions,
     check_due_column,
@@ -149,3 +150,16 @@ def test_a_due_column_the_dataframe_lacks_is_refused_when_the_query_starts() -> 
     check_due_column(WriterOptions.parse({"endpoint": "a:1"}), ["seq"])  # no option, no check
     with pytest.raises(ValueError, match=r"names 'due_us', which the DataFrame does not have"):
         check_due_column(options, ["seq", "price"])
+
+
+def test_each_endpoint_hears_of_its_share_of_the_writers_backlog() -> None:
+    # Two endpoints, tasks spread over them: each is told half, so the job's sum is the whole.
+    due_us = [int((9.0 + (i + 1) / 1000) * 1e6) for i in range(1000)]
+    rows = pa.table({"due": due_us})
+    options = {"endpoint": "a:1,b:2", "duecolumn": "due"}
+    one = KeyshiftStreamWriter({**options, "endpoint": "a:1"})._backlog(rows, 400, "q", 12.0)
+    two = KeyshiftStreamWriter(options)._backlog(rows, 400, "q", 12.0)
+    assert one is not None and two is not None
+    assert one.rows == pytest.approx(2400, abs=5) and two.rows == one.rows // 2
+    assert two.client == "q" and two.oldest_seconds == one.oldest_seconds
+    assert KeyshiftStreamWriter({"endpoint": "a:1"})._backlog(rows, 400, "q", 12.0) is None
