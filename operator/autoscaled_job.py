@@ -15,6 +15,8 @@ from pydantic import Field, model_validator
 from keyshift.policies.settings import AutoscalerSettings
 from keyshift.runtime.job import JobSpec
 
+_CHAINED = "map and filter stages run in their source's processes and scale with it"
+
 
 class AutoscaledJob(JobSpec):
     """A JobSpec whose autoscaler section is `AutoscalerSettings` (or none)."""
@@ -30,7 +32,10 @@ class AutoscaledJob(JobSpec):
         names = [stage.name for stage in self.stages()]
         unknown = sorted(set(self.autoscaler.stages) - set(names))
         if unknown:
-            raise ValueError(f"autoscaler.stages names {unknown}, which are not stages {names}")
+            chained = f" ({_CHAINED})" if self.graph is not None else ""
+            raise ValueError(
+                f"autoscaler.stages names {unknown}, which are not stages {names}{chained}"
+            )
         ceiling = self.autoscaler.bounds_of(self.keyed.name).max_parallelism
         if ceiling > self.max_key_groups:
             raise ValueError(

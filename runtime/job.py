@@ -1,10 +1,14 @@
 """The job definition: pydantic models of a pipeline, loadable from YAML.
 
-A job is source -> stateless map/filter (chained into the source stage) -> key_by -> one keyed
-stateful operator -> sink. The local host validates a job file with `load_job` before it starts
-anything; the coordinator and every instance receive the same validated model. The Python API
-in `keyshift.runtime.pipeline` builds these models too. Job files are read by
-`keyshift.runtime.job_file` (size, nesting, alias and duplicate-key limits).
+A job is a graph of named stages (`graph`: sources, map/filter/flat_map stages, keyed stages,
+sinks, each naming its inputs), checked by `keyshift.runtime.job_graph`; a job file of the older
+shape (source -> map/filter -> key_by -> one keyed operator -> sink at the top level) is
+normalised into the same graph. The runtime executes one shape so far, which a graph is lowered
+onto (`source`, `keyed`, `sink`, `fields`); any other shape is refused at load time. The local
+host validates a job file with `load_job` before it starts anything; the coordinator and every
+instance receive the same validated model. The Python API in `keyshift.runtime.pipeline` builds
+these models too. Job files are read by `keyshift.runtime.job_file` (size, nesting, alias and
+duplicate-key limits).
 """
 
 from __future__ import annotations
@@ -21,18 +25,29 @@ from pydantic import (
     ConfigDict,
     Discriminator,
     Field,
+    SerializerFunctionWrapHandler,
     Tag,
     ValidationError,
     ValidationInfo,
     field_validator,
+    model_serializer,
     model_validator,
 )
 
 from keyshift.runtime.job_file import JobFileError, check_data, read_job_file
+from keyshift.runtime.job_graph import FieldType as FieldType
+from keyshift.runtime.job_graph import (
+    Graph,
+    GraphError,
+    Node,
+    Partitioning,
+    Role,
+    build_graph,
+    lower_to_chain,
+)
 from keyshift.runtime.records import READER_NAME, RESERVED_FIELDS
 from keyshift.runtime.transport import MAX_MESSAGE
 
-FieldType = Literal["int", "float", "str", "bool"]
 AggregateFunction = Literal["count", "sum", "min", "max", "mean"]
 STAGE_NAME_PATTERN = r"^[a-z][a-z0-9-]{0,39}$"
 MAX_PARALLELISM = 256  # instances of one stage at most (the policies' bounds stop there too)
@@ -381,6 +396,164 @@ class SinkStage(Stage):
     config: SinkConfig = Field(default_factory=LogSink)
 
 
+GENERATED_FIELDS: dict[str, FieldType] = {"key": "int", "value": "float"}
+
+
+def _record_fields(fields: dict[str, FieldType] | None) -> dict[str, FieldType] | None:
+    """A record schema (the job's, a source's, a map's): some fields, none of them reserved."""
+    if fields is None:
+        return None
+    reserved = sorted(set(fields) & RESERVED_FIELDS)
+    if reserved:
+        raise ValueError(f"field names {reserved} are reserved for record metadata")
+    if not fields:
+        raise ValueError("a schema needs at least one field")
+    return fields
+
+
+def _map_function(path: str, info: ValidationInfo) -> str:
+    return _check_function_path(path, info, 1)
+
+
+class SourceNode(Stage):
+    """A source stage of a graph: its records have the schema `fields`."""
+
+    kind: Literal["source"]
+    config: SourceConfig = Field(default_factory=GeneratorSource)
+    fields: dict[str, FieldType] | None = Field(
+        default=None,
+        description="the schema of its records: the generator's are {key: int, value: float}; "
+        "an ingest source's rows are checked against it (required)",
+    )
+
+    _fields = field_validator("fields")(_record_fields)
+
+    @model_validator(mode="after")
+    def _schema(self) -> SourceNode:
+        if isinstance(self.config, GeneratorSource):
+            if self.fields is not None and self.fields != GENERATED_FIELDS:
+                raise ValueError(f"a generator's records are {GENERATED_FIELDS}, not {self.fields}")
+        elif self.fields is None:
+            raise ValueError("an ingest source needs `fields`: the schema of the rows pushed")
+        return self
+
+    def record_fields(self) -> dict[str, FieldType]:
+        return GENERATED_FIELDS if self.fields is None else self.fields
+
+
+class _Downstream(Stage):
+    """A stage with inputs: `input` names one, `inputs` several (a union)."""
+
+    input: str | None = Field(default=None, description="the stage it reads")
+    inputs: list[str] | None = Field(
+        default=None, description="the stages it reads, as one stream (a union)"
+    )
+
+    @model_validator(mode="after")
+    def _one_way(self) -> _Downstream:
+        if self.input is not None and self.inputs is not None:
+            raise ValueError("give `input` or `inputs`, not both")
+        return self
+
+    def input_names(self) -> tuple[str, ...]:
+        return (self.input,) if self.input is not None else tuple(self.inputs or ())
+
+
+class _Partitioned(_Downstream):
+    partitioning: Partitioning | None = Field(
+        default=None,
+        description="how records reach its instances: forward (instance i to i, chained), "
+        "key_by (hash of `key_by`), rebalance (round robin) or broadcast (every instance); "
+        "left out: key_by 'key' after a keyed stage, else forward at equal parallelism and "
+        "rebalance otherwise",
+    )
+    key_by: str | None = Field(default=None, description="the field of a key_by partitioning")
+
+
+class TransformNode(_Partitioned):
+    """A stateless stage: map (a record to a record), filter, or flat_map (to a list)."""
+
+    kind: Literal["map", "filter", "flat_map"]
+    function: str = Field(description="module:function(record), called per record")
+    fields: dict[str, FieldType] | None = Field(
+        default=None,
+        description="map and flat_map: the schema of the records it emits (left out: the same "
+        "as its input's)",
+    )
+
+    _check = field_validator("function")(_map_function)
+    _fields = field_validator("fields")(_record_fields)
+
+    @model_validator(mode="after")
+    def _filter_keeps_schema(self) -> TransformNode:
+        if self.kind == "filter" and self.fields is not None:
+            raise ValueError("a filter keeps its input's schema: it has no `fields`")
+        return self
+
+
+class KeyedNode(_Downstream):
+    """A keyed stage of a graph, partitioned by its own `key_by`."""
+
+    kind: Literal["keyed"]
+    key_by: str = Field(description="the field whose value is the key")
+    operator: OperatorConfig = Field(default_factory=AggregateOperator)
+    state: StateSettings = Field(default_factory=StateSettings)
+
+
+class SinkNode(_Partitioned):
+    kind: Literal["sink"]
+    config: SinkConfig = Field(default_factory=LogSink)
+
+
+def _graph_kind(value: Any) -> str | None:
+    kind = value.get("kind") if isinstance(value, dict) else getattr(value, "kind", None)
+    return _tag("transform" if kind in ("map", "filter", "flat_map") else str(kind))
+
+
+GraphStage = Annotated[
+    Annotated[SourceNode, Tag(_tag("source"))]
+    | Annotated[TransformNode, Tag(_tag("transform"))]
+    | Annotated[KeyedNode, Tag(_tag("keyed"))]
+    | Annotated[SinkNode, Tag(_tag("sink"))],
+    Discriminator(
+        _graph_kind,
+        custom_error_type="unknown_kind",
+        custom_error_message="kind must be one of 'source', 'map', 'filter', 'flat_map', "
+        "'keyed', 'sink'",
+    ),
+]
+
+
+def _node(stage: SourceNode | TransformNode | KeyedNode | SinkNode) -> Node:
+    """A graph stage as `keyshift.runtime.job_graph` sees it."""
+    if isinstance(stage, SourceNode):
+        return Node(stage.name, "source", stage.parallelism, fields=stage.record_fields())
+    if isinstance(stage, KeyedNode):
+        op = stage.operator
+        aggregate = op if isinstance(op, AggregateOperator) else None
+        return Node(
+            stage.name,
+            "keyed",
+            stage.parallelism,
+            stage.input_names(),
+            key_by=stage.key_by,
+            aggregate=aggregate.function if aggregate else None,
+            aggregate_field=aggregate.field if aggregate else None,
+            function=None if aggregate else op.function,
+        )
+    role: Role = "sink" if isinstance(stage, SinkNode) else stage.kind
+    return Node(
+        stage.name,
+        role,
+        stage.parallelism,
+        stage.input_names(),
+        stage.partitioning,
+        stage.key_by,
+        stage.fields if isinstance(stage, TransformNode) else None,
+        function=stage.function if isinstance(stage, TransformNode) else None,
+    )
+
+
 class Batching(_Model):
     max_records: int = Field(default=8192, ge=1, le=1 << 20, description="flush at this size")
     linger_ms: float = Field(default=5.0, ge=0, le=10_000, description="flush after this wait")
@@ -412,6 +585,9 @@ class CheckpointSettings(_Model):
     )
 
 
+_CHAIN_KEYS = ("source", "keyed", "sink", "fields")
+
+
 class JobSpec(_Model):
     name: str = Field(pattern=STAGE_NAME_PATTERN)
     max_key_groups: int = Field(default=4096, ge=1, le=1 << 16)
@@ -422,6 +598,11 @@ class JobSpec(_Model):
     allow_non_finite: list[str] = Field(
         default_factory=list,
         description="float fields that may hold NaN and infinities (others reject such records)",
+    )
+    graph: list[GraphStage] | None = Field(
+        default=None,
+        description="the job as a graph of named stages, each naming its input(s); a job gives "
+        "either this or source/keyed/sink/fields, which a graph is lowered onto",
     )
     source: SourceStage = Field(default_factory=SourceStage)
     keyed: KeyedStage = Field(default_factory=KeyedStage)
@@ -445,8 +626,132 @@ class JobSpec(_Model):
         "that dies is noticed at once",
     )
 
+    @model_validator(mode="before")
+    @classmethod
+    def _one_shape(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("graph") is not None:
+            given = [k for k in _CHAIN_KEYS if k in data]
+            if given:
+                raise ValueError(
+                    f"a job with a `graph` describes its stages and schemas there: leave out "
+                    f"{given} (the older shape), or leave out `graph`"
+                )
+        return data
+
+    @model_serializer(mode="wrap")
+    def _dump_one_shape(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        """A graph job is written as its graph: what it was lowered onto is derived again."""
+        data: dict[str, Any] = handler(self)
+        if self.graph is not None:
+            for key in _CHAIN_KEYS:
+                data.pop(key, None)
+        elif "graph" in data and data["graph"] is None:
+            del data["graph"]
+        return data
+
+    def _lower_graph(self, info: ValidationInfo) -> None:
+        """Set source/keyed/sink/fields from the graph, which the runtime reads; a model
+        validator is the one place a frozen model can still take derived values."""
+        assert self.graph is not None
+        try:
+            chain = lower_to_chain(self.dataflow())
+        except GraphError as exc:
+            raise ValueError(str(exc)) from None
+        stages = {stage.name: stage for stage in self.graph}
+        source = stages[chain.source.name]
+        keyed = stages[chain.keyed.name]
+        sink = stages[chain.sink.name]
+        assert isinstance(source, SourceNode) and isinstance(keyed, KeyedNode)
+        assert isinstance(sink, SinkNode)
+        if isinstance(source.config, IngestSource) and dict(chain.fields) != source.fields:
+            changing = next(t for t in chain.transforms if t.fields is not None)
+            raise ValueError(
+                f"not supported yet: stage {changing.name!r} (map): a map that reshapes an "
+                "ingest source's rows (the runtime checks them against the schema the keyed "
+                "stage reads)"
+            )
+        # Validated again with the job's context: a model's own checks rerun on its instances,
+        # and the user's functions must be checked as the job asks (imported, or by form only).
+        context = info.context
+        transforms = [{t.role: t.function} for t in chain.transforms]
+        values = {
+            "source": SourceStage.model_validate(
+                {
+                    "name": source.name,
+                    "parallelism": source.parallelism,
+                    "config": source.config,
+                    "transforms": transforms,
+                },
+                context=context,
+            ),
+            "keyed": KeyedStage.model_validate(
+                {
+                    "name": keyed.name,
+                    "parallelism": keyed.parallelism,
+                    "key_by": keyed.key_by,
+                    "operator": keyed.operator,
+                    "state": keyed.state,
+                },
+                context=context,
+            ),
+            "sink": SinkStage.model_validate(
+                {"name": sink.name, "parallelism": sink.parallelism, "config": sink.config},
+                context=context,
+            ),
+            "fields": dict(chain.fields),
+        }
+        for name, value in values.items():
+            object.__setattr__(self, name, value)
+
+    def dataflow(self) -> Graph:
+        """The job's graph, checked: its `graph`, or the older shape normalised into one (the
+        source's map/filter transforms become stages named `<source>-<n>`)."""
+        if self.graph is not None:
+            nodes = [_node(stage) for stage in self.graph]
+        else:
+            nodes = self._chain_nodes()
+        return build_graph(nodes)
+
+    def _chain_nodes(self) -> list[Node]:
+        source, keyed, sink = self.source, self.keyed, self.sink
+        maps = any(t.map is not None for t in source.transforms)
+        generator = isinstance(source.config, GeneratorSource)
+        fields = GENERATED_FIELDS if generator and maps else self.fields
+        nodes = [Node(source.name, "source", source.parallelism, fields=fields)]
+        for i, t in enumerate(source.transforms, 1):
+            role: Role = "map" if t.map is not None else "filter"
+            nodes.append(
+                Node(
+                    f"{source.name}-{i}",
+                    role,
+                    source.parallelism,
+                    (nodes[-1].name,),
+                    "forward",
+                    fields=self.fields if t.map is not None else None,
+                    function=t.map or t.filter,
+                )
+            )
+        op = keyed.operator
+        aggregate = op if isinstance(op, AggregateOperator) else None
+        nodes.append(
+            Node(
+                keyed.name,
+                "keyed",
+                keyed.parallelism,
+                (nodes[-1].name,),
+                key_by=keyed.key_by,
+                aggregate=aggregate.function if aggregate else None,
+                aggregate_field=aggregate.field if aggregate else None,
+                function=None if aggregate else op.function,
+            )
+        )
+        nodes.append(Node(sink.name, "sink", sink.parallelism, (keyed.name,)))
+        return nodes
+
     @model_validator(mode="after")
-    def _consistent(self) -> JobSpec:
+    def _consistent(self, info: ValidationInfo) -> JobSpec:
+        if self.graph is not None:
+            self._lower_graph(info)
         names = [self.source.name, self.keyed.name, self.sink.name]
         if len(set(names)) != len(names):
             raise ValueError(f"stage names must be distinct, got {names}")
@@ -477,17 +782,14 @@ class JobSpec(_Model):
             raise ValueError(f"allow_non_finite names {not_floats}, which are not float fields")
         if self.keyed.parallelism > self.max_key_groups:
             raise ValueError("keyed.parallelism must not exceed max_key_groups")
+        if self.graph is None:
+            try:
+                self.dataflow()
+            except GraphError as exc:
+                raise ValueError(str(exc)) from None
         return self
 
-    @field_validator("fields")
-    @classmethod
-    def _no_reserved(cls, fields: dict[str, FieldType]) -> dict[str, FieldType]:
-        reserved = sorted(set(fields) & RESERVED_FIELDS)
-        if reserved:
-            raise ValueError(f"field names {reserved} are reserved for record metadata")
-        if not fields:
-            raise ValueError("a job needs at least one field")
-        return fields
+    _no_reserved = field_validator("fields")(_record_fields)
 
     def stages(self) -> list[Stage]:
         return [self.source, self.keyed, self.sink]

@@ -1,9 +1,11 @@
 """A small Python API that builds a job: the same graph a YAML job file describes.
 
 Users' Python scripts and tests build jobs with it; it produces the same `JobSpec` a YAML file
-does. Each step returns a new `Pipeline` (the old one is unchanged); `build()` hands the
-collected data to `keyshift.runtime.job.parse_job`, so every field is validated in one place,
-and `to_yaml()` writes a job file that `load_job` reads back to an equal `JobSpec`.
+does: `Pipeline` the older chain shape, `source(...)` steps and `Dataflow` a graph of named
+stages (see the graph section below). Each step returns a new value (the old one is unchanged);
+`build()` hands the collected data to `keyshift.runtime.job.parse_job`, so every field is
+validated in one place, and `to_yaml()` writes a job file that `load_job` reads back to an
+equal `JobSpec`.
 
 Functions (map, filter, process, sink) run in other processes, which import them by name: they
 are stored as "module:qualname" strings and must be defined at module level in an importable
@@ -364,5 +366,246 @@ class Pipeline:
 
     def to_yaml(self) -> str:
         """A job file for this pipeline, holding what the steps set (defaults left out)."""
+        data = self.build().model_dump(mode="json", exclude_unset=True)
+        return yaml.safe_dump(data, sort_keys=False)
+
+
+# -- graphs ------------------------------------------------------------------------------------
+#
+# The same API for a job of many stages: a `Stream` is the output of one stage (or of several,
+# after `union`), and each step adds a stage that reads it. Each step returns a new `Stream`;
+# `Dataflow(name, *sinks)` collects every stage the sinks read from into the job's `graph`.
+
+Partition = Literal["forward", "rebalance", "broadcast"]
+
+
+@dataclass(frozen=True)
+class Stream:
+    """What a stage (or a union of stages) emits; the steps below add the stages that read it.
+
+    Stages left unnamed are named `<step>-<n>`, n counting the stages before them; branches
+    that are joined again must not reuse a name, so name the stages of such branches."""
+
+    stages: tuple[Mapping[str, Any], ...]
+    heads: tuple[str, ...]
+    partitioning: Partition | None = None
+
+    def _add(self, step: str, stage: Mapping[str, Any], name: str | None) -> Stream:
+        named = {"name": name or f"{step.replace('_', '-')}-{len(self.stages) + 1}"} | dict(stage)
+        inputs: dict[str, Any] = (
+            {"input": self.heads[0]} if len(self.heads) == 1 else {"inputs": list(self.heads)}
+        )
+        if self.partitioning is not None and stage.get("kind") != "keyed":
+            inputs["partitioning"] = self.partitioning
+        return Stream(_merge(self.stages, ({**named, **inputs},)), (named["name"],))
+
+    def _repartition(self, partitioning: Partition) -> Stream:
+        return replace(self, partitioning=partitioning)
+
+    def forward(self) -> Stream:
+        """The next stage's instance i reads this stage's instance i (equal parallelism)."""
+        return self._repartition("forward")
+
+    def rebalance(self) -> Stream:
+        """The next stage's instances get the records round robin."""
+        return self._repartition("rebalance")
+
+    def broadcast(self) -> Stream:
+        """Every instance of the next stage gets every record."""
+        return self._repartition("broadcast")
+
+    def union(self, *others: Stream) -> Stream:
+        """One stream of this one's records and the others'; they must have one schema."""
+        stages = self.stages
+        for other in others:
+            stages = _merge(stages, other.stages)
+        heads = tuple(dict.fromkeys(h for s in (self, *others) for h in s.heads))
+        return Stream(stages, heads)
+
+    def _stateless(
+        self,
+        kind: str,
+        fn: UserFunction,
+        fields: Mapping[str, FieldType] | None,
+        name: str | None,
+        parallelism: int | None,
+    ) -> Stream:
+        stage = {"kind": kind, "function": function_path(fn, f"{kind}()")} | _given(
+            fields=None if fields is None else dict(fields), parallelism=parallelism
+        )
+        return self._add(kind, stage, name)
+
+    def map(
+        self,
+        fn: UserFunction,
+        *,
+        fields: Mapping[str, FieldType] | None = None,
+        name: str | None = None,
+        parallelism: int | None = None,
+    ) -> Stream:
+        """`fn(record) -> record`; `fields` is the schema it emits (left out: unchanged)."""
+        return self._stateless("map", fn, fields, name, parallelism)
+
+    def filter(
+        self, fn: UserFunction, *, name: str | None = None, parallelism: int | None = None
+    ) -> Stream:
+        """`fn(record) -> bool`; records for which it is false are dropped."""
+        return self._stateless("filter", fn, None, name, parallelism)
+
+    def flat_map(
+        self,
+        fn: UserFunction,
+        *,
+        fields: Mapping[str, FieldType] | None = None,
+        name: str | None = None,
+        parallelism: int | None = None,
+    ) -> Stream:
+        """`fn(record) -> list of records`; `fields` is the schema it emits."""
+        return self._stateless("flat_map", fn, fields, name, parallelism)
+
+    def key_by(self, field: str) -> KeyedStream:
+        """The next stage is keyed by `field` (an int or str field of these records)."""
+        return KeyedStream(self, field)
+
+    def sink_log(
+        self,
+        path: str | None = None,
+        *,
+        format: Literal["jsonl", "parquet", "none"] | None = None,
+        segment_records: int | None = None,
+        parallelism: int | None = None,
+        name: str | None = None,
+    ) -> Stream:
+        """An ordered output log in directory `path`."""
+        config = {"kind": "log"} | _given(path=path, format=format, segment_records=segment_records)
+        return self._add(
+            "sink", {"kind": "sink", "config": config} | _given(parallelism=parallelism), name
+        )
+
+    def sink(
+        self, fn: UserFunction, *, parallelism: int | None = None, name: str | None = None
+    ) -> Stream:
+        """`fn(batch: pyarrow.RecordBatch)` called with every batch this stage receives."""
+        config = {"kind": "function", "function": function_path(fn, "sink()")}
+        return self._add(
+            "sink", {"kind": "sink", "config": config} | _given(parallelism=parallelism), name
+        )
+
+
+def _merge(
+    ours: tuple[Mapping[str, Any], ...], theirs: tuple[Mapping[str, Any], ...]
+) -> tuple[Mapping[str, Any], ...]:
+    """Both branches' stages, each once; JobError for two different stages of one name."""
+    merged = {s["name"]: s for s in ours}
+    for stage in theirs:
+        known = merged.setdefault(stage["name"], stage)
+        if known != stage:
+            raise JobError(
+                f"two different stages are named {stage['name']!r}: name the stages of "
+                "branches that are joined again (name=...)"
+            )
+    return tuple(merged.values())
+
+
+@dataclass(frozen=True)
+class KeyedStream:
+    """A stream about to enter a keyed stage: one of the operators below makes the stage."""
+
+    stream: Stream
+    key: str
+
+    def _keyed(
+        self,
+        step: str,
+        operator: Mapping[str, Any],
+        name: str | None,
+        parallelism: int | None,
+        state: Mapping[str, Any] | None,
+    ) -> Stream:
+        stage = {"kind": "keyed", "key_by": self.key, "operator": dict(operator)} | _given(
+            parallelism=parallelism, state=None if state is None else dict(state)
+        )
+        return self.stream._add(step, stage, name)
+
+    def count(
+        self,
+        *,
+        name: str | None = None,
+        parallelism: int | None = None,
+        state: Mapping[str, Any] | None = None,
+    ) -> Stream:
+        """A running count of records per key."""
+        return self._keyed(
+            "count", {"kind": "aggregate", "function": "count"}, name, parallelism, state
+        )
+
+    def aggregate(
+        self,
+        function: Literal["count", "sum", "min", "max", "mean"],
+        field: str | None = None,
+        *,
+        name: str | None = None,
+        parallelism: int | None = None,
+        state: Mapping[str, Any] | None = None,
+    ) -> Stream:
+        """A running count/sum/min/max/mean of `field` per key."""
+        operator = {"kind": "aggregate", "function": function} | _given(field=field)
+        return self._keyed(function, operator, name, parallelism, state)
+
+    def process(
+        self,
+        fn: UserFunction,
+        *,
+        name: str | None = None,
+        parallelism: int | None = None,
+        state: Mapping[str, Any] | None = None,
+    ) -> Stream:
+        """`fn(state, record) -> (state, output or None)` per record."""
+        operator = {"kind": "process", "function": function_path(fn, "process()")}
+        return self._keyed("process", operator, name, parallelism, state)
+
+
+def source(
+    name: str,
+    config: Mapping[str, Any] | None = None,
+    *,
+    fields: Mapping[str, FieldType] | None = None,
+    parallelism: int | None = None,
+) -> Stream:
+    """A source stage: `config` as in a job file (`{"kind": "generator", ...}` by default, or
+    `{"kind": "ingest", ...}` with the rows' `fields`)."""
+    stage = {"name": name, "kind": "source"} | _given(
+        config=None if config is None else dict(config),
+        fields=None if fields is None else dict(fields),
+        parallelism=parallelism,
+    )
+    return Stream((stage,), (name,))
+
+
+class Dataflow:
+    """A job of many stages: every stage the given sinks read from, and the job-wide settings
+    as a job file has them (`max_key_groups`, `batching`, `autoscaler`, `checkpoints`, ...)."""
+
+    __slots__ = ("_data",)
+
+    def __init__(self, name: str, *sinks: Stream, **settings: Any) -> None:
+        if not sinks:
+            raise JobError("a Dataflow needs at least one stream ending in a sink")
+        stages: tuple[Mapping[str, Any], ...] = ()
+        for stream in sinks:
+            stages = _merge(stages, stream.stages)
+        given = {k: v for k, v in settings.items() if v is not None}
+        self._data = {"name": name} | given | {"graph": [dict(s) for s in stages]}
+
+    def to_dict(self) -> dict[str, Any]:
+        """The job as plain data, in the shape of a job file (not yet validated)."""
+        return {k: (list(v) if k == "graph" else v) for k, v in self._data.items()}
+
+    def build(self) -> JobSpec:
+        """The validated job; JobError naming each bad stage or field and why."""
+        return parse_job(self.to_dict(), origin=f"dataflow {self._data['name']!r}")
+
+    def to_yaml(self) -> str:
+        """A job file for this job, holding what the steps set (defaults left out)."""
         data = self.build().model_dump(mode="json", exclude_unset=True)
         return yaml.safe_dump(data, sort_keys=False)

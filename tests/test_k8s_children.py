@@ -24,6 +24,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from keyshift.operator.autoscaled_job import AutoscaledJob
 from keyshift.operator.k8s_children import (
     APP_DIR,
     CHILD_OPTIONS_ENV,
@@ -49,7 +50,7 @@ from keyshift.operator.k8s_children import (
 )
 from keyshift.operator.streamingjob import StreamingJobSpec
 from keyshift.runtime.instance import _index
-from keyshift.runtime.job import parse_job
+from keyshift.runtime.job import parse_job_as
 from tests.conftest import KEYSHIFT, REPO
 
 NAME = "clicks"
@@ -219,7 +220,8 @@ def test_the_config_map_holds_the_same_job() -> None:
     spec, manifests = build()
     config = by_kind(manifests, "ConfigMap")[config_map_name(NAME)]
     text = config["data"][JOB_FILE]
-    assert parse_job(yaml.safe_load(text), resolve_functions=False) == spec.job_spec()
+    loaded = parse_job_as(AutoscaledJob, yaml.safe_load(text), resolve_functions=False)
+    assert loaded == spec.job_spec()
     coordinator = by_kind(manifests, "Deployment")["clicks-coordinator"]
     pod = coordinator["spec"]["template"]["spec"]
     (container,) = pod["containers"]
@@ -781,3 +783,25 @@ def test_a_keyed_stage_on_rocksdb_gets_a_writable_state_directory_and_the_others
     assert all(
         v["name"] != "state" for _, t in pod_templates(in_memory) for v in t["spec"]["volumes"]
     )
+
+
+def test_a_job_written_as_a_graph_gets_a_stateful_set_per_process_stage() -> None:
+    graph = [
+        {"name": "clicks", "kind": "source", "parallelism": 2, "config": {"kind": "generator"}},
+        {"name": "keep", "kind": "filter", "input": "clicks", "function": "mod:keep",
+         "parallelism": 2},
+        {"name": "counts", "kind": "keyed", "input": "keep", "key_by": "key", "parallelism": 3},
+        {"name": "out", "kind": "sink", "input": "counts", "config": {"kind": "log"}},
+    ]  # fmt: skip
+    spec, manifests = build(job={"name": "clicks", "graph": graph})
+    sets = by_kind(manifests, "StatefulSet")
+    # The filter runs chained in the source's pods: it has no StatefulSet of its own.
+    assert {name: s["spec"]["replicas"] for name, s in sets.items()} == {
+        "clicks-clicks": 2,
+        "clicks-counts": 3,
+        "clicks-out": 1,
+    }
+    text = by_kind(manifests, "ConfigMap")[config_map_name(NAME)]["data"][JOB_FILE]
+    assert "graph" in yaml.safe_load(text)
+    loaded = parse_job_as(AutoscaledJob, yaml.safe_load(text), resolve_functions=False)
+    assert loaded == spec.job_spec()

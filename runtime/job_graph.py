@@ -1,0 +1,334 @@
+"""The job as a dataflow graph: named stages, the edges between them with their partitioning,
+and the record schema along every edge.
+
+`keyshift.runtime.job` validates every job through it: a job file's `graph` (and a job of the
+older source/keyed/sink shape, normalised into one) becomes `Node`s, `build_graph` refuses a
+bad graph naming the stage and the reason, and `lower_to_chain` maps a graph onto the one shape
+the runtime executes today (a source with its chained map/filter stages, one keyed stage, one
+sink), refusing any other shape with "not supported yet". The module is pure: no I/O, no
+imports of the job's pydantic models (they import it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+FieldType = Literal["int", "float", "str", "bool"]
+Schema = Mapping[str, FieldType]
+Role = Literal["source", "map", "filter", "flat_map", "keyed", "sink"]
+Partitioning = Literal["forward", "key_by", "rebalance", "broadcast"]
+PARTITIONINGS: tuple[Partitioning, ...] = ("forward", "key_by", "rebalance", "broadcast")
+KEY_TYPES = ("int", "str")
+
+# The record fields a keyed stage emits (record metadata, which every record carries, left
+# out): the columns of `keyshift.runtime.state.aggregate_output_schema` and
+# `keyshift.runtime.keyed_stage.process_output_schema`, which tests/test_job_graph.py compares.
+KEY_FIELD = "key"
+
+
+def keyed_output(key_type: FieldType, aggregate: str | None) -> dict[str, FieldType]:
+    """What a keyed stage sends downstream: one update per changed key."""
+    if aggregate is None:
+        return {KEY_FIELD: key_type, "value": "str"}
+    value: FieldType = "int" if aggregate == "count" else "float"
+    return {KEY_FIELD: key_type, "value": value, "n": "int", "version": "int"}
+
+
+class GraphError(ValueError):
+    """A graph that cannot run; the message names the stage and the reason."""
+
+
+@dataclass(frozen=True)
+class Node:
+    """One stage as the graph sees it.
+
+    `fields` is a source's record schema, or the output schema of a map or flat_map (none: the
+    same as its input). `partitioning` is how records reach this stage on each of its input
+    edges; a keyed stage is always partitioned by its `key_by`, other stages by `key_by` only
+    when `partitioning` says so. `aggregate` names a keyed stage's aggregate function (none
+    for a process function), `aggregate_field` the field it reads.
+    """
+
+    name: str
+    role: Role
+    parallelism: int = 1
+    inputs: tuple[str, ...] = ()
+    partitioning: Partitioning | None = None
+    key_by: str | None = None
+    fields: Schema | None = None
+    aggregate: str | None = None
+    aggregate_field: str | None = None
+    function: str | None = None
+
+
+@dataclass(frozen=True)
+class Edge:
+    """Records flowing from one stage to another, and how they pick the receiving instance."""
+
+    source: str
+    target: str
+    partitioning: Partitioning
+    key_by: str | None = None
+
+
+@dataclass(frozen=True)
+class Graph:
+    """A checked graph: stages in topological order, edges, each stage's output schema (a
+    sink's is the schema it receives)."""
+
+    nodes: tuple[Node, ...]
+    edges: tuple[Edge, ...]
+    schemas: Mapping[str, Schema]
+
+    def node(self, name: str) -> Node:
+        return next(n for n in self.nodes if n.name == name)
+
+    def of_role(self, *roles: Role) -> list[Node]:
+        return [n for n in self.nodes if n.role in roles]
+
+    def inputs_of(self, name: str) -> list[Edge]:
+        return [e for e in self.edges if e.target == name]
+
+    def outputs_of(self, name: str) -> list[Edge]:
+        return [e for e in self.edges if e.source == name]
+
+
+def _stage(node: Node) -> str:
+    return f"stage {node.name!r} ({node.role})"
+
+
+def _check_names(nodes: Sequence[Node]) -> dict[str, Node]:
+    by_name: dict[str, Node] = {}
+    for node in nodes:
+        if node.name in by_name:
+            raise GraphError(f"two stages are named {node.name!r}: stage names must be distinct")
+        by_name[node.name] = node
+    return by_name
+
+
+def _check_inputs(by_name: Mapping[str, Node]) -> None:
+    for node in by_name.values():
+        if node.role == "source":
+            if node.inputs:
+                raise GraphError(f"{_stage(node)}: a source has no input")
+            continue
+        if not node.inputs:
+            raise GraphError(f"{_stage(node)} has no input: give it `input` or `inputs`")
+        if len(set(node.inputs)) != len(node.inputs):
+            raise GraphError(f"{_stage(node)} names an input twice: {list(node.inputs)}")
+        for name in node.inputs:
+            upstream = by_name.get(name)
+            if upstream is None:
+                raise GraphError(f"{_stage(node)}: input {name!r} is not a stage of the job")
+            if upstream.role == "sink":
+                raise GraphError(f"{_stage(node)}: input {name!r} is a sink, which has no output")
+    consumed = {name for node in by_name.values() for name in node.inputs}
+    for node in by_name.values():
+        if node.role != "sink" and node.name not in consumed:
+            raise GraphError(f"{_stage(node)} has no output: no stage names it as its input")
+    if not any(n.role == "source" for n in by_name.values()):
+        raise GraphError("the graph has no source stage")
+    if not any(n.role == "sink" for n in by_name.values()):
+        raise GraphError("the graph has no sink stage")
+
+
+def _topological(by_name: Mapping[str, Node]) -> list[Node]:
+    """The stages, every one after its inputs; GraphError naming a cycle if there is one."""
+    order: list[Node] = []
+    state: dict[str, int] = {}  # 1: on the current path, 2: placed
+
+    def visit(node: Node, path: list[str]) -> None:
+        if state.get(node.name) == 2:
+            return
+        if state.get(node.name) == 1:
+            cycle = [*path[path.index(node.name) :], node.name]
+            raise GraphError(f"stages {' -> '.join(cycle)} form a cycle")
+        state[node.name] = 1
+        for name in node.inputs:
+            visit(by_name[name], [*path, node.name])
+        state[node.name] = 2
+        order.append(node)
+
+    for node in by_name.values():
+        visit(node, [])
+    return order
+
+
+def _input_schema(node: Node, schemas: Mapping[str, Schema]) -> Schema:
+    first = schemas[node.inputs[0]]
+    for name in node.inputs[1:]:
+        if dict(schemas[name]) != dict(first):
+            raise GraphError(
+                f"{_stage(node)}: its inputs have different schemas ({node.inputs[0]!r} has "
+                f"{dict(first)}, {name!r} has {dict(schemas[name])}): a union needs one schema"
+            )
+    return first
+
+
+def _key_type(node: Node, key: str, schema: Schema) -> FieldType:
+    """The type of the field `node` is partitioned by; GraphError unless it can be a key."""
+    if key not in schema:
+        raise GraphError(
+            f"{_stage(node)}: key_by {key!r} is not a field of its input (fields: {list(schema)})"
+        )
+    kind = schema[key]
+    if kind not in KEY_TYPES:
+        raise GraphError(f"{_stage(node)}: key_by {key!r} must be an int or str field")
+    return kind
+
+
+def _keyed_schema(node: Node, schema: Schema) -> Schema:
+    assert node.key_by is not None  # every keyed Node has its key
+    key_type = _key_type(node, node.key_by, schema)
+    function, field = node.aggregate, node.aggregate_field
+    if function == "count":
+        if field is not None and field not in schema:
+            raise GraphError(f"{_stage(node)}: aggregate field {field!r} is not a field")
+    elif function is not None:
+        if field is None:
+            raise GraphError(f"{_stage(node)}: the aggregate {function!r} needs a field")
+        if schema.get(field) not in ("int", "float"):
+            raise GraphError(f"{_stage(node)}: aggregate field {field!r} must be int or float")
+    return keyed_output(key_type, function)
+
+
+def _output_schema(node: Node, schemas: Mapping[str, Schema]) -> Schema:
+    if node.role == "source":
+        if node.fields is None:
+            raise GraphError(f"{_stage(node)} needs `fields`: the schema of its records")
+        return node.fields
+    schema = _input_schema(node, schemas)
+    if node.role == "keyed":
+        return _keyed_schema(node, schema)
+    if node.role in ("map", "flat_map") and node.fields is not None:
+        return node.fields
+    return schema
+
+
+def _edges(node: Node, by_name: Mapping[str, Node], schema: Schema) -> list[Edge]:
+    """The edges into `node`; a non-keyed stage left unsaid gets `key_by` of the key after a
+    keyed stage (a key keeps its partition, as a sink needs), else `forward` where the
+    parallelism is equal (chaining) and `rebalance` where it is not."""
+    if node.role == "keyed":
+        if node.partitioning not in (None, "key_by"):
+            raise GraphError(
+                f"{_stage(node)}: a keyed stage is partitioned by its key_by, "
+                f"not {node.partitioning!r}"
+            )
+        return [Edge(name, node.name, "key_by", node.key_by) for name in node.inputs]
+    edges = []
+    for name in node.inputs:
+        upstream = by_name[name]
+        partitioning = node.partitioning
+        key = node.key_by
+        if partitioning is None:
+            if upstream.role == "keyed" and key is None:
+                partitioning, key = "key_by", KEY_FIELD
+            elif key is not None:
+                partitioning = "key_by"
+            else:
+                same = upstream.parallelism == node.parallelism
+                partitioning = "forward" if same else "rebalance"
+        if partitioning == "key_by":
+            if key is None:
+                raise GraphError(f"{_stage(node)}: partitioning key_by needs a `key_by` field")
+            _key_type(node, key, schema)
+        elif key is not None:
+            raise GraphError(
+                f"{_stage(node)}: key_by {key!r} needs partitioning key_by, not {partitioning!r}"
+            )
+        if partitioning == "forward" and upstream.parallelism != node.parallelism:
+            raise GraphError(
+                f"{_stage(node)}: a forward edge from {name!r} needs equal parallelism ({name!r} "
+                f"has {upstream.parallelism}, {node.name!r} has {node.parallelism}); use rebalance"
+            )
+        edges.append(Edge(name, node.name, partitioning, key if partitioning == "key_by" else None))
+    return edges
+
+
+def build_graph(nodes: Sequence[Node]) -> Graph:
+    """Check a graph and propagate schemas along its edges; GraphError naming the stage."""
+    by_name = _check_names(nodes)
+    _check_inputs(by_name)
+    order = _topological(by_name)
+    schemas: dict[str, Schema] = {}
+    edges: list[Edge] = []
+    for node in order:
+        schemas[node.name] = _output_schema(node, schemas)
+        if node.inputs:
+            edges += _edges(node, by_name, _input_schema(node, schemas))
+    return Graph(tuple(order), tuple(edges), schemas)
+
+
+@dataclass(frozen=True)
+class Chain:
+    """The shape the runtime executes today: a source whose instances also run `transforms`
+    (map/filter, chained by forward edges), one keyed stage fed by key_by on the records of
+    schema `fields`, and one sink receiving each key's updates in the partition of its key."""
+
+    source: Node
+    transforms: tuple[Node, ...]
+    keyed: Node
+    sink: Node
+    fields: Schema
+
+
+def _not_yet(node: Node, reason: str) -> GraphError:
+    return GraphError(f"not supported yet: {_stage(node)}: {reason}")
+
+
+def _only(graph: Graph, role: Role, what: str) -> Node:
+    found = graph.of_role(role)
+    if len(found) > 1:
+        raise _not_yet(found[1], f"the runtime runs one {what} per job so far")
+    return found[0]
+
+
+def lower_to_chain(graph: Graph) -> Chain:
+    """The graph as the runtime's chain; GraphError "not supported yet" naming the first stage
+    the runtime cannot execute as the graph says."""
+    source = _only(graph, "source", "source")
+    keyed_stages = graph.of_role("keyed")
+    if not keyed_stages:
+        raise _not_yet(graph.of_role("sink")[0], "a job without a keyed stage")
+    keyed = _only(graph, "keyed", "keyed stage")
+    sink = _only(graph, "sink", "sink")
+    for node in graph.of_role("flat_map"):
+        raise _not_yet(node, "flat_map stages")
+    transforms: list[Node] = []
+    current = source
+    while True:
+        outs = graph.outputs_of(current.name)
+        if len(outs) > 1:
+            raise _not_yet(graph.node(outs[1].target), f"fan-out from {current.name!r}")
+        edge = outs[0]
+        after = graph.node(edge.target)
+        if after.role == "keyed":
+            break
+        if after.role == "sink":
+            raise _not_yet(after, "a sink fed by a stage that is not keyed")
+        if edge.partitioning != "forward":
+            raise _not_yet(
+                after,
+                f"a {edge.partitioning} edge from {current.name!r} (map and filter "
+                "stages run chained into the source: forward edges only)",
+            )
+        transforms.append(after)
+        current = after
+    if len(keyed.inputs) > 1:
+        raise _not_yet(keyed, "a keyed stage with more than one input")
+    outs = graph.outputs_of(keyed.name)
+    if len(outs) > 1:
+        raise _not_yet(graph.node(outs[1].target), f"fan-out from {keyed.name!r}")
+    out = outs[0]
+    if out.target != sink.name:
+        raise _not_yet(graph.node(out.target), f"a stage after the keyed stage {keyed.name!r}")
+    if out.partitioning != "key_by" or out.key_by != KEY_FIELD:
+        raise _not_yet(
+            sink,
+            f"a {out.partitioning} edge from the keyed stage (sinks receive each key's "
+            f"updates in the partition of its key group: key_by {KEY_FIELD!r})",
+        )
+    return Chain(source, tuple(transforms), keyed, sink, graph.schemas[current.name])
