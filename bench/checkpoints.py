@@ -18,6 +18,10 @@ sink writes its first record after the restore, and until a reader sees it (the 
 published at the next completed checkpoint); and the recovery time the job itself recorded
 (from the failure its coordinator noticed to running again).
 
+`--state-backend rocksdb` runs every part on RocksDB state, whose checkpoints are native (a
+checkpoint uploads the SST files the previous one did not store); `--no-recovery` leaves the
+recovery part out.
+
 Run: `make bench-checkpoints` or `.venv/bin/python bench/checkpoints.py`.
 """
 
@@ -45,9 +49,15 @@ from keyshift.runtime.output_log import OutputLogReader
 TARGET_RATIO_AT_10S = 0.9
 
 
-def measure(interval: float | None, warmup: float, window: float) -> dict[str, Any]:
+def state_settings(backend: str, tmp: str) -> dict[str, Any]:
+    if backend == "memory":
+        return {"backend": backend}
+    return {"backend": backend, "path": str(Path(tmp) / "state")}
+
+
+def measure(interval: float | None, warmup: float, window: float, backend: str) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="bench-checkpoints-") as tmp:
-        spec_data = job(65536)
+        spec_data = job(65536, state_settings(backend, tmp))
         storage = Path(tmp) / "checkpoints"
         if interval is not None:
             spec_data["checkpoints"] = {"interval": interval, "storage": str(storage),
@@ -82,9 +92,9 @@ def measure(interval: float | None, warmup: float, window: float) -> dict[str, A
     return result
 
 
-def measure_recovery(rate: float) -> dict[str, Any]:
+def measure_recovery(rate: float, backend: str) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="bench-recovery-") as tmp:
-        spec_data = job(16384)
+        spec_data = job(16384, state_settings(backend, tmp))
         # Uniform keys: the state reaches ~1M keys within seconds (a Zipf tail takes minutes).
         spec_data["source"]["config"].update(distribution="uniform", profile={"rate": rate})
         spec_data["sink"] = {
@@ -175,11 +185,14 @@ def main() -> int:
     parser.add_argument("--warmup", type=float, default=10.0)
     parser.add_argument("--window", type=float, default=20.0)
     parser.add_argument("--recovery-rate", type=float, default=400_000.0)
+    parser.add_argument("--state-backend", choices=["memory", "rocksdb"], default="memory")
+    parser.add_argument("--no-recovery", action="store_true", help="leave out the recovery part")
     args = parser.parse_args()
-    none = measure(None, args.warmup, args.window)
-    every_10 = measure(10.0, args.warmup, args.window)
-    every_1 = measure(1.0, args.warmup, args.window)
-    recovery = measure_recovery(args.recovery_rate)
+    backend = args.state_backend
+    none = measure(None, args.warmup, args.window, backend)
+    every_10 = measure(10.0, args.warmup, args.window, backend)
+    every_1 = measure(1.0, args.warmup, args.window, backend)
+    recovery = None if args.no_recovery else measure_recovery(args.recovery_rate, backend)
     base = none["records_per_s"]
     result = {
         "no_checkpoints_records_per_s": round(base),
@@ -190,6 +203,7 @@ def main() -> int:
         "target_ratio_at_10s": TARGET_RATIO_AT_10S,
         "target_met": every_10["records_per_s"] / base >= TARGET_RATIO_AT_10S,
         "recovery": recovery,
+        "state_backend": backend,
     }  # fmt: skip
     print(json.dumps(result, indent=2))
     return 0

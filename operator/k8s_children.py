@@ -79,6 +79,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from keyshift.operator.state_memory import sized_resources
 from keyshift.operator.streamingjob import OutputLocation, Resources, SparkApp, StreamingJobSpec
 from keyshift.runtime.auth import TLS_CA_ENV, TLS_CERT_ENV, TLS_KEY_ENV, TLS_SERVER_NAME_ENV
 from keyshift.runtime.job import IngestSource, JobSpec, LogSink
@@ -776,7 +777,11 @@ def stage_stateful_set(
             {"name": port_name, "containerPort": port, "protocol": "TCP"}
             for port_name, port in _stage_ports(job, stage)
         ],
-        "resources": _resources(spec.resources),
+        "resources": _resources(
+            sized_resources(spec.resources, job.keyed.state)
+            if stage == job.keyed.name
+            else spec.resources
+        ),
         "volumeMounts": mounts,
         **_metrics_probes(),
     }

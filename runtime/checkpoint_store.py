@@ -7,6 +7,9 @@ fsspec URL works, and `s3://bucket/prefix` goes through s3fs (tested against mot
 Layout under the root URL::
 
     shards/<checkpoint:010d>-<writer>-<uuid>.arrow   Arrow IPC files of state rows
+    shards/<checkpoint:010d>-<writer>-<uuid>-<name>  a file of a RocksDB instance's native
+                                                    checkpoint (SSTs, MANIFEST, ...), first
+                                                    uploaded for that checkpoint
     checkpoints/<checkpoint:010d>.json              the metadata of a completed checkpoint
     recovery/failure.json                           why the job is being restarted, and when
     recovery/history.json                           the recoveries so far (the last 100)
@@ -49,7 +52,9 @@ HISTORY = "recovery/history.json"
 KEPT_RECOVERIES = 100
 _METADATA_NAME = re.compile(r"^(\d{10})\.json$")
 _WRITER_NAME = re.compile(r"^[a-z0-9][a-z0-9-]{0,60}$")
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+_READABLE_FORMATS = (1, 2)  # 1: before native RocksDB checkpoints (no databases)
+_FILE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,100}$")
 
 
 class CheckpointError(StorageError):
@@ -72,9 +77,12 @@ class ShardFile:
 
 @dataclass(frozen=True)
 class GroupChain:
-    """A key group's state at a checkpoint: a base shard, then delta shards in order."""
+    """A key group's state at a checkpoint: a base shard, then delta shards in order; or, for
+    a group a RocksDB instance checkpointed natively, the writer whose database holds it (the
+    checkpoint's `databases` names that database's files)."""
 
     files: tuple[ShardFile, ...]
+    database: str | None = None
 
     @property
     def size(self) -> int:
@@ -91,13 +99,20 @@ class CheckpointMeta:
     groups: dict[int, GroupChain] = field(default_factory=dict)
     written: int = 0  # bytes written for this checkpoint (its new shards)
     assignment: dict[str, Any] = field(default_factory=dict)  # the keyed stage's owners
+    # Native RocksDB checkpoints: per writer, its database's files by their local names.
+    databases: dict[str, dict[str, ShardFile]] = field(default_factory=dict)
+
+    def stored(self) -> set[ShardFile]:
+        """Every file the checkpoint names, each once (thousands of groups share a shard)."""
+        files = {f for chain in self.groups.values() for f in chain.files}
+        return files | {f for database in self.databases.values() for f in database.values()}
 
     def files(self) -> set[str]:
-        return {f.path for chain in self.groups.values() for f in chain.files}
+        return {f.path for f in self.stored()}
 
     def size(self) -> int:
-        """Bytes of all the shards the checkpoint names (each once): what a restore reads."""
-        return sum(f.size for f in {f for chain in self.groups.values() for f in chain.files})
+        """Bytes of all the files the checkpoint names: what a restore of every group reads."""
+        return sum(f.size for f in self.stored())
 
     def to_json(self) -> dict[str, Any]:
         body = asdict(self)
@@ -106,7 +121,7 @@ class CheckpointMeta:
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> CheckpointMeta:
-        if data.get("format") != FORMAT_VERSION:
+        if data.get("format") not in _READABLE_FORMATS:
             raise ValueError(f"unknown checkpoint format {data.get('format')!r}")
         return cls(
             id=int(data["id"]),
@@ -117,23 +132,45 @@ class CheckpointMeta:
             groups=chains_from_json(data),
             written=int(data["written"]),
             assignment=dict(data["assignment"]),
+            databases=databases_from_json(data.get("databases", {})),
         )
 
 
 def chains_to_json(chains: Mapping[int, GroupChain]) -> dict[str, Any]:
     """Group chains as JSON: the distinct shards once, each group as indices into them (a
-    group's chain shares its shards with thousands of other groups)."""
+    group's chain shares its shards with thousands of other groups), or as the name of the
+    database that holds it."""
     shards: dict[ShardFile, int] = {}
-    groups = {
-        str(g): [shards.setdefault(f, len(shards)) for f in chain.files]
-        for g, chain in sorted(chains.items())
-    }
+    groups: dict[str, list[int] | str] = {}
+    for g, chain in sorted(chains.items()):
+        if chain.database is not None:
+            groups[str(g)] = chain.database
+        else:
+            groups[str(g)] = [shards.setdefault(f, len(shards)) for f in chain.files]
     return {"shards": [asdict(f) for f in shards], "groups": groups}
 
 
 def chains_from_json(data: Mapping[str, Any]) -> dict[int, GroupChain]:
     shards = [ShardFile(**f) for f in data["shards"]]
-    return {int(g): GroupChain(tuple(shards[i] for i in ids)) for g, ids in data["groups"].items()}
+    return {
+        int(g): GroupChain((), ids)
+        if isinstance(ids, str)
+        else GroupChain(tuple(shards[i] for i in ids))
+        for g, ids in data["groups"].items()
+    }
+
+
+def database_from_json(data: Mapping[str, Any]) -> dict[str, ShardFile]:
+    """One database's files (local name -> stored file), as `asdict` wrote them. A name is
+    where the file lands at a restore: anything but a RocksDB file name is refused."""
+    bad = [name for name in data if not _FILE_NAME.match(str(name))]
+    if bad:
+        raise ValueError(f"database file names {bad[:3]} are not RocksDB file names")
+    return {str(name): ShardFile(**f) for name, f in data.items()}
+
+
+def databases_from_json(data: Mapping[str, Any]) -> dict[str, dict[str, ShardFile]]:
+    return {str(writer): database_from_json(files) for writer, files in data.items()}
 
 
 def _digest(data: bytes) -> str:
@@ -164,15 +201,30 @@ class CheckpointStore(Storage):
 
     def write_shard(self, checkpoint: int, writer: str, table: pa.Table) -> ShardFile:
         """Write state rows as a new shard file of `checkpoint`, named for its writer."""
-        if not _WRITER_NAME.match(writer):
-            raise CheckpointError(f"writer name {writer!r} must be lower-case letters, digits, '-'")
         sink = io.BytesIO()
         with pa.ipc.new_file(sink, table.schema) as out:
             out.write_table(table)
-        data = sink.getvalue()
-        relative = f"{SHARDS}/{checkpoint:010d}-{writer}-{uuid.uuid4().hex[:12]}.arrow"
+        return self._write_file(checkpoint, writer, ".arrow", sink.getvalue())
+
+    def write_database_file(
+        self, checkpoint: int, writer: str, name: str, data: bytes
+    ) -> ShardFile:
+        """Store one file of a RocksDB instance's native checkpoint (`name` is its local name,
+        kept at the end of the stored one), checksummed and sealed like a shard."""
+        if not _FILE_NAME.match(name):
+            raise CheckpointError(f"database file name {name!r} is not a RocksDB file name")
+        return self._write_file(checkpoint, writer, f"-{name}", data)
+
+    def _write_file(self, checkpoint: int, writer: str, suffix: str, data: bytes) -> ShardFile:
+        if not _WRITER_NAME.match(writer):
+            raise CheckpointError(f"writer name {writer!r} must be lower-case letters, digits, '-'")
+        relative = f"{SHARDS}/{checkpoint:010d}-{writer}-{uuid.uuid4().hex[:12]}{suffix}"
         self._write(relative, data)
         return ShardFile(relative, _digest(data), len(data), self.seal.mac(data))
+
+    def read_database_file(self, shard: ShardFile) -> bytes:
+        """A stored database file's bytes, once its checksum and HMAC check out."""
+        return self._checked(shard)
 
     def _checked(self, shard: ShardFile) -> bytes:
         data = self._read(shard.path)
@@ -231,9 +283,8 @@ class CheckpointStore(Storage):
             raise CheckpointCorrupt(f"{self.url}/{relative} cannot be parsed: {exc}") from exc
 
     def verify(self, meta: CheckpointMeta) -> None:
-        """Check that every shard of a checkpoint is present and matches its checksum (each
-        once: thousands of groups share a shard)."""
-        for shard in {f for chain in meta.groups.values() for f in chain.files}:
+        """Check that every file of a checkpoint is present and matches its checksum."""
+        for shard in meta.stored():
             self._checked(shard)
 
     def latest_valid(self) -> CheckpointMeta | None:

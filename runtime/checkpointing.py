@@ -8,7 +8,8 @@ Three parts, one per role:
   position (records emitted so far). A keyed instance aligns: once a source's barrier
   arrived, that source's later batches wait (unread, so their credits backpressure it) until
   every live source's barrier is in; then it writes its key groups
-  (keyshift.runtime.state_checkpoint: a base or a delta per group), acks their chains, sends
+  (keyshift.runtime.state_checkpoint: a base or a delta per group; on RocksDB a native
+  checkpoint of its database, keyshift.runtime.rocksdb_checkpoint), acks them, sends
   the barrier on to the sinks and goes on. A sink aligns on the keyed instances'
   barriers the same way, flushes its output log and acks the log's end offset. When every
   instance has acked, the driver writes the checkpoint's metadata (id, assignment epoch,
@@ -17,8 +18,9 @@ Three parts, one per role:
   lets go of the logged rows the checkpoint covers, and a sink lets readers see its output
   up to the checkpoint's offset. Then it deletes what the retained checkpoints no longer need.
 - `BarrierAligner` is the alignment both keyed and sink instances do.
-- `KeyedCheckpointer` is a keyed instance's side: it remembers its last chains, so a delta is
-  only written on top of a checkpoint that completed.
+- `KeyedCheckpointer` is a keyed instance's side: it remembers its last chains (or its
+  database's stored files), so a delta is only written (a file only reused) on top of a
+  checkpoint that completed.
 
 Rescales and checkpoints never overlap: a checkpoint starts only when no rescale runs, and a
 rescale request waits for the checkpoint in flight to end (Coordinator.rescale). So a barrier
@@ -40,7 +42,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
 import numpy as np
@@ -50,8 +52,10 @@ from keyshift.runtime.checkpoint_store import (
     CheckpointMeta,
     CheckpointStore,
     GroupChain,
+    ShardFile,
     chains_from_json,
     chains_to_json,
+    database_from_json,
 )
 from keyshift.runtime.job import CheckpointSettings
 from keyshift.runtime.protocol import (
@@ -63,6 +67,8 @@ from keyshift.runtime.protocol import (
     SourceCheckpointAck,
     checkpoint_of,
 )
+from keyshift.runtime.rocksdb_checkpoint import native_groups, restore_databases, write_database
+from keyshift.runtime.rocksdb_state import RocksStore
 from keyshift.runtime.state import KeyedState
 from keyshift.runtime.state_checkpoint import read_groups, write_groups
 from keyshift.runtime.storage import Backoff, retrying
@@ -254,6 +260,7 @@ class CheckpointDriver:
 
     def _metadata(self, checkpoint: int, started: float, events: list[Reported]) -> CheckpointMeta:
         groups: dict[int, GroupChain] = {}
+        databases: dict[str, dict[str, ShardFile]] = {}
         sources: dict[str, Any] = {}
         outputs: dict[str, int] = {}
         written = 0
@@ -264,6 +271,8 @@ class CheckpointDriver:
             elif isinstance(event, KeyedCheckpointAck):
                 groups.update(chains_from_json(event.chains))
                 written += event.written
+                if event.writer is not None and event.database is not None:
+                    databases[event.writer] = database_from_json(event.database)
             elif isinstance(event, SinkCheckpointAck) and event.offset is not None:
                 outputs[str(reported.index)] = event.offset
         assignment = self.host.checkpoint_assignment()
@@ -276,6 +285,7 @@ class CheckpointDriver:
             outputs=outputs,
             groups=groups,
             written=written,
+            databases=databases,
         )
 
 
@@ -344,8 +354,8 @@ class CheckpointProtocolError(RuntimeError):
 
 
 class KeyedCheckpointer:
-    """A keyed instance's checkpoints: write its groups, and remember the chains for the next
-    delta."""
+    """A keyed instance's checkpoints: write its groups (shards, or its RocksDB database
+    natively), and remember what the next checkpoint may build on."""
 
     def __init__(self, settings: CheckpointSettings, writer: str) -> None:
         self.settings = settings
@@ -353,24 +363,42 @@ class KeyedCheckpointer:
         self.store: CheckpointStore | None = None
         self.last_id: int | None = None
         self.last_chains: dict[int, GroupChain] = {}
+        # The files of this instance's database at its last checkpoint (native checkpoints).
+        self.last_files: dict[str, ShardFile] = {}
+
+    def _store(self) -> CheckpointStore:
+        if self.store is None:
+            self.store = open_store(self.settings)
+        return self.store
 
     def restore(self, meta: CheckpointMeta, state: KeyedState, owned: np.ndarray) -> int:
         """Load the owned groups' state from a checkpoint (after a crash); the keys restored.
         The next checkpoint writes deltas on top of this one."""
-        if self.store is None:
-            self.store = open_store(self.settings)
-        store = self.store
+        store = self._store()
         chains = {g: meta.groups[g] for g in np.flatnonzero(owned).tolist() if g in meta.groups}
+        held = native_groups(chains)
+        if held and not isinstance(state, RocksStore):
+            raise CheckpointError(
+                f"checkpoint {meta.id} holds key groups in RocksDB databases; this keyed "
+                "stage's state backend is not rocksdb, and cannot restore them"
+            )
+        shard_chains = {g: c for g, c in chains.items() if c.database is None}
         schema = state.snapshot_groups([]).schema
         # Storage that cannot be reached now is waited for: the job cannot go on without it.
         rows = retrying(
-            lambda: read_groups(store, chains, schema), f"restoring from checkpoint {meta.id}"
+            lambda: read_groups(store, shard_chains, schema), f"restoring from checkpoint {meta.id}"
         )
         state.restore(rows)
+        restored = int(rows.num_rows)
+        if held:
+            assert isinstance(state, RocksStore)
+            restored += restore_databases(store, meta, state, held)
         state.clear_changes()
         self.last_id = meta.id
         self.last_chains = chains
-        return int(rows.num_rows)
+        # The restored database is a new one: none of its files are stored yet.
+        self.last_files = {}
+        return restored
 
     def take(
         self, barrier: dict[str, Any], state: KeyedState, owned: np.ndarray
@@ -382,22 +410,29 @@ class KeyedCheckpointer:
         groups = np.flatnonzero(owned).tolist()
         complete = barrier.get("previous") is not None and barrier["previous"] == self.last_id
         try:
-            if self.store is None:
-                self.store = open_store(self.settings)
-            written = write_groups(
-                self.store,
-                checkpoint,
-                self.writer,
-                state,
-                groups,
-                self.last_chains if complete else {},
-                complete,
-                self.settings.max_chain,
-            )
+            if isinstance(state, RocksStore):
+                ack = self._take_native(checkpoint, state, groups, complete)
+            else:
+                ack = self._take_shards(checkpoint, state, groups, complete)
         except CheckpointError as exc:
             self.last_id = None
             return KeyedCheckpointAck(id=checkpoint, error=str(exc))
         self.last_id = checkpoint
+        return ack.model_copy(update={"seconds": time.monotonic() - t0})
+
+    def _take_shards(
+        self, checkpoint: int, state: KeyedState, groups: list[int], complete: bool
+    ) -> KeyedCheckpointAck:
+        written = write_groups(
+            self._store(),
+            checkpoint,
+            self.writer,
+            state,
+            groups,
+            self.last_chains if complete else {},
+            complete,
+            self.settings.max_chain,
+        )
         self.last_chains = written.chains
         return KeyedCheckpointAck(
             id=checkpoint,
@@ -405,5 +440,22 @@ class KeyedCheckpointer:
             written=written.shard.size if written.shard else 0,
             base_groups=written.base_groups,
             delta_groups=written.delta_groups,
-            seconds=time.monotonic() - t0,
+        )
+
+    def _take_native(
+        self, checkpoint: int, state: RocksStore, groups: list[int], complete: bool
+    ) -> KeyedCheckpointAck:
+        written = write_database(
+            self._store(), checkpoint, self.writer, state, self.last_files if complete else {}
+        )
+        self.last_files = written.files
+        self.last_chains = {g: GroupChain((), self.writer) for g in groups}
+        return KeyedCheckpointAck(
+            id=checkpoint,
+            chains=chains_to_json(self.last_chains),
+            writer=self.writer,
+            database={name: asdict(f) for name, f in written.files.items()},
+            written=written.written,
+            reused=written.reused,
+            base_groups=len(groups),
         )

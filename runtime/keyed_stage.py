@@ -85,7 +85,9 @@ def make_state(
     if settings.backend == "rocksdb":
         directory = prepare_directory(Path(settings.path) / spec.name / owner, owner)
         db = open_database(directory, settings.block_cache_mb, settings.write_buffer_mb)
-        track = spec.checkpoints is not None
+        # Its checkpoints are native (keyshift.runtime.rocksdb_checkpoint): no change marks,
+        # which would grow with the keys.
+        track = False
         if isinstance(op, AggregateOperator):
             return RocksAggregateState(op.function, spec.max_key_groups, key_type, db, track)
         function = resolve_function(op.function)

@@ -227,6 +227,12 @@ class KeyedCheckpointAck(Message):
     base_groups: int = 0
     delta_groups: int = 0
     seconds: float = 0.0
+    # A native RocksDB checkpoint: the writer whose database holds the groups, its files by
+    # local name (keyshift.runtime.checkpoint_store.database_from_json parses them), and the
+    # bytes of SST files an earlier checkpoint stored.
+    writer: str | None = None
+    database: dict[str, Any] | None = None
+    reused: int = 0
 
 
 class SinkCheckpointAck(Message):

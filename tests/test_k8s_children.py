@@ -48,9 +48,15 @@ from keyshift.operator.k8s_children import (
     stage_selector,
     stage_set_name,
 )
+from keyshift.operator.state_memory import (
+    HEADROOM_MIB,
+    PROCESS_BASE_MIB,
+    quantity_bytes,
+    state_memory_mib,
+)
 from keyshift.operator.streamingjob import StreamingJobSpec
 from keyshift.runtime.instance import _index
-from keyshift.runtime.job import parse_job_as
+from keyshift.runtime.job import StateSettings, parse_job_as
 from tests.conftest import KEYSHIFT, REPO
 
 NAME = "clicks"
@@ -783,6 +789,37 @@ def test_a_keyed_stage_on_rocksdb_gets_a_writable_state_directory_and_the_others
     assert all(
         v["name"] != "state" for _, t in pod_templates(in_memory) for v in t["spec"]["volumes"]
     )
+
+
+def test_a_keyed_stage_on_rocksdb_requests_the_memory_its_cache_and_write_buffers_need() -> None:
+    """Raised to base + cache + two write buffers (limit: plus headroom), never lowered; the
+    other stages keep the job's resources."""
+    job = spec_data()["job"]
+    job["keyed"]["state"] = {"backend": "rocksdb", "block_cache_mb": 1024, "write_buffer_mb": 64}
+    _, manifests = build(job=job)
+    request = PROCESS_BASE_MIB + 1024 + 2 * 64
+    resources = {
+        name: t["spec"]["containers"][0]["resources"] for name, t in pod_templates(manifests)
+    }
+    assert resources[f"{NAME}-counts"] == {
+        "requests": {"cpu": "100m", "memory": f"{request}Mi"},
+        "limits": {"memory": f"{request + HEADROOM_MIB}Mi"},
+    }
+    assert resources[f"{NAME}-sink"]["requests"]["memory"] == "128Mi"
+    # A job that asks for more keeps what it asks for.
+    small = {"backend": "rocksdb", "block_cache_mb": 8, "write_buffer_mb": 1}
+    job["keyed"]["state"] = small
+    _, manifests = build(job=job)
+    (counts,) = [t for name, t in pod_templates(manifests) if name == f"{NAME}-counts"]
+    assert counts["spec"]["containers"][0]["resources"]["limits"] == {"memory": "512Mi"}
+    assert state_memory_mib(StateSettings(**small))[0] == PROCESS_BASE_MIB + 8 + 2
+
+
+@pytest.mark.parametrize("bad", ["", "1.", "12Q", "-1Mi", "Mi"])
+def test_a_quantity_that_is_not_kubernetes_is_refused(bad: str) -> None:
+    with pytest.raises(ValueError, match="not a Kubernetes quantity"):
+        quantity_bytes(bad)
+    assert quantity_bytes("1.5Gi") == 1.5 * 2**30 and quantity_bytes("250m") == 0.25
 
 
 def test_a_job_written_as_a_graph_gets_a_stateful_set_per_process_stage() -> None:

@@ -16,6 +16,7 @@ import os
 import random
 import signal
 import threading
+import time
 import urllib.request
 from collections import Counter
 from pathlib import Path
@@ -180,6 +181,33 @@ def test_a_kill_during_a_hot_first_migration_recovers(tmp_path: Path, backend: s
         os.kill(run.pid_of("track", 0), signal.SIGKILL)  # the old owner, mid-move
 
     run_and_crash(tmp_path, crash, backend)
+
+
+def test_a_kill_during_a_native_checkpoint_upload_recovers(tmp_path: Path) -> None:
+    """A keyed instance on RocksDB is stopped while it uploads a checkpoint's files (its
+    RocksDB checkpoint directory exists only then; a stop that missed it is undone, and the
+    next checkpoint tried), then killed: the recovery restores the last completed checkpoint,
+    ignores the half-uploaded one, and starts on a clean state directory."""
+    instance = tmp_path / "state" / "t" / "track-0"
+    caught: list[str] = []
+
+    def crash(run: Run) -> None:
+        pid = run.pid_of("track", 0)
+        deadline = time.monotonic() + 60
+        while not caught and time.monotonic() < deadline:
+            if any(p.name.startswith("checkpoint-") for p in instance.iterdir()):
+                os.kill(pid, signal.SIGSTOP)
+                # Still there once stopped: the stop landed inside the upload.
+                caught.extend(
+                    p.name for p in instance.iterdir() if p.name.startswith("checkpoint-")
+                )
+                if not caught:
+                    os.kill(pid, signal.SIGCONT)
+        assert caught, "no checkpoint upload was caught within 60 s"
+        os.kill(pid, signal.SIGKILL)
+
+    run_and_crash(tmp_path, crash, "rocksdb")
+    assert not any(p.name.startswith("checkpoint-") for p in instance.iterdir()), caught
 
 
 def coordinator_metrics(tmp_path: Path) -> str:

@@ -9,11 +9,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pyarrow as pa
 import pytest
 import yaml
 
-from keyshift.runtime.job import JobError, parse_job
+from keyshift.runtime.checkpointing import KeyedCheckpointer
+from keyshift.runtime.job import CheckpointSettings, JobError, parse_job
 from keyshift.runtime.rocksdb_state import (
     MARKER,
     RocksAggregateState,
@@ -22,6 +24,7 @@ from keyshift.runtime.rocksdb_state import (
     prepare_directory,
 )
 from tests.conftest import cli
+from tests.small_disk import small_disk
 from tests.test_state import G, make_batch
 
 
@@ -83,3 +86,40 @@ def test_a_job_whose_state_path_cannot_be_used_fails_at_start_naming_it(tmp_path
         out, _ = proc.communicate(timeout=120)
     assert proc.returncode == 1, out
     assert "RocksStateError" in out and "for RocksDB state" in out, out
+
+
+def test_a_full_disk_stops_the_writes_with_an_error_naming_it_and_loses_nothing(
+    tmp_path: Path,
+) -> None:
+    """A batch that does not fit fails whole (the instance stops, and the job recovers from
+    its last checkpoint); what was written before stays readable, and a checkpoint on the
+    full disk fails with the reason instead of writing a partial one."""
+    with small_disk(tmp_path / "disk", "4m") as disk:
+        state = counts(disk / "keyed-0")
+        written = 0
+        with pytest.raises(RocksStateError, match=r"cannot write RocksDB state at .*No space left"):
+            while written < 10_000_000:
+                state.apply(
+                    make_batch(list(range(written, written + 5000)), [0.0] * 5000), "key", None
+                )
+                written += 5000
+        assert state.key_count == written
+        assert state.get(0) == 1 and state.get(written - 1) == 1 and state.get(written) is None
+        checkpointer = KeyedCheckpointer(
+            CheckpointSettings(storage=str(tmp_path / "checkpoints")), "keyed-0"
+        )
+        ack = checkpointer.take({"id": 1, "previous": None}, state, np.ones(G, dtype=bool))
+        assert ack.error is not None and "No space left" in ack.error, ack
+        assert state.key_count == written
+        with pytest.raises(Exception, match="No space left"):
+            state.close()  # its memtable cannot be flushed either
+
+
+def test_a_marker_that_cannot_be_read_is_refused_and_kept(tmp_path: Path) -> None:
+    """A corrupt keyshift-state.json: whose state this is cannot be told, so nothing is
+    deleted."""
+    counts(tmp_path / "keyed-0").close()
+    (tmp_path / "keyed-0" / MARKER).write_text("{not json")
+    with pytest.raises(RocksStateError, match=r"cannot be read.*refusing to use or delete it"):
+        counts(tmp_path / "keyed-0")
+    assert (tmp_path / "keyed-0" / "db").is_dir()

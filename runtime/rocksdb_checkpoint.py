@@ -1,0 +1,135 @@
+"""Native checkpoints of a RocksDB instance's state, as Flink's incremental RocksDB checkpoints.
+
+Used by `keyshift.runtime.checkpointing` (the keyed instance's side of a checkpoint, and its
+restore). At a barrier the instance takes a RocksDB checkpoint (memtables flushed, SST files
+hard-linked into a directory beside its database) and stores its files through the checkpoint
+store, checksummed and sealed like shards; an SST file that the instance's previous completed
+checkpoint already stored is named again, not uploaded, since RocksDB never changes an SST file
+once written. The checkpoint's metadata names every file of every instance's database, and
+each of the instance's groups as held by that database.
+
+A restore (after a crash, or onto other instances than wrote it: a rescale from a checkpoint)
+downloads each database that holds groups the instance owns, opens it read-only and copies the
+owned groups' ranges into the instance's own database (a group is one contiguous range).
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from keyshift.runtime.checkpoint_store import (
+    CheckpointCorrupt,
+    CheckpointError,
+    CheckpointMeta,
+    CheckpointStore,
+    GroupChain,
+    ShardFile,
+)
+from keyshift.runtime.rocksdb_state import RocksStateError, RocksStore
+from keyshift.runtime.storage import retrying
+
+log = logging.getLogger("keyshift.checkpoints")
+SST_SUFFIX = ".sst"
+
+
+@dataclass(frozen=True)
+class WrittenDatabase:
+    files: dict[str, ShardFile]  # every file of the database's checkpoint, by local name
+    written: int  # bytes uploaded for this checkpoint
+    reused: int  # bytes of SST files an earlier checkpoint stored
+
+
+def write_database(
+    store: CheckpointStore,
+    checkpoint: int,
+    writer: str,
+    state: RocksStore,
+    previous: Mapping[str, ShardFile],
+) -> WrittenDatabase:
+    """Checkpoint the instance's database and store the files `previous` (the files of its
+    last completed checkpoint) does not already hold."""
+    local = state.directory / f"checkpoint-{checkpoint}"
+    shutil.rmtree(local, ignore_errors=True)
+    try:
+        state.checkpoint_into(local)
+        files: dict[str, ShardFile] = {}
+        written = reused = 0
+        for path in sorted(local.iterdir()):
+            known = previous.get(path.name) if path.suffix == SST_SUFFIX else None
+            size = path.stat().st_size
+            if known is not None and known.size == size:
+                files[path.name] = known
+                reused += size
+                continue
+            data = path.read_bytes()
+            files[path.name] = store.write_database_file(checkpoint, writer, path.name, data)
+            written += len(data)
+    except (RocksStateError, OSError) as exc:
+        # The local disk failed (full, gone): this checkpoint fails, the job goes on.
+        raise CheckpointError(f"{writer}: {exc}", retryable=True) from exc
+    finally:
+        shutil.rmtree(local, ignore_errors=True)
+    return WrittenDatabase(files, written, reused)
+
+
+def native_groups(chains: Mapping[int, GroupChain]) -> dict[str, list[int]]:
+    """The groups of `chains` that a database holds, per database (writer)."""
+    held: dict[str, list[int]] = {}
+    for group, chain in chains.items():
+        if chain.database is not None:
+            held.setdefault(chain.database, []).append(group)
+    return held
+
+
+def restore_databases(
+    store: CheckpointStore,
+    meta: CheckpointMeta,
+    state: RocksStore,
+    held: Mapping[str, list[int]],
+) -> int:
+    """Copy the groups each database of `meta` holds for this instance (`held`) into `state`;
+    the keys restored. Storage that fails is waited for; a file that does not match its
+    checksum or HMAC is CheckpointCorrupt."""
+    restored = 0
+    for writer, groups in sorted(held.items()):
+        files = meta.databases.get(writer)
+        if files is None:
+            raise CheckpointCorrupt(
+                f"checkpoint {meta.id} names groups held by {writer}'s database but not its files"
+            )
+        local = state.directory / f"restore-{meta.id}-{writer}"
+        shutil.rmtree(local, ignore_errors=True)
+        try:
+            _download(store, meta.id, writer, files, local)
+            restored += state.copy_groups(local, groups)
+        finally:
+            shutil.rmtree(local, ignore_errors=True)
+        log.info(
+            "restored %d groups from %s's database of checkpoint %d", len(groups), writer, meta.id
+        )
+    return restored
+
+
+def _download(
+    store: CheckpointStore,
+    checkpoint: int,
+    writer: str,
+    files: Mapping[str, ShardFile],
+    local: Path,
+) -> None:
+    try:
+        local.mkdir(parents=True)
+        for name, stored in sorted(files.items()):
+            data = retrying(
+                lambda stored=stored: store.read_database_file(stored),  # type: ignore[misc]
+                f"restoring {writer}'s database from checkpoint {checkpoint}",
+            )
+            (local / name).write_bytes(data)
+    except OSError as exc:
+        raise RocksStateError(
+            f"cannot download {writer}'s database of checkpoint {checkpoint} into {local}: {exc}"
+        ) from exc
