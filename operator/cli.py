@@ -212,6 +212,10 @@ def describe_rescale(r: RescaleReport) -> str:
         f"{progress.get('records_parked', 0):,.0f} records parked, "
         f"{progress.get('records_forwarded', 0):,.0f} forwarded"
     )
+    rates = r.mb_per_s
+    if rates.get("out") is not None or rates.get("in") is not None:
+        shown = {end: "-" if rate is None else f"{rate:.1f}" for end, rate in rates.items()}
+        text += f"; state MB/s out {shown.get('out', '-')}, in {shown.get('in', '-')}"
     return text + (f"; error: {r.error}" if r.error else "")
 
 

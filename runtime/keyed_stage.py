@@ -70,6 +70,7 @@ from keyshift.runtime.transport import (
 )
 
 IDLE_WAIT = 0.05
+PUSH_SLICE = 0.05  # seconds of state pushing between two batches of records, at most
 log = logging.getLogger("keyshift.keyed")
 
 
@@ -359,7 +360,7 @@ class KeyedStage:
                 self.fetch(request)
             if self.move_out is not None:
                 self.move_out.flush()
-                self.move_out.push_some()
+                self.move_out.push_for(PUSH_SLICE)
             self.finish_moves()
             if self.retire and self.move_out is None and self.move_in is None:
                 break

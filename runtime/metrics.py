@@ -57,6 +57,7 @@ class MetricName(StrEnum):
     MIGRATION_KEY_GROUPS = "keyshift_migration_key_groups_total"
     MIGRATION_KEYS = "keyshift_migration_keys_total"
     MIGRATION_BYTES = "keyshift_migration_bytes_total"
+    MIGRATION_SECONDS = "keyshift_migration_transfer_seconds_total"
     MIGRATION_FETCHES = "keyshift_migration_fetches_total"
     MIGRATION_RECORDS = "keyshift_migration_records_total"
     PARKED_NOW = "keyshift_migration_parked_records"
@@ -113,6 +114,9 @@ HELP: dict[MetricName, str] = {
     MetricName.MIGRATION_KEYS: "Keys whose state a live migration moved, by kind (in, out, "
     "fetched on demand, fetched_out: served on demand).",
     MetricName.MIGRATION_BYTES: "Bytes of state a live migration moved, by kind (in, out).",
+    MetricName.MIGRATION_SECONDS: "Seconds a live migration spent moving state, by kind (out: "
+    "from freezing the groups to sending their last chunk; in: from the move's start to the last "
+    "group's state in); bytes / seconds of a kind is that end's MB/s.",
     MetricName.MIGRATION_FETCHES: "On-demand state fetches, by kind (requested by a new owner, "
     "served by an old one).",
     MetricName.MIGRATION_RECORDS: "Records a live migration held up, by kind (parked waiting "
@@ -239,11 +243,15 @@ MIGRATION_KINDS: dict[str, tuple[MetricName, str]] = {
     "keys_fetched_out": (MetricName.MIGRATION_KEYS, "fetched_out"),
     "bytes_in": (MetricName.MIGRATION_BYTES, "in"),
     "bytes_out": (MetricName.MIGRATION_BYTES, "out"),
+    "ms_in": (MetricName.MIGRATION_SECONDS, "in"),
+    "ms_out": (MetricName.MIGRATION_SECONDS, "out"),
     "fetch_requests": (MetricName.MIGRATION_FETCHES, "requested"),
     "fetches": (MetricName.MIGRATION_FETCHES, "served"),
     "records_parked": (MetricName.MIGRATION_RECORDS, "parked"),
     "records_forwarded": (MetricName.MIGRATION_RECORDS, "forwarded"),
 }
+# Counters kept in another unit than their metric's: a move's durations are whole milliseconds.
+MIGRATION_SCALE = {"ms_in": 1e-3, "ms_out": 1e-3}
 MIGRATION_METRICS = tuple(dict.fromkeys(metric for metric, _ in MIGRATION_KINDS.values()))
 
 
@@ -261,7 +269,8 @@ class MigrationStats(collections.Counter[str]):
         delta = value - self.get(kind, 0)
         super().__setitem__(kind, value)
         if delta > 0:
-            self._families[metric].labels(*self._labels, label).inc(delta)
+            scaled = delta * MIGRATION_SCALE.get(kind, 1)
+            self._families[metric].labels(*self._labels, label).inc(scaled)
 
 
 class InstanceMetrics:

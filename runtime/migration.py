@@ -3,9 +3,12 @@
 `MoveOut` runs at an old owner: the moving groups are frozen (no record of theirs is applied
 here any more), records of theirs that are queued or still arrive are forwarded in order to the
 new owner, on-demand fetches are answered key by key, and the rest of their state is pushed in
-chunks, hottest groups first. `MoveIn` runs at a new owner: records of incoming groups wait,
+large chunks of whole groups (`keyshift.runtime.state_transfer`: SST files for RocksDB, Arrow IPC
+for memory), hottest groups first. `MoveIn` runs at a new owner: records of incoming groups wait,
 parked per key, until that key's state is here (pushed or fetched) and the old owner has
 forwarded everything routed to it by the old epoch; forwarded records go before direct ones.
+Parked records are indexed by group, so what arrives for some groups (a chunk, a fetch reply,
+an old owner's last forward) looks at those groups' parked records only.
 Keys that are not moving never wait. See `keyshift.runtime.rescale` for the coordinator's side.
 Used by `keyshift.runtime.keyed_stage`.
 """
@@ -17,7 +20,7 @@ import logging
 import queue
 import time
 from collections import Counter, deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from functools import partial
 from typing import Any
 
@@ -30,6 +33,7 @@ from keyshift.runtime.records import GROUP, encode, pack, unpack
 from keyshift.runtime.stage_context import MIGRATE_SERVICE, FetchRequest, InstanceContext
 from keyshift.runtime.state import KEY_COL, KeyedState
 from keyshift.runtime.state_integrity import StateSeal
+from keyshift.runtime.state_transfer import export_chunk, import_chunk
 from keyshift.runtime.transport import (
     FORWARD,
     FORWARD_DONE,
@@ -84,7 +88,7 @@ class MoveOut:
         self.markers: set[str] = set()
         self.forward_done = False
         self.pushed_keys_budget = 0.0
-        self.last_push = time.monotonic()
+        self.started = self.last_push = time.monotonic()
         self.stats["groups_out"] += len(moving_groups)
 
     def leaving(self, groups: np.ndarray) -> np.ndarray:
@@ -172,21 +176,28 @@ class MoveOut:
             group = int(self.push_order.pop(0))
             chunk.append(group)
             keys += int(self.sizes[group])
-        snapshot = self.state.snapshot_groups(chunk)
-        self.state.drop_groups(chunk)
         self.pushed[chunk] = True
-        self.pushed_keys_budget -= snapshot.num_rows
         by_dst: dict[int, list[int]] = {}
         for group in chunk:
             by_dst.setdefault(int(self.target[group]), []).append(group)
-        targets = snapshot.column("group").to_numpy()
         for dst, groups in by_dst.items():
-            part = snapshot.filter(pa.array(np.isin(targets, groups)))
-            self._send(dst, STATE, self.seal.seal(pack({"groups": groups}, part)))
-            self.stats["keys_out"] += part.num_rows
-            self.stats["bytes_out"] += part.nbytes
+            payload, sent = export_chunk(self.state, groups, bulk=self.seal.authenticated)
+            self._send(dst, STATE, self.seal.seal(payload))
+            self.stats["keys_out"] += sent.keys
+            self.stats["bytes_out"] += sent.nbytes
+            self.pushed_keys_budget -= sent.keys
+        self.state.drop_groups(chunk)
+        if not self.push_order:
+            self.stats["ms_out"] = round((time.monotonic() - self.started) * 1000)
         self.stats["groups_pushed"] += len(chunk)
         return True
+
+    def push_for(self, seconds: float) -> None:
+        """Push chunks while the streams take them (their credits keep several in flight), for
+        at most `seconds`, so that records of groups not moving wait no longer than that."""
+        deadline = time.monotonic() + seconds
+        while self.push_some() and time.monotonic() < deadline:
+            pass
 
     def abandon(self, lost: set[int]) -> np.ndarray:
         """New owners died: their groups stay here (minus what was already handed over).
@@ -232,19 +243,24 @@ class MoveIn:
         self.old_owners = {int(src) for src in command.groups}
         self.forward_done: set[int] = set()
         self.arrived: set[Any] = set()
-        self.requested: set[Any] = set()
+        self.requested: dict[Any, int] = {}  # fetched keys -> their groups
         self.awaiting: set[Any] = set()  # fetched, reply not yet here
         self.awaiting_from: dict[int, set[Any]] = {}
         self.lost: set[int] = set()
-        # Parked records by whether they were forwarded (they go first), and their keys.
-        self.parked: dict[bool, list[pa.RecordBatch]] = {True: [], False: []}
+        # Parked records by whether they were forwarded (they go first), by arrival number; which
+        # parked batches hold records of each group, so that what arrives for some groups looks
+        # at their records only; and the parked keys.
+        self.parked: dict[bool, dict[int, pa.RecordBatch]] = {True: {}, False: {}}
+        self.parked_in: dict[bool, dict[int, set[int]]] = {True: {}, False: {}}
         self.parked_keys: dict[bool, Counter[Any]] = {True: Counter(), False: Counter()}
+        self.arrivals = 0
         self.replies: queue.Queue[tuple[int, bytes | Exception]] = queue.Queue()
         self.channels = {
             int(src): ctx.security.channel(command.peers[src], GRPC_OPTIONS)
             for src in command.groups
         }
         self.key_field = ctx.spec.keyed.key_by
+        self.started = time.monotonic()
         self.stats["groups_in"] += int((self.source_of >= 0).sum())
 
     def pending(self, groups: np.ndarray) -> np.ndarray:
@@ -288,7 +304,10 @@ class MoveIn:
         if ready.any():
             self.apply(batch.filter(pa.array(ready)))
         waiting = batch.filter(pa.array(~ready))
-        self.parked[forwarded].append(waiting)
+        self.arrivals += 1
+        self.parked[forwarded][self.arrivals] = waiting
+        for group in np.unique(waiting.column(GROUP).to_numpy()).tolist():
+            self.parked_in[forwarded].setdefault(group, set()).add(self.arrivals)
         self.parked_keys[forwarded].update(key_list(waiting.column(self.key_field)))
         self.stats["records_parked"] += waiting.num_rows
         self._request(waiting)
@@ -310,7 +329,7 @@ class MoveIn:
         for key, group, present in zip(keys, groups.tolist(), has.tolist(), strict=True):
             if present or key in self.requested:
                 continue
-            self.requested.add(key)
+            self.requested[key] = group
             self.awaiting.add(key)
             self.awaiting_from.setdefault(int(self.source_of[group]), set()).add(key)
             by_owner.setdefault(int(self.source_of[group]), {})[key] = group
@@ -328,7 +347,7 @@ class MoveIn:
             self.replies.put((owner, exc))
 
     def handle_replies(self) -> None:
-        changed = False
+        changed: set[int] = set()
         while True:
             try:
                 owner, reply = self.replies.get_nowait()
@@ -350,44 +369,73 @@ class MoveIn:
             self.arrived.update(got, header["absent"])
             # Keys already pushed come with their group's chunk, which completes the group.
             self.awaiting.difference_update(got, header["absent"], header["in_transit"])
-            changed = True
+            for key in (*got, *header["absent"], *header["in_transit"]):
+                changed.add(self.requested[key])
         if changed:
-            self.release()
+            self.release(changed)
 
     def state_chunk(self, body: bytes, sender: str) -> None:
-        header, snapshot = unpack(self.seal.open(body, f"state chunk from {sender}"))
-        if snapshot is not None and snapshot.num_rows:
-            self.state.restore(snapshot)
-            self.arrived.update(key_list(snapshot.column(KEY_COL)))
-            self.stats["keys_in"] += snapshot.num_rows
-            self.stats["bytes_in"] += snapshot.nbytes
-        self.complete[np.asarray(header["groups"], dtype=np.int64)] = True
-        self.release()
+        opened = self.seal.open(body, f"state chunk from {sender}")
+        chunk = import_chunk(self.state, opened, sender)
+        self.stats["keys_in"] += chunk.keys
+        self.stats["bytes_in"] += chunk.nbytes
+        # The group is complete: its keys need no entry in `arrived` (a key fetched meanwhile
+        # waits for its reply, which says the key was in transit).
+        self.complete[np.asarray(chunk.groups, dtype=np.int64)] = True
+        if "ms_in" not in self.stats and self.complete[self.source_of >= 0].all():
+            self.stats["ms_in"] = round((time.monotonic() - self.started) * 1000)
+        self.release(chunk.groups)
 
     def forwarding_done(self, sender: str) -> None:
-        self.forward_done.add(int(sender.rsplit("/", 1)[1]))
-        self.release()
+        owner = int(sender.rsplit("/", 1)[1])
+        self.forward_done.add(owner)
+        self.release(np.flatnonzero(self.source_of == owner).tolist())
 
-    def release(self) -> None:
-        """Apply parked records whose keys are now ready: forwarded ones first, in order."""
+    def release(self, groups: Iterable[int]) -> None:
+        """Apply parked records of `groups` (whose state or forwarding just changed) whose keys
+        are now ready: forwarded ones first, in order. Other groups' records are not looked at:
+        nothing changed for them."""
+        changed = np.fromiter(groups, dtype=np.int64)
         for forwarded in (True, False):
-            if not self.parked[forwarded]:
-                continue
+            index = self.parked_in[forwarded]
+            numbers = sorted(set().union(*(index.get(g, ()) for g in changed.tolist())))
             # Once one record of a key stays parked, its later records stay too; direct
             # records also stay behind their key's forwarded records.
             stuck: Counter[Any] = Counter()
             behind = [] if forwarded else [self.parked_keys[True]]
-            keep: list[pa.RecordBatch] = []
-            for batch in self.parked[forwarded]:
-                ready = self._ready(batch, forwarded) & ~self._mask(batch, [stuck, *behind])
+            for number in numbers:
+                batch = self.parked[forwarded][number]
+                in_changed = np.isin(batch.column(GROUP).to_numpy(), changed)
+                ready = in_changed & self._ready(batch, forwarded)
+                ready &= ~self._mask(batch, [stuck, *behind])
                 if ready.any():
-                    self.apply(batch.filter(pa.array(ready)))
-                if not ready.all():
-                    waiting = batch.filter(pa.array(~ready))
-                    keep.append(waiting)
-                    stuck.update(key_list(waiting.column(self.key_field)))
-            self.parked[forwarded] = keep
-            self.parked_keys[forwarded] = stuck
+                    self._unpark(forwarded, number, batch, ready)
+                waiting = batch.filter(pa.array(in_changed & ~ready))
+                stuck.update(key_list(waiting.column(self.key_field)))
+
+    def _unpark(
+        self, forwarded: bool, number: int, batch: pa.RecordBatch, ready: np.ndarray
+    ) -> None:
+        """Apply the ready records of one parked batch and keep the rest parked, indexed."""
+        applied = batch.filter(pa.array(ready))
+        self.apply(applied)
+        parked_keys = self.parked_keys[forwarded]
+        for key in key_list(applied.column(self.key_field)):
+            parked_keys[key] -= 1
+            if not parked_keys[key]:
+                del parked_keys[key]
+        rest = batch.filter(pa.array(~ready))
+        left = set(np.unique(rest.column(GROUP).to_numpy()).tolist())
+        if rest.num_rows:
+            self.parked[forwarded][number] = rest
+        else:
+            del self.parked[forwarded][number]
+        index = self.parked_in[forwarded]
+        for group in np.unique(applied.column(GROUP).to_numpy()).tolist():
+            if group not in left:
+                index[group].discard(number)
+                if not index[group]:
+                    del index[group]
 
     def abandon(self, lost: set[int]) -> None:
         """Old owners died: what they had not handed over is gone; their groups start empty
@@ -398,10 +446,10 @@ class MoveIn:
         self.forward_done |= lost & self.old_owners
         for owner in lost:
             self.awaiting.difference_update(self.awaiting_from.pop(owner, set()))
-        self.release()
+        self.release(np.flatnonzero(dead).tolist())
 
     def parked_records(self) -> int:
-        return sum(b.num_rows for batches in self.parked.values() for b in batches)
+        return sum(b.num_rows for batches in self.parked.values() for b in batches.values())
 
     def done(self) -> bool:
         incoming = self.source_of >= 0

@@ -343,6 +343,8 @@ class RescaleReport(Message):
     groups_moved: int
     steps: int
     progress: dict[str, float]
+    # MB/s of state at each end of the moves (out, in); None until that end finished one.
+    mb_per_s: dict[str, float | None] = Field(default_factory=dict)
 
 
 class DrainReply(Message):

@@ -86,13 +86,29 @@ def split_by_owner(
 
 def pack(header: dict[str, Any], batch: pa.RecordBatch | None = None) -> bytes:
     """A JSON header and an optional batch in one message (state chunks, fetch replies)."""
+    return pack_raw(header, encode(batch) if batch is not None else b"")
+
+
+def pack_raw(header: dict[str, Any], body: bytes) -> bytes:
+    """A JSON header and opaque bytes in one message (a state chunk carrying an SST file)."""
     head = json.dumps(header).encode()
-    body = encode(batch) if batch is not None else b""
     return struct.pack("<I", len(head)) + head + body
 
 
+def unpack_raw(message: bytes | memoryview) -> tuple[dict[str, Any], memoryview]:
+    """The header and the body of a `pack_raw` (or `pack`) message."""
+    view = memoryview(message)
+    if len(view) < 4:
+        raise ValueError(f"a message of {len(view)} bytes is too short for its header's size")
+    (size,) = struct.unpack_from("<I", view)
+    if 4 + size > len(view):
+        raise ValueError(f"a message of {len(view)} bytes is shorter than its {size}-byte header")
+    header = json.loads(bytes(view[4 : 4 + size]))
+    if not isinstance(header, dict):
+        raise ValueError("a message header is not a JSON object")
+    return header, view[4 + size :]
+
+
 def unpack(message: bytes | memoryview) -> tuple[dict[str, Any], pa.RecordBatch | None]:
-    (size,) = struct.unpack_from("<I", message)
-    header = json.loads(bytes(message[4 : 4 + size]))
-    body = message[4 + size :]
-    return header, (decode(body) if body else None)
+    header, body = unpack_raw(message)
+    return header, (decode(body) if len(body) else None)

@@ -139,7 +139,19 @@ class RescaleStatus:
             groups_moved=self.groups_moved,
             steps=self.steps,
             progress=dict(self.progress),
+            mb_per_s=transfer_rates(self.progress),
         )
+
+
+def transfer_rates(progress: dict[str, float]) -> dict[str, float | None]:
+    """MB/s of state at each end of a move (out: old owners, in: new owners): the bytes an end
+    moved over the time its moves spent moving them, summed over its instances; None until an
+    end has finished a move."""
+    rates: dict[str, float | None] = {}
+    for end in ("out", "in"):
+        ms = progress.get(f"ms_{end}", 0.0)
+        rates[end] = round(progress.get(f"bytes_{end}", 0.0) / 1e3 / ms, 3) if ms else None
+    return rates
 
 
 def options_for(strategy: str, given: dict[str, Any] | None) -> dict[str, float]:

@@ -20,8 +20,10 @@ is not such a database is refused, never reused. Used by the keyed stage when it
 
 from __future__ import annotations
 
+import itertools
 import json
 import shutil
+import uuid
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
@@ -58,6 +60,8 @@ HITS_BYTES = 8
 _SIGN = np.uint64(1 << 63)
 MARKER = "keyshift-state.json"
 DATABASE = "db"
+# SST files of moving groups, beside the database: written by an old owner, ingested by a new one.
+TRANSFER = "transfer"
 COPY_CHUNK = 65536  # keys per write batch when a checkpoint's ranges are copied in
 
 
@@ -158,6 +162,7 @@ class RocksStore(ABC):
         self.max_key_groups = max_key_groups
         self.key_type = key_type
         self._db = db
+        self._transfer = self.directory / TRANSFER
         self._numeric = pa.types.is_integer(key_type)
         self._key_count = 0
         self._group_keys = np.zeros(max_key_groups, dtype=np.int64)
@@ -213,6 +218,28 @@ class RocksStore(ABC):
             keys += chunk_keys
             values += chunk_values
         return keys, values
+
+    def _range(self, group: int) -> list[tuple[bytes, bytes]]:
+        """The keys and values of one key group: as many as the group holds, read from its
+        first key with no Python step per key; the neighbours of the range prove its bounds."""
+        count = int(self._group_keys[group])
+        prefix = _prefix(group)
+        # A raw-mode database yields bytes, though rocksdict's stubs allow any key type.
+        items: Iterable[tuple[bytes, bytes]] = self._db.items(from_key=prefix)  # type: ignore[assignment]
+        found = list(itertools.islice(items, count + 1))
+        beyond = found.pop() if len(found) > count else None
+        if (
+            len(found) != count
+            or (
+                found
+                and (found[0][0][:GROUP_BYTES] != prefix or found[-1][0][:GROUP_BYTES] != prefix)
+            )
+            or (beyond is not None and beyond[0][:GROUP_BYTES] == prefix)
+        ):
+            raise RocksStateError(
+                f"key group {group} does not hold the {count} keys this instance counted"
+            )
+        return found
 
     def _scan_groups(self, groups: Iterable[int]) -> tuple[list[bytes], list[bytes]]:
         keys: list[bytes] = []
@@ -290,6 +317,51 @@ class RocksStore(ABC):
 
     def snapshot_keys(self, keys: Sequence[Any]) -> pa.RecordBatch:
         return self._rows(*self._present(self._encode_keys(keys)) if keys else ([], []))
+
+    def export_groups(self, groups: Sequence[int]) -> bytes:
+        """The keys and values of `groups` as the bytes of one SST file (empty when the groups
+        hold no key), for `ingest_groups` at a new owner. `groups` must be ascending."""
+        if not self._group_keys[np.asarray(groups, dtype=np.int64)].any():
+            return b""
+        self._transfer.mkdir(exist_ok=True)
+        path = self._transfer / f"out-{uuid.uuid4().hex}.sst"
+        writer = rocksdict.SstFileWriter(rocksdict.Options(raw_mode=True))
+        try:
+            writer.open(str(path))
+            for group in groups:
+                for key, value in self._range(int(group)):
+                    writer[key] = value
+            writer.finish()
+            return path.read_bytes()
+        finally:
+            path.unlink(missing_ok=True)
+
+    def ingest_groups(
+        self, groups: Sequence[int], keys: np.ndarray, hits: np.ndarray, sst: bytes | memoryview
+    ) -> None:
+        """Add whole groups that `export_groups` wrote, with their key counts and hits: RocksDB
+        takes the file as it is, with no work per key. No key of the file may be here already;
+        the migration protocol guarantees it (a key a new owner fetched on demand is deleted at
+        the old owner before its group is exported)."""
+        if len(sst):
+            self._transfer.mkdir(exist_ok=True)
+            path = self._transfer / f"in-{uuid.uuid4().hex}.sst"
+            path.write_bytes(sst)
+            options = rocksdict.IngestExternalFileOptions()
+            options.set_move_files(True)
+            try:
+                self._db.ingest_external_file([str(path)], options)
+            except Exception as exc:  # rocksdict raises plain Exceptions for RocksDB's errors
+                raise RocksStateError(
+                    f"cannot ingest the state file of groups {list(groups)[:8]}...: {exc}"
+                ) from exc
+            finally:
+                path.unlink(missing_ok=True)
+        where = np.asarray(groups, dtype=np.int64)
+        self._key_count += int(keys.sum())
+        np.add.at(self._group_keys, where, keys)
+        np.add.at(self._group_hits, where, hits)
+        self._restored.update(where.tolist())
 
     def drop_groups(self, groups: Iterable[int]) -> int:
         writes = rocksdict.WriteBatch(raw_mode=True)

@@ -15,6 +15,7 @@ from keyshift.runtime.metrics import (
     INSTANCE_LABEL,
     JOB_LABEL,
     MIGRATION_KINDS,
+    MIGRATION_SCALE,
     CoordinatorMetrics,
     InstanceMetrics,
     MetricName,
@@ -138,7 +139,8 @@ def test_a_move_counts_each_unit_in_its_own_metric() -> None:
     stats["bytes_in"] += 1000
     labels = {JOB_LABEL: "j", "stage": "s", INSTANCE_LABEL: "0"}
     for kind, (metric, label) in MIGRATION_KINDS.items():
-        expected = 1003 if kind == "bytes_in" else 3
+        # A move's durations are counted in ms and exported in seconds.
+        expected = (1003 if kind == "bytes_in" else 3) * MIGRATION_SCALE.get(kind, 1)
         value = metrics.registry.get_sample_value(metric, {**labels, "kind": label})
         assert value == expected, (kind, metric, label)
     assert dict(stats)["bytes_in"] == 1003  # the move's own report keeps its names

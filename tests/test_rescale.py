@@ -223,13 +223,15 @@ def test_count_aggregate_through_rescales_equals_truth(tmp_path: Path, backend: 
         assert max(coordinator[MetricName.RESCALE_RUNNING].values()) == 0
         keyed = scrape(local.status()["stages"][1]["instances"][0]["metrics"])
         for unit in (MetricName.MIGRATION_KEYS, MetricName.MIGRATION_BYTES,
-                     MetricName.MIGRATION_KEY_GROUPS):  # fmt: skip
+                     MetricName.MIGRATION_KEY_GROUPS, MetricName.MIGRATION_SECONDS):  # fmt: skip
             kinds = {dict(labels)["kind"]: v for labels, v in keyed[unit].items()}
             assert kinds["in"] > 0, unit
 
-    run_with_rescales(
+    results = run_with_rescales(
         tmp_path, source, 2, [(4, "hot-first"), (1, "hot-first")], job=job, after=exported
     )
+    for result in results:  # both ends of every move report how fast state went
+        assert result["mb_per_s"]["out"] > 0 and result["mb_per_s"]["in"] > 0, result
 
 
 @settings(
@@ -352,13 +354,18 @@ def test_the_only_old_owner_dying_before_the_new_ones_start_hands_its_groups_to_
         assert outputs.get(1, 0) > 0 and outputs.get(2, 0) > 0, outputs
 
 
-def test_new_owner_dying_mid_move_fails_the_rescale_and_the_stage_goes_on(tmp_path: Path) -> None:
-    """The new owner is killed mid-move: the rescale fails naming it, the moving groups go back
-    to the old owner with all state not yet handed over, and the job keeps running correctly
-    for every key except those whose state had already moved to the dead instance."""
+@pytest.mark.parametrize("backend", STATE_BACKENDS)
+def test_new_owner_dying_mid_move_fails_the_rescale_and_the_stage_goes_on(
+    tmp_path: Path, backend: str
+) -> None:
+    """The new owner is killed mid-move (mid-transfer: state chunks, SST files for RocksDB, are
+    on their way): the rescale fails naming it, the moving groups go back to the old owner with
+    all state not yet handed over, and the job keeps running correctly for every key except
+    those whose state had already moved to the dead instance."""
     out = tmp_path / "out"
     source = {"kind": "generator", "keys": 5_000, "seed": 2, "profile": {"rate": 10_000}}
-    with running_job(tmp_path, tracked_job(out, source, 1)) as local:
+    job = tracked_job(out, source, 1, state=state_settings(backend, tmp_path))
+    with running_job(tmp_path, job) as local:
         client = JsonClient(local.address, SERVICE)
         wait_for(lambda: local.status()["phase"] == "running", 30, "the job to run")
         wait_for(lambda: sum_out(local) > 20_000, 30, "records to flow")
