@@ -296,6 +296,10 @@ def run_ingest(ctx: InstanceContext, config: IngestSource, emitter: Emitter) -> 
                 time.sleep(linger)
                 continue
             ctx.metrics.source_backlog.set(service.pending_rows())
+            clients = service.client_backlogs.total(time.monotonic())
+            ctx.metrics.client_backlog.set(clients.rows)
+            ctx.metrics.client_backlog_age.set(clients.oldest_seconds)
+            ctx.extra_stats["client_backlog"] = clients.rows
             ctx.extra_stats["staged_rows"] = service.staged_rows()
             waited = time.perf_counter()
             batch = service.take(max(linger, 0.01))
