@@ -691,6 +691,19 @@ def migration_dashboard() -> Json:
             overrides=[right_axis("B", "Bps")],
         ),
         timeseries(
+            "Transfer speed per end",
+            "Bytes moved per second of transfer at each end (out: the old owners, in: the new "
+            "owners): while a move runs, how close it comes to the channel's bandwidth.",
+            [
+                (
+                    f"{by('sum', 'kind', rate(M.MIGRATION_BYTES, JOB, STAGE))} / "
+                    f"{by('sum', 'kind', rate(M.MIGRATION_SECONDS, JOB, STAGE))}",
+                    "{{kind}}",
+                )
+            ],
+            "Bps",
+        ),
+        timeseries(
             "On-demand fetches",
             "State fetched on demand when a record for a key not yet moved arrives: fetch "
             "requests sent by new owners and served by old owners; cumulative.",
