@@ -68,12 +68,13 @@ import yaml
 from throughput import ratio, snapshot
 
 from keyshift.operator.local_host import COORDINATOR_SERVICE, LocalJob, RunError
+from keyshift.runtime import protocol
 from keyshift.runtime.generator import KeyGenerator
 from keyshift.runtime.job import GeneratorSource, parse_job
 from keyshift.runtime.output_log import OutputLogReader
 from keyshift.runtime.transport import JsonClient, TransportError
 
-STRATEGIES = ("all-at-once", "batched", "hot-first", "lazy")
+STRATEGIES = tuple(sorted(protocol.STRATEGIES))  # in a fixed order for tables and plots
 DISTRIBUTIONS = {"zipf": "Zipf 1.0", "uniform": "uniform"}
 KEYED = "counts"
 SEED = 1
@@ -368,11 +369,12 @@ def rescale(probe: Probe, client: JsonClient, parallelism: int, strategy: str) -
     state_bytes = sum(s.get("state_bytes", 0) for s in state.values())
     state_keys = sum(s.get("state_keys", 0) for s in state.values())
     called = time.time()
-    started = client.call(
-        "Rescale", {"stage": KEYED, "parallelism": parallelism, "strategy": strategy}
+    request = protocol.RescaleRequest(
+        stage=KEYED, parallelism=parallelism, strategy=protocol.parse_strategy(strategy)
     )
+    started = protocol.parse(protocol.RescaleReport, client.call("Rescale", request.wire()))
     result: dict[str, Any] = probe.until(
-        lambda s: next((r for r in s["rescales"] if r["id"] == started["id"]), None),
+        lambda s: next((r for r in s["rescales"] if r["id"] == started.id), None),
         RESCALE_TIMEOUT,
         f"rescale to {parallelism} ({strategy})",
         every=RESCALE_POLL,
@@ -382,7 +384,7 @@ def rescale(probe: Probe, client: JsonClient, parallelism: int, strategy: str) -
     bytes_in = progress.get("bytes_in", 0.0)
     duration = end - called
     # Scale-outs first start and register new processes; the state moves after that.
-    phases = [(t, p) for t, i, p in probe.phases if i == started["id"]]
+    phases = [(t, p) for t, i, p in probe.phases if i == started.id]
     moving_from = next((t for t, p in phases if p not in ("requested", "starting-instances")), None)
     return {
         "from": result["from"],

@@ -1,14 +1,13 @@
 """keyshift's Grafana dashboards, built in code next to the metric names they query.
 
-Three dashboards (Grafana dashboard JSON, schemaVersion 39, in each a `${datasource}`
-Prometheus variable and a `$namespace` one every query filters by): the job overview (rates,
-busy ratio, DS2's true processing rate against the target rate, parallelism current and
-recommended, latency, backpressure, state, backlog, with the autoscaler's decisions and the
-rescales as annotations), the migration view (what a live rescale moves, on-demand fetches,
-parked records, latency during the move) and the operator view (reconciles, jobs by phase,
-autoscaler decisions and errors). Every PromQL string is built from
-`keyshift.runtime.metrics.MetricName` and its label names, so a dashboard cannot name a metric
-the runtime does not define.
+Three dashboards (Grafana dashboard JSON, schemaVersion 39, in each a `${datasource}` Prometheus
+variable and a `$namespace` one every query filters by): the job overview (rates, busy ratio, DS2's
+true processing rate against the target rate, parallelism current and recommended, latency,
+backpressure, state, backlog and the clients' backlog, with the autoscaler's decisions and the
+rescales as annotations), the migration view (what a live rescale moves, on-demand fetches, parked
+records, latency during the move) and the operator view (reconciles, jobs by phase, autoscaler
+decisions and errors). Every PromQL string is built from `keyshift.runtime.metrics.MetricName` and
+its label names, so a dashboard cannot name a metric the runtime does not define.
 
 `keyshift dashboards` (keyshift.operator.cli) writes them to helm/keyshift/dashboards/, which the
 Helm chart ships as ConfigMaps for Grafana's dashboard sidecar; `--check` (and
@@ -584,6 +583,18 @@ def overview_dashboard() -> Json:
             "short",
         ),
         timeseries(
+            "Clients' backlog",
+            "Records the ingest sources' clients report due but not pushed yet (outside the "
+            "job; DS2 adds them over client_catch_up to the target rate), and how long ago the "
+            "oldest of them fell due.",
+            [
+                (by("sum", "", series(M.CLIENT_BACKLOG, JOB, SOURCE)), "records"),
+                (by("max", "", series(M.CLIENT_BACKLOG_AGE, JOB, SOURCE)), "oldest (age)"),
+            ],
+            "short",
+            overrides=[right_axis("B", "s")],
+        ),
+        timeseries(
             "Invalid records",
             "Records rejected because they do not fit the job's schema, by reason.",
             [
@@ -678,6 +689,19 @@ def migration_dashboard() -> Json:
             ],
             "bytes",
             overrides=[right_axis("B", "Bps")],
+        ),
+        timeseries(
+            "Transfer speed per end",
+            "Bytes moved per second of transfer at each end (out: the old owners, in: the new "
+            "owners): while a move runs, how close it comes to the channel's bandwidth.",
+            [
+                (
+                    f"{by('sum', 'kind', rate(M.MIGRATION_BYTES, JOB, STAGE))} / "
+                    f"{by('sum', 'kind', rate(M.MIGRATION_SECONDS, JOB, STAGE))}",
+                    "{{kind}}",
+                )
+            ],
+            "Bps",
         ),
         timeseries(
             "On-demand fetches",

@@ -1,7 +1,8 @@
 """The live terminal view and the closing report of `keyshift run`.
 
-Turns the coordinator's status snapshots into per-stage rates, busy ratios, queue depths and
-sink latency percentiles over a sliding window. Drawn with rich when stdout is a terminal,
+Turns the coordinator's status snapshots into per-stage rates, busy ratios, queue depths, the
+rows an ingest source's clients report due but not pushed yet ("behind") and sink latency
+percentiles over a sliding window. Drawn with rich when stdout is a terminal,
 printed as plain lines otherwise. Used by `keyshift.operator.cli`.
 """
 
@@ -34,6 +35,7 @@ class StageView:
     invalid: int
     total_in: float
     total_out: float
+    behind: int = 0  # rows the stage's ingest clients report due but not pushed yet
 
 
 def _sum(stage: dict[str, Any], key: str) -> float:
@@ -105,6 +107,7 @@ class RateTracker:
                     invalid=int(_sum(after, "invalid")),
                     total_in=self.total(after["name"], "records_in"),
                     total_out=self.total(after["name"], "records_out"),
+                    behind=int(_sum(after, "client_backlog")),
                 )
             )
         return views
@@ -156,12 +159,14 @@ def render_table(status: dict[str, Any], tracker: RateTracker, notes: Sequence[s
         "queue",
         "keys",
         "invalid",
+        "behind",
     ):
         table.add_column(column, justify="right" if column != "stage" else "left")
     for s in tracker.stages():
         table.add_row(
             s.name, str(s.parallelism), _rate(s.rate_in), _rate(s.rate_out), f"{s.busy:.0%}",
             f"{s.backpressured:.0%}", str(s.queue), f"{s.state_keys:,}", str(s.invalid),
+            f"{s.behind:,}" if s.behind else "",
         )  # fmt: skip
     return table
 
@@ -183,8 +188,9 @@ def plain_line(status: dict[str, Any], tracker: RateTracker, notes: Sequence[str
     if status.get("rescale"):
         parts.append(rescale_note(status))
     for s in tracker.stages():
+        behind = f" behind {s.behind:,}" if s.behind else ""
         parts.append(
-            f"{s.name} x{s.parallelism} in {_rate(s.rate_in)} busy {s.busy:.0%} q {s.queue}"
+            f"{s.name} x{s.parallelism} in {_rate(s.rate_in)} busy {s.busy:.0%} q {s.queue}{behind}"
         )
     parts.append(f"latency p50 {_ms(p50)} p99 {_ms(p99)}")
     return " | ".join([*parts, *notes])

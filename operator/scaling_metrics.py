@@ -1,6 +1,7 @@
 """MetricsSources for the autoscaling loop: a Prometheus server, or the instances scraped directly.
 
-Both read the same series (records in/out, busy seconds, a source's offered rate and backlog),
+Both read the same series (records in/out, busy seconds, a source's offered rate, its backlog
+and the backlog its clients report),
 per stage and instance, and assemble them into the policies' `ScalingInput` over the stages of
 the job graph. Which instances count comes from the coordinator's status (`members_of`), so a
 retired instance's last samples are never mistaken for capacity. Wired by the local host
@@ -31,7 +32,7 @@ from keyshift.runtime.job import JobSpec
 from keyshift.runtime.metrics import INSTANCE_LABEL, JOB_LABEL, MetricName
 
 COUNTERS = (MetricName.RECORDS_IN, MetricName.RECORDS_OUT, MetricName.BUSY_SECONDS)
-GAUGES = (MetricName.SOURCE_TARGET_RATE, MetricName.SOURCE_BACKLOG)
+GAUGES = (MetricName.SOURCE_TARGET_RATE, MetricName.SOURCE_BACKLOG, MetricName.CLIENT_BACKLOG)
 
 # stage -> {instance label -> metrics address (host:port)}
 Members = Mapping[str, Mapping[str, str]]
@@ -66,7 +67,7 @@ def assemble(
     stages = []
     for name, upstream in graph:
         instances = []
-        offered = backlog = 0.0
+        offered = backlog = client_backlog = 0.0
         for label in sorted(members.get(name, {}), key=_numeric):
             values = series.get((name, label))
             if values is None or any(c not in values for c in COUNTERS):
@@ -77,6 +78,7 @@ def assemble(
             )
             offered += values.get(MetricName.SOURCE_TARGET_RATE, 0.0)
             backlog += values.get(MetricName.SOURCE_BACKLOG, 0.0)
+            client_backlog += values.get(MetricName.CLIENT_BACKLOG, 0.0)
         if not instances:
             raise MetricsUnavailable(f"stage {name} has no live instances")
         source = not upstream
@@ -89,6 +91,7 @@ def assemble(
                 # A generator's profile says what arrives; without one, what it emits is all.
                 offered=offered if source and (offered > 0 or math.isnan(offered)) else None,
                 backlog=backlog if source else 0.0,
+                client_backlog=client_backlog if source else 0.0,
             )
         )
     return ScalingInput(now=now, window=window, stages=tuple(stages))

@@ -13,6 +13,10 @@ rate / target utilization; then a stage gets ceil(catch-up rate / true rate per 
 the ordinary backlog a step or a rescale leaves behind never buys instances that must be given
 back once it is drained (an overshoot, then a reversal, under a load that no longer changes).
 
+The backlog an ingest source's clients report (rows due but not pushed yet: demand that has not
+reached the job) is different: it goes into the source's target rate itself, observed rate +
+client backlog / `client_catch_up` (see `_source`).
+
 An instance busy less than MIN_BUSY of the window says nothing of its true rate. When no
 instance of a stage is busier, the stage is all but idle: each instance does at least its
 records in / MIN_BUSY, a lower bound that may scale the stage in but never out.
@@ -76,16 +80,33 @@ class DS2Policy:
         if problem is not None:
             return _hold(stage, problem, scalable=False), None
         offered = stage.offered if stage.offered is not None else stage.records_in
-        catch_up = offered + stage.backlog / self.settings.catch_up
+        # Rows the clients report due but not pushed yet are demand the job has not seen: while
+        # the job pushes back, what an ingest source takes in is what the job manages, not what
+        # arrives. Flink's autoscaler sizes a source for its processing rate plus its lag over
+        # `job.autoscaler.catch-up.duration` (on top of the utilization-scaled input rate); DS2
+        # here adds the client backlog over `client_catch_up` to the target rate, so it flows
+        # through the selectivities like the offered rate. Into the target, not only the
+        # catch-up rate below: these rows are late already, and the headroom rule would leave
+        # them waiting as long as the headroom lasts. Hence a horizon short beside `catch_up`'s,
+        # yet long enough that the standing backlog of a micro-batching client (about one batch
+        # interval of rows) adds a few percent, within the headroom, and not an instance.
+        target = offered + stage.client_backlog / self.settings.client_catch_up
+        catch_up = target + stage.backlog / self.settings.catch_up
         selectivity = stage.records_out / stage.records_in if stage.records_in > 0 else 1.0
+        clients = (
+            f", clients' backlog {stage.client_backlog:,.0f} records (target {rate_text(target)})"
+            if stage.client_backlog > 0
+            else ""
+        )
         reason = (
-            f"{stage.name}: source, offered {rate_text(offered)}, "
+            f"{stage.name}: source, offered {rate_text(offered)}{clients}, "
             f"backlog {stage.backlog:,.0f} records, selectivity {selectivity:.2f}"
         )
         inputs = {
             "offered_rate": offered,
             "backlog": stage.backlog,
-            "target_rate": offered,
+            "client_backlog": stage.client_backlog,
+            "target_rate": target,
             "catch_up_rate": catch_up,
             "selectivity": selectivity,
             "busy": stage.busy,
@@ -93,7 +114,7 @@ class DS2Policy:
         rec = Recommendation(
             stage.name, stage.parallelism, stage.parallelism, reason, inputs, scalable=False
         )
-        return rec, Rates(offered * selectivity, catch_up * selectivity)
+        return rec, Rates(target * selectivity, catch_up * selectivity)
 
     def _operator(
         self, stage: StageRates, target_out: dict[str, Rates | None]

@@ -34,8 +34,9 @@ class StageRates:
 
     `upstream` maps each upstream stage to the share of its output this stage receives (1.0 in
     a chain or when records are copied to every branch, 0.5 when split evenly in two). Sources
-    have no upstream; their `offered` rate is what arrives from outside (None: what they emit)
-    and `backlog` the records that arrived but have not been taken in yet.
+    have no upstream; their `offered` rate is what arrives from outside (None: what they emit),
+    `backlog` the records that arrived but have not been taken in yet, and `client_backlog` the
+    records an ingest source's clients report due but not pushed yet (still outside the job).
     """
 
     name: str
@@ -44,6 +45,7 @@ class StageRates:
     upstream: Mapping[str, float] = field(default_factory=dict)
     offered: float | None = None
     backlog: float = 0.0
+    client_backlog: float = 0.0
 
     @property
     def is_source(self) -> bool:
@@ -72,6 +74,8 @@ class StageRates:
             return f"stage {self.name} has an invalid offered rate {self.offered}"
         if not (math.isfinite(self.backlog) and self.backlog >= 0):
             return f"stage {self.name} has an invalid backlog {self.backlog}"
+        if not (math.isfinite(self.client_backlog) and self.client_backlog >= 0):
+            return f"stage {self.name} has an invalid client backlog {self.client_backlog}"
         return None
 
 

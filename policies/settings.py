@@ -84,6 +84,14 @@ class AutoscalerSettings(_Model):
         description="ds2: seconds in which a source's backlog is caught up; it adds instances "
         "only when the target utilization's headroom would take longer",
     )
+    client_catch_up: float = Field(
+        default=30.0,
+        gt=0,
+        le=86_400,
+        description="ds2: seconds in which the backlog an ingest source's clients report (rows "
+        "due but not pushed yet) is caught up; it adds backlog / client_catch_up to the "
+        "source's target rate",
+    )
     scale_up_busy: float = Field(
         default=0.9,
         gt=0,

@@ -60,6 +60,7 @@ from keyshift.runtime.checkpoint_store import (
 from keyshift.runtime.job import CheckpointSettings
 from keyshift.runtime.protocol import (
     CHECKPOINT_ACKS,
+    Barrier,
     Checkpoint,
     KeyedCheckpointAck,
     Reported,
@@ -320,7 +321,7 @@ class BarrierAligner:
     credits kept, so those senders are backpressured instead of buffered without bound.
     """
 
-    barrier: dict[str, Any] | None = None
+    barrier: Barrier | None = None
     arrived: set[str] = field(default_factory=set)
     held: deque[Delivery] = field(default_factory=deque)
 
@@ -330,10 +331,10 @@ class BarrierAligner:
     def hold(self, delivery: Delivery) -> None:
         self.held.append(delivery)
 
-    def arrive(self, sender: str, barrier: dict[str, Any]) -> None:
-        if self.barrier is not None and barrier["id"] != self.barrier["id"]:
+    def arrive(self, sender: str, barrier: Barrier) -> None:
+        if self.barrier is not None and barrier.id != self.barrier.id:
             raise CheckpointProtocolError(
-                f"barrier {barrier['id']} from {sender} while aligning {self.barrier['id']}"
+                f"barrier {barrier.id} from {sender} while aligning {self.barrier.id}"
             )
         self.barrier = barrier
         self.arrived.add(sender)
@@ -400,15 +401,13 @@ class KeyedCheckpointer:
         self.last_files = {}
         return restored
 
-    def take(
-        self, barrier: dict[str, Any], state: KeyedState, owned: np.ndarray
-    ) -> KeyedCheckpointAck:
+    def take(self, barrier: Barrier, state: KeyedState, owned: np.ndarray) -> KeyedCheckpointAck:
         """Write the owned groups for the barrier's checkpoint; the ack event (with `error`
         when the storage failed: the job goes on, and the next checkpoint writes bases)."""
-        checkpoint = int(barrier["id"])
+        checkpoint = barrier.id
         t0 = time.monotonic()
         groups = np.flatnonzero(owned).tolist()
-        complete = barrier.get("previous") is not None and barrier["previous"] == self.last_id
+        complete = barrier.previous is not None and barrier.previous == self.last_id
         try:
             if isinstance(state, RocksStore):
                 ack = self._take_native(checkpoint, state, groups, complete)

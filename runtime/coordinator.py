@@ -53,6 +53,7 @@ from keyshift.runtime.protocol import (
     Empty,
     InDone,
     InstanceCall,
+    InstanceStatus,
     OutDone,
     ProtocolError,
     RegisterReply,
@@ -64,6 +65,8 @@ from keyshift.runtime.protocol import (
     Rescaling,
     Retire,
     SourceCheckpointAck,
+    StageStatus,
+    StatusReply,
     Stop,
     Topology,
     checkpoint_of,
@@ -634,52 +637,52 @@ class Coordinator:
             totals.update(record.stats.get("migration", {}))
         return {k: float(v) for k, v in totals.items()}
 
-    def status(self, request: Empty) -> dict[str, Any]:
+    def status(self, request: Empty) -> StatusReply:
         with self._lock:
             stages = []
             for stage in self.spec.stages():
                 instances = [
-                    {
-                        "index": i,
-                        "address": r.data_address,
-                        "metrics": r.metrics_address,
-                        "pid": r.pid,
-                        "finished": r.finished,
-                        "retiring": r.retiring,
-                        "stats": r.stats,
-                    }
+                    InstanceStatus(
+                        index=i,
+                        address=r.data_address,
+                        metrics=r.metrics_address,
+                        pid=r.pid,
+                        finished=r.finished,
+                        retiring=r.retiring,
+                        stats=r.stats,
+                    )
                     for i, r in sorted(self.members[stage.name].items())
                 ]
                 stages.append(
-                    {
-                        "name": stage.name,
-                        "parallelism": len(instances),
-                        "desired": self.desired[stage.name],
-                        "instances": instances,
-                    }
+                    StageStatus(
+                        name=stage.name,
+                        parallelism=len(instances),
+                        desired=self.desired[stage.name],
+                        instances=instances,
+                    )
                 )
             rescale = None
             if self.rescale_status is not None:
                 self.rescale_status.progress = self._progress()
-                rescale = self.rescale_status.report().wire()
-            return {
-                "job": self.spec.name,
-                "incarnation": self.incarnation,
-                "phase": self.phase,
-                "errors": list(self.errors),
-                "epoch": self.assignment.epoch,
-                "uptime": time.time() - self.started,
-                "stages": stages,
-                "rescale": rescale,
-                "lost": list(self.lost),
-                "rescales": [r.report().wire() for r in self.rescale_history[-20:]],
-                "checkpoints": self.checkpoints.to_json() if self.spec.checkpoints else None,
-                "restored_from": self.restored_from,
-                "recoveries": {
+                rescale = self.rescale_status.report()
+            return StatusReply(
+                job=self.spec.name,
+                incarnation=self.incarnation,
+                phase=self.phase,
+                errors=list(self.errors),
+                epoch=self.assignment.epoch,
+                uptime=time.time() - self.started,
+                stages=stages,
+                rescale=rescale,
+                lost=list(self.lost),
+                rescales=[r.report() for r in self.rescale_history[-20:]],
+                checkpoints=self.checkpoints.to_json() if self.spec.checkpoints else None,
+                restored_from=self.restored_from,
+                recoveries={
                     "total": len(self.recoveries),
                     "last": self.recoveries[-1] if self.recoveries else None,
                 },
-            }
+            )
 
     def shutdown(self, request: Empty) -> Empty:
         with self._lock:

@@ -5,8 +5,11 @@ keyshift.runtime.ingest_client (the PySpark writer is one of them).
 
 Wire format of `keyshift.Ingest/Push` (unary, raw bytes, no generated code): a 4-byte
 little-endian header length, a JSON header `{"format": "arrow" | "json", "batch_id": optional
-string}` or `{"format": ..., "transaction": string, "part": string}`, then the payload: an Arrow
-IPC stream (one or more record batches) for "arrow", or a JSON array of row objects for "json".
+string}` or `{"format": ..., "transaction": string, "part": string}`, either with an optional
+`"backlog"` (what the client has not pushed yet: keyshift.runtime.ingest_backlog.ClientBacklog,
+versioned; the endpoint keeps each client's latest report for the autoscaler), then the
+payload: an Arrow IPC stream (one or more record batches) for "arrow", or a JSON array of row
+objects for "json".
 The reply is JSON: `{"accepted": n, "rejected": m, "reasons": [up to 5 distinct reasons],
 "duplicate": bool, "first_seq": int | null}`.
 
@@ -70,6 +73,7 @@ import numpy.typing as npt
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from keyshift.runtime.ingest_backlog import BadBacklog, ClientBacklog, ClientBacklogs
 from keyshift.runtime.ingest_log import IngestLog, IngestLogError
 from keyshift.runtime.job import (
     DEFAULT_MAX_REQUEST_BYTES,
@@ -133,6 +137,7 @@ class PushHeader:
     batch_id: str | None  # applied at most once
     transaction: str | None  # staged under (transaction, part) until Commit
     part: str | None
+    backlog: ClientBacklog | None = None  # what the client has not pushed yet
 
 
 def _optional_name(header: Mapping[str, Any], name: str) -> str | None:
@@ -169,7 +174,11 @@ def unpack_request(body: bytes) -> tuple[PushHeader, memoryview]:
         raise bad("header 'transaction' and 'part' come together")
     if transaction is not None and batch_id is not None:
         raise bad("a staged part has no 'batch_id': its transaction is committed once")
-    return PushHeader(str(fmt), batch_id, transaction, part), view[end:]
+    try:
+        backlog = None if "backlog" not in header else ClientBacklog.from_header(header["backlog"])
+    except BadBacklog as exc:
+        raise bad(f"header {exc}") from None
+    return PushHeader(str(fmt), batch_id, transaction, part, backlog), view[end:]
 
 
 def _json_object(data: bytes, what: str) -> dict[str, Any]:
@@ -621,6 +630,7 @@ class IngestService:
         self._dropped: OrderedDict[str, str] = OrderedDict()
         self._log = durable
         self._replay: deque[pa.RecordBatch] = deque()
+        self.client_backlogs = ClientBacklogs()
         if durable is not None:
             # Rows cannot be taken (nor replayed) before the log is read: storage that cannot
             # be reached now is waited for.
@@ -709,6 +719,8 @@ class IngestService:
         """
         self._refuse_if_closed()
         header, payload = unpack_request(body)
+        if header.backlog is not None:
+            self.client_backlogs.report(header.backlog, time.monotonic())
         rows = _decode(header.format, payload, self.fields, self.non_finite, self.limits)
         if header.transaction is not None:
             assert header.part is not None

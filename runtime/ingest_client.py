@@ -10,10 +10,15 @@ retry with the same batch_id; INVALID_ARGUMENT is not).
 `push` splits rows into pushes within the endpoint's limits (`max_request_rows`,
 `max_request_bytes`; the client's defaults are the ingest source's); a split push with a
 batch_id sends its pieces as `<batch_id>#<n>`, so a retry of the same rows is applied once.
+
+Every push may carry the client's backlog (`backlog`, a
+keyshift.runtime.ingest_backlog.ClientBacklog: rows due at the client and not pushed yet), which
+the job's autoscaler sizes for; a split push tells each piece the rows of the pieces after it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -31,6 +36,7 @@ from keyshift.runtime.ingest import (
     PUSH_METHOD,
     pack_request,
 )
+from keyshift.runtime.ingest_backlog import ClientBacklog
 from keyshift.runtime.job import DEFAULT_MAX_REQUEST_BYTES, DEFAULT_MAX_REQUEST_ROWS
 from keyshift.runtime.transport import GRPC_OPTIONS, TransportError
 
@@ -133,18 +139,30 @@ class IngestClient:
         self._commit = self._channel.unary_unary(COMMIT_METHOD, None, None)
         self._abort = self._channel.unary_unary(ABORT_METHOD, None, None)
 
-    def push(self, rows: Rows, batch_id: str | None = None, timeout: float = 60.0) -> IngestReply:
+    def push(
+        self,
+        rows: Rows,
+        batch_id: str | None = None,
+        timeout: float = 60.0,
+        backlog: ClientBacklog | None = None,
+    ) -> IngestReply:
         """Push rows; with a batch_id, a batch the endpoint accepted before is not applied again.
         Rows beyond the endpoint's limits go in several pushes, and the reply sums theirs
-        (`first_seq` is the first piece's; `duplicate` only if every piece was one)."""
+        (`first_seq` is the first piece's; `duplicate` only if every piece was one).
+        `backlog`: what the client has left to push after these rows."""
         pieces = list(self.pieces(rows))
         if len(pieces) == 1:
-            return self.push_payload(pieces[0][0], pieces[0][1], batch_id, timeout)
+            return self.push_payload(pieces[0][0], pieces[0][1], batch_id, timeout, backlog)
+        after = [sum(count for _, _, count in pieces[i + 1 :]) for i in range(len(pieces))]
         replies = [
             self.push_payload(
-                fmt, payload, None if batch_id is None else f"{batch_id}#{i}", timeout
+                fmt,
+                payload,
+                None if batch_id is None else f"{batch_id}#{i}",
+                timeout,
+                None if backlog is None else dataclasses.replace(backlog, rows=backlog.rows + n),
             )
-            for i, (fmt, payload, _) in enumerate(pieces)
+            for i, ((fmt, payload, _), n) in enumerate(zip(pieces, after, strict=True))
         ]
         reasons = tuple(dict.fromkeys(r for reply in replies for r in reply.reasons))
         return IngestReply(
@@ -160,27 +178,56 @@ class IngestClient:
         return split_rows(rows, self.max_request_rows, self.max_request_bytes)
 
     def push_payload(
-        self, fmt: str, payload: bytes, batch_id: str | None = None, timeout: float = 60.0
+        self,
+        fmt: str,
+        payload: bytes,
+        batch_id: str | None = None,
+        timeout: float = 60.0,
+        backlog: ClientBacklog | None = None,
     ) -> IngestReply:
         """Push an already encoded payload: Arrow IPC stream bytes ("arrow") or a JSON array of
         row objects ("json"), e.g. what a writer serialized once and retries unchanged."""
         header: dict[str, Any] = {"format": fmt}
         if batch_id is not None:
             header["batch_id"] = batch_id
-        return _ingest_reply(self._call("push", self._push, pack_request(header, payload), timeout))
+        return self._push_with(header, payload, timeout, backlog)
 
-    def stage(self, rows: Rows, transaction: str, part: str, timeout: float = 60.0) -> IngestReply:
+    def stage(
+        self,
+        rows: Rows,
+        transaction: str,
+        part: str,
+        timeout: float = 60.0,
+        backlog: ClientBacklog | None = None,
+    ) -> IngestReply:
         """Validate and stage rows as one part of a transaction; nothing flows until `commit`.
         Staging the same part again replaces it (a retried task). A part is one push: split
         larger rows with `pieces` and stage each as its own part."""
         fmt, payload = encode_rows(rows)
-        return self.stage_payload(fmt, payload, transaction, part, timeout)
+        return self.stage_payload(fmt, payload, transaction, part, timeout, backlog)
 
     def stage_payload(
-        self, fmt: str, payload: bytes, transaction: str, part: str, timeout: float = 60.0
+        self,
+        fmt: str,
+        payload: bytes,
+        transaction: str,
+        part: str,
+        timeout: float = 60.0,
+        backlog: ClientBacklog | None = None,
     ) -> IngestReply:
         """`stage` of an already encoded payload (see `push_payload`)."""
         header = {"format": fmt, "transaction": transaction, "part": part}
+        return self._push_with(header, payload, timeout, backlog)
+
+    def _push_with(
+        self,
+        header: dict[str, Any],
+        payload: bytes,
+        timeout: float,
+        backlog: ClientBacklog | None,
+    ) -> IngestReply:
+        if backlog is not None:
+            header["backlog"] = backlog.to_header()
         return _ingest_reply(self._call("push", self._push, pack_request(header, payload), timeout))
 
     def commit(self, transaction: str, parts: Sequence[str], timeout: float = 60.0) -> IngestReply:

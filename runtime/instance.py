@@ -28,7 +28,13 @@ from keyshift.runtime.checkpointing import open_store
 from keyshift.runtime.identity import Identity, Issuer
 from keyshift.runtime.job import MAX_PARALLELISM, parse_job
 from keyshift.runtime.lifecycle import allow_user_code, die_with_parent
-from keyshift.runtime.protocol import ProtocolError, RegisterReply, RegisterRequest, parse
+from keyshift.runtime.protocol import (
+    FetchBody,
+    ProtocolError,
+    RegisterReply,
+    RegisterRequest,
+    parse,
+)
 from keyshift.runtime.stage_context import (
     MIGRATE_SERVICE,
     FetchRequest,
@@ -61,7 +67,11 @@ def migrate_handler(ctx_holder: list[InstanceContext]) -> grpc.GenericRpcHandler
         if ctx is None or not ctx.fetch_served.is_set():
             context.abort(grpc.StatusCode.UNAVAILABLE, "this instance serves no keyed state")
             raise AssertionError("unreachable")
-        item = FetchRequest(json.loads(request))
+        try:
+            item = FetchRequest(parse(FetchBody, json.loads(request)))
+        except (ValueError, ProtocolError) as exc:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"fetch refused: {exc}")
+            raise AssertionError("unreachable") from None
         ctx.fetches.put(item)
         if not item.done.wait(FETCH_TIMEOUT):
             context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "fetch not served in time")

@@ -24,6 +24,7 @@ from keyshift.runtime.migration import MoveIn, MoveOut, ProtocolError
 from keyshift.runtime.protocol import (
     Abort,
     Ack,
+    Barrier,
     Command,
     InDone,
     MigrateIn,
@@ -31,6 +32,7 @@ from keyshift.runtime.protocol import (
     OutDone,
     Rescaling,
     Retire,
+    parse,
 )
 from keyshift.runtime.records import (
     ARROW_TYPES,
@@ -265,7 +267,7 @@ class KeyedStage:
     def fetch(self, request: FetchRequest) -> None:
         """A new owner's fetch, for the running move out or one that has just finished (a
         fetch may cross the last pushed chunk on the wire)."""
-        epoch = request.body.get("epoch")
+        epoch = request.body.epoch
         move = self.move_out if self.move_out is not None else self.last_out
         if move is None or move.epoch != epoch:
             raise ProtocolError(f"a fetch for epoch {epoch} arrived with no such move out")
@@ -316,7 +318,7 @@ class KeyedStage:
                 raise ProtocolError(f"forward-done from {sender} with no move in")
             self.move_in.forwarding_done(sender)
         elif kind == BARRIER:
-            self.aligner.arrive(sender, json.loads(payload))
+            self.aligner.arrive(sender, parse(Barrier, json.loads(payload)))
             self.checkpoint_if_aligned()
         elif kind == END and sender in self.sources:
             self.ended.add(sender)
@@ -337,7 +339,7 @@ class KeyedStage:
         if ack.error:
             self.ctx.metrics.storage_failed("checkpoint")
         self.ctx.emit(ack)
-        encoded = json.dumps(barrier).encode()
+        encoded = json.dumps(barrier.wire()).encode()
         for outlet in self.sinks.values():
             self.ctx.send(outlet, encoded, kind=BARRIER)
         for delivery in self.aligner.finish():

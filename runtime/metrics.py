@@ -50,6 +50,8 @@ class MetricName(StrEnum):
     INVALID_RECORDS = "keyshift_invalid_records_total"
     SOURCE_TARGET_RATE = "keyshift_source_target_records_per_second"
     SOURCE_BACKLOG = "keyshift_source_backlog_records"
+    CLIENT_BACKLOG = "keyshift_source_client_backlog_records"
+    CLIENT_BACKLOG_AGE = "keyshift_source_client_backlog_age_seconds"
     JOB_PARALLELISM = "keyshift_job_stage_instances"
     JOB_PHASE = "keyshift_job_phase"
     MIGRATION_KEY_GROUPS = "keyshift_migration_key_groups_total"
@@ -100,6 +102,10 @@ HELP: dict[MetricName, str] = {
     MetricName.SOURCE_TARGET_RATE: "Records per second the source's load profile asks for now.",
     MetricName.SOURCE_BACKLOG: "Records that arrived (or fell due) but the source has not "
     "taken in yet.",
+    MetricName.CLIENT_BACKLOG: "Records an ingest source's clients report due but not pushed "
+    "yet (outside the job), summed over the clients heard from in the last minute.",
+    MetricName.CLIENT_BACKLOG_AGE: "How long ago the oldest record an ingest source's clients "
+    "have not pushed yet fell due, in seconds (0 without such records).",
     MetricName.JOB_PARALLELISM: "Instances of each stage (its parallelism), as the coordinator "
     "assigns them.",
     MetricName.JOB_PHASE: "1 for the job's current phase, 0 for the others.",
@@ -291,6 +297,8 @@ class InstanceMetrics:
         self.parallelism = own(MetricName.PARALLELISM)
         self.source_target_rate = own(MetricName.SOURCE_TARGET_RATE)
         self.source_backlog = own(MetricName.SOURCE_BACKLOG)
+        self.client_backlog = own(MetricName.CLIENT_BACKLOG)
+        self.client_backlog_age = own(MetricName.CLIENT_BACKLOG_AGE)
         self._migration = {
             name: counter(name, (*LABELS, "kind"), self.registry) for name in MIGRATION_METRICS
         }

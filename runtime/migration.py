@@ -28,7 +28,7 @@ import grpc
 import numpy as np
 import pyarrow as pa
 
-from keyshift.runtime.protocol import MigrateIn, MigrateOut
+from keyshift.runtime.protocol import FetchBody, FetchReplyHeader, MigrateIn, MigrateOut, parse
 from keyshift.runtime.records import GROUP, encode, pack, unpack
 from keyshift.runtime.stage_context import MIGRATE_SERVICE, FetchRequest, InstanceContext
 from keyshift.runtime.state import KEY_COL, KeyedState
@@ -139,8 +139,8 @@ class MoveOut:
 
     def fetch(self, request: FetchRequest) -> None:
         """Answer a new owner's fetch: the keys' state, or why there is none."""
-        keys = request.body["keys"]
-        groups = np.asarray(request.body["groups"], dtype=np.int64)
+        keys = request.body.keys
+        groups = np.asarray(request.body.groups, dtype=np.int64)
         in_transit = [k for k, g in zip(keys, groups.tolist(), strict=True)
                       if self.pushed[g] or k in self.fetched]  # fmt: skip
         wanted = [k for k, g in zip(keys, groups.tolist(), strict=True)
@@ -150,7 +150,8 @@ class MoveOut:
         self.state.drop_keys(found)
         self.fetched.update(wanted)
         absent = sorted(set(wanted) - set(found), key=repr)
-        request.reply = self.seal.seal(pack({"in_transit": in_transit, "absent": absent}, snapshot))
+        header = FetchReplyHeader(in_transit=in_transit, absent=absent)
+        request.reply = self.seal.seal(pack(header.wire(), snapshot))
         request.done.set()
         self.stats["fetches"] += 1
         self.stats["keys_fetched_out"] += len(found)
@@ -334,9 +335,9 @@ class MoveIn:
             self.awaiting_from.setdefault(int(self.source_of[group]), set()).add(key)
             by_owner.setdefault(int(self.source_of[group]), {})[key] = group
         for owner, wanted in by_owner.items():
-            body = {"epoch": self.epoch, "keys": list(wanted), "groups": list(wanted.values())}
+            body = FetchBody(epoch=self.epoch, keys=list(wanted), groups=list(wanted.values()))
             call = self.channels[owner].unary_unary(f"/{MIGRATE_SERVICE}/Fetch", None, None)
-            future = call.future(json.dumps(body).encode(), timeout=30.0)
+            future = call.future(json.dumps(body.wire()).encode(), timeout=30.0)
             future.add_done_callback(partial(self._fetched, owner))
             self.stats["fetch_requests"] += 1
 
@@ -357,19 +358,19 @@ class MoveIn:
                 raise ProtocolError(
                     f"fetch from {self.ctx.spec.keyed.name}/{owner} failed: {reply}"
                 )
-            header, snapshot = unpack(
-                self.seal.open(reply, f"fetch reply from {self.ctx.spec.keyed.name}/{owner}")
-            )
+            what = f"fetch reply from {self.ctx.spec.keyed.name}/{owner}"
+            body, snapshot = unpack(self.seal.open(reply, what))
+            header = parse(FetchReplyHeader, body)
             got: list[Any] = []
             if snapshot is not None and snapshot.num_rows:
                 self.state.restore(snapshot)
                 got = key_list(snapshot.column(KEY_COL))
                 self.stats["keys_fetched"] += snapshot.num_rows
                 self.stats["bytes_in"] += snapshot.nbytes
-            self.arrived.update(got, header["absent"])
+            self.arrived.update(got, header.absent)
             # Keys already pushed come with their group's chunk, which completes the group.
-            self.awaiting.difference_update(got, header["absent"], header["in_transit"])
-            for key in (*got, *header["absent"], *header["in_transit"]):
+            self.awaiting.difference_update(got, header.absent, header.in_transit)
+            for key in (*got, *header.absent, *header.in_transit):
                 changed.add(self.requested[key])
         if changed:
             self.release(changed)

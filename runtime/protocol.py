@@ -11,7 +11,9 @@ Three families travel as JSON over the control calls of `keyshift.runtime.transp
   `SinkCheckpointAck`);
 - the bodies of the unary calls: `RegisterRequest`/`RegisterReply`, `InstanceCall` (Watch),
   `ReportRequest`, `RescaleRequest` (stage, parallelism, strategy, options) and its reply
-  `RescaleReport`, `DrainReply`.
+  `RescaleReport`, `StatusReply`, `DrainReply`;
+- between instances: a checkpoint `Barrier`'s body on a data stream, and a migration fetch's
+  `FetchBody` and the `FetchReplyHeader` of its reply.
 
 A sender builds a model and sends `message.wire()`; a receiver calls `parse`, `parse_command`
 or `parse_event`, which raise `ProtocolError` naming the message and each wrong field (unknown
@@ -347,12 +349,78 @@ class RescaleReport(Message):
     mb_per_s: dict[str, float | None] = Field(default_factory=dict)
 
 
+class InstanceStatus(Message):
+    """One instance in a Status reply: where it is, and its latest report's counters."""
+
+    index: int
+    address: str
+    metrics: str
+    pid: int
+    finished: bool
+    retiring: bool
+    stats: dict[str, Any]
+
+
+class StageStatus(Message):
+    name: str
+    parallelism: int  # instances registered now
+    desired: int  # instances the coordinator wants (a host keeps 0..desired-1 running)
+    instances: list[InstanceStatus]
+
+
+class StatusReply(Message):
+    """The coordinator's Status: the job's phase, every stage and instance, the rescale
+    running and the latest ones, checkpoints and recoveries."""
+
+    job: str
+    incarnation: str
+    phase: str
+    errors: list[str]
+    epoch: int
+    uptime: float
+    stages: list[StageStatus]
+    rescale: RescaleReport | None
+    lost: list[str]
+    rescales: list[RescaleReport]
+    checkpoints: dict[str, Any] | None
+    restored_from: int | None
+    recoveries: dict[str, Any]
+
+
 class DrainReply(Message):
     phase: str
 
 
 class Empty(Message):
     """The body of calls that carry nothing (Status's request, Shutdown's)."""
+
+
+# --- between instances: checkpoint barriers and migration fetches -------------------------------
+
+
+class Barrier(Message):
+    """A BARRIER's body on a data stream: checkpoint `id`, on top of `previous` (the last one
+    completed, which a keyed instance's deltas build on)."""
+
+    id: int
+    previous: int | None
+
+
+class FetchBody(Message):
+    """A new owner asks the old owner of `epoch`'s move for these keys' state (keyshift.Migrate
+    Fetch); `groups[i]` is `keys[i]`'s key group."""
+
+    epoch: int
+    keys: list[int | str]
+    groups: list[int]
+
+
+class FetchReplyHeader(Message):
+    """The header of a Fetch reply, before the state found: the keys the old owner holds no
+    state of (`absent`), and those already on their way in a pushed chunk (`in_transit`)."""
+
+    in_transit: list[int | str]
+    absent: list[int | str]
 
 
 # --- parsing, in one place ----------------------------------------------------------------------

@@ -31,7 +31,7 @@ from keyshift.runtime.job import FunctionSink, resolve_function
 from keyshift.runtime.log_retention import LogRetention
 from keyshift.runtime.metrics import MetricName
 from keyshift.runtime.output_log import OutputLogWriter, OutputStorageError
-from keyshift.runtime.protocol import CheckpointComplete, SinkCheckpointAck
+from keyshift.runtime.protocol import Barrier, CheckpointComplete, SinkCheckpointAck, parse
 from keyshift.runtime.records import GROUP, INGEST_TIME, decode, now_us
 from keyshift.runtime.stage_context import InstanceContext
 from keyshift.runtime.storage import Backoff, retrying
@@ -115,7 +115,7 @@ def run(ctx: InstanceContext) -> None:
         if stall.error is None:
             return False
         if aligner.barrier is not None:
-            fail_checkpoint(int(aligner.barrier["id"]))
+            fail_checkpoint(aligner.barrier.id)
             held.extendleft(reversed(aligner.finish()))
         return True
 
@@ -159,7 +159,7 @@ def run(ctx: InstanceContext) -> None:
                 metrics.count(MetricName.BACKPRESSURED_SECONDS, time.perf_counter() - t_wait)
                 if delivery is not None:
                     if delivery.kind == BARRIER:
-                        checkpoint = int(json.loads(delivery.payload)["id"])
+                        checkpoint = parse(Barrier, json.loads(delivery.payload)).id
                         if checkpoint not in failed:
                             fail_checkpoint(checkpoint)
                     stall.waiting.append(delivery)
@@ -186,9 +186,9 @@ def run(ctx: InstanceContext) -> None:
             aligner.hold(delivery)
             continue
         if delivery.kind == BARRIER:
-            barrier = json.loads(delivery.payload)
+            barrier = parse(Barrier, json.loads(delivery.payload))
             delivery.release()
-            if int(barrier["id"]) in failed:
+            if barrier.id in failed:
                 continue  # this sink failed that checkpoint during a stall
             aligner.arrive(delivery.sender, barrier)
         elif delivery.kind == END:
@@ -201,9 +201,9 @@ def run(ctx: InstanceContext) -> None:
                 # The output so far is the checkpoint's: it must be in segments, at an offset.
                 if writer is None or stall.attempt(writer.flush):
                     offset = writer.end_offset if writer is not None else None
-                    ctx.emit(SinkCheckpointAck(id=int(aligned["id"]), offset=offset))
+                    ctx.emit(SinkCheckpointAck(id=aligned.id, offset=offset))
                 else:
-                    fail_checkpoint(int(aligned["id"]))
+                    fail_checkpoint(aligned.id)
                 held.extend(aligner.finish())
             continue
         if delivery.kind == LEAVE:

@@ -25,6 +25,7 @@ from keyshift.runtime.keyspace import Assignment, key_groups
 from keyshift.runtime.metrics import MetricName
 from keyshift.runtime.protocol import (
     Ack,
+    Barrier,
     Checkpoint,
     CheckpointComplete,
     Command,
@@ -230,7 +231,7 @@ class Emitter:
 
     def barrier(self, command: Checkpoint) -> None:
         """Checkpoint here, between two batches: what was emitted so far is in it."""
-        barrier = json.dumps({"id": command.id, "previous": command.previous}).encode()
+        barrier = json.dumps(Barrier(id=command.id, previous=command.previous).wire()).encode()
         for index, outlet in self.router.outlets.items():
             if index not in self.router.dead:
                 self.ctx.send(outlet, barrier, kind=BARRIER)
@@ -295,6 +296,10 @@ def run_ingest(ctx: InstanceContext, config: IngestSource, emitter: Emitter) -> 
                 time.sleep(linger)
                 continue
             ctx.metrics.source_backlog.set(service.pending_rows())
+            clients = service.client_backlogs.total(time.monotonic())
+            ctx.metrics.client_backlog.set(clients.rows)
+            ctx.metrics.client_backlog_age.set(clients.oldest_seconds)
+            ctx.extra_stats["client_backlog"] = clients.rows
             ctx.extra_stats["staged_rows"] = service.staged_rows()
             waited = time.perf_counter()
             batch = service.take(max(linger, 0.01))

@@ -29,6 +29,7 @@ from keyshift.runtime.protocol import (
     Command,
     Drain,
     Event,
+    FetchBody,
     InstanceCall,
     ProtocolError,
     ReportRequest,
@@ -56,7 +57,7 @@ MIGRATE_SERVICE = "keyshift.Migrate"
 class FetchRequest:
     """An on-demand state fetch from a new owner, answered by this instance's stage loop."""
 
-    body: dict[str, Any]
+    body: FetchBody
     done: threading.Event = field(default_factory=threading.Event)
     reply: bytes = b""
 

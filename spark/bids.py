@@ -5,7 +5,9 @@ number `seq` is a pure function of (seed, seq): its auction is drawn zipf-skewed
 `auctions` (auction 0 is the hottest), its bidder uniformly, its price from 1 to 100 (keyshift's
 own generator, keyshift.runtime.generator.KeyGenerator, draws them). So a stream query and a
 batch query over the same bid numbers see the same bids, which is how a test or the demo gets
-the expected aggregates.
+the expected aggregates. A streamed bid's `due_us` says when the profile made it due (epoch
+microseconds); the keyshift writer's option `dueColumn` reports the backlog from it (null in a
+batch read, which has no schedule).
 
 The stream follows a load profile (the job file's `profile` models, given as JSON in option
 `profile`): the offset `{"seq": n, "started": t}` says n bids are due, t being the wall-clock
@@ -35,11 +37,16 @@ from pyspark.sql.datasource import (
 )
 from pyspark.sql.streaming.datasource import ReadAllAvailable, ReadLimit, ReadMaxRows
 
-from keyshift.runtime.generator import KeyGenerator, records_due
+from keyshift.runtime.generator import KeyGenerator, Pacer, records_due
 from keyshift.runtime.job import GeneratorSource, LoadProfile
 
-SCHEMA = "seq long, auction long, bidder long, price long"
+SCHEMA = "seq long, auction long, bidder long, price long, due_us long"
 BIDDERS = 1_000_000
+DUE_COLUMN = "due_us"
+# Due times are interpolated between this many exact points of the schedule per partition
+# (exact points for every bid would cost a bisection each): off by a few milliseconds at most,
+# next to a corner of the profile, which a backlog report does not feel.
+DUE_POINTS = 64
 _PROFILE: TypeAdapter[Any] = TypeAdapter(LoadProfile)
 
 
@@ -83,15 +90,29 @@ class BidOptions:
 
 
 class BidRange(InputPartition):
-    def __init__(self, start: int, end: int) -> None:
+    def __init__(self, start: int, end: int, started: float | None = None) -> None:
         super().__init__(start)
-        self.start, self.end = start, end
+        self.start, self.end, self.started = start, end, started
 
 
-def bids(options: BidOptions, start: int, end: int) -> pa.RecordBatch:
-    """Bids number start .. end - 1."""
+def due_times(profile: Any, started: float, seqs: np.ndarray) -> pa.Array:
+    """When bids `seqs` (ascending) fell due by the profile, in epoch microseconds: bid n is due
+    once n + 1 bids are."""
+    pacer = Pacer(profile, 1.0, None)
+    first, last = pacer.elapsed_at(int(seqs[0]) + 1), pacer.elapsed_at(int(seqs[-1]) + 1)
+    times = np.linspace(first, last, DUE_POINTS)
+    counts = np.array([records_due(profile, t) or 0.0 for t in times])
+    elapsed = np.interp(seqs + 1, counts, times)
+    return pa.array(((started + elapsed) * 1e6).astype(np.int64))
+
+
+def bids(options: BidOptions, start: int, end: int, started: float | None = None) -> pa.RecordBatch:
+    """Bids number start .. end - 1; with the stream's start time, when each fell due."""
     auctions, values = options.generator().records(start, end - start)
     seqs = np.arange(start, end, dtype=np.int64)
+    due = pa.nulls(end - start, pa.int64())
+    if started is not None and options.profile is not None and end > start:
+        due = due_times(options.profile, started, seqs)
     # A cheap, fixed mix of the bid number: bidders spread over all of them.
     bidders = (seqs * 2654435761 + options.seed) % BIDDERS
     return pa.RecordBatch.from_arrays(
@@ -100,14 +121,15 @@ def bids(options: BidOptions, start: int, end: int) -> pa.RecordBatch:
             pa.array(auctions),
             pa.array(bidders),
             pa.array(values.astype(np.int64) + 1),
+            due,
         ],
-        names=["seq", "auction", "bidder", "price"],
+        names=["seq", "auction", "bidder", "price", DUE_COLUMN],
     )
 
 
-def _split(start: int, end: int, parts: int) -> list[BidRange]:
+def _split(start: int, end: int, parts: int, started: float | None = None) -> list[BidRange]:
     step = max(math.ceil((end - start) / parts), 1)
-    return [BidRange(a, min(a + step, end)) for a in range(start, end, step)]
+    return [BidRange(a, min(a + step, end), started) for a in range(start, end, step)]
 
 
 class BidStreamReader(DataSourceStreamReader):
@@ -131,11 +153,12 @@ class BidStreamReader(DataSourceStreamReader):
         return {"seq": max(int(target), int(start["seq"])), "started": start["started"]}
 
     def partitions(self, start: dict[str, Any], end: dict[str, Any]) -> list[BidRange]:
-        return _split(int(start["seq"]), int(end["seq"]), self.options.partitions)
+        started = float(start["started"])
+        return _split(int(start["seq"]), int(end["seq"]), self.options.partitions, started)
 
     def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
         assert isinstance(partition, BidRange)
-        yield bids(self.options, partition.start, partition.end)
+        yield bids(self.options, partition.start, partition.end, partition.started)
 
 
 class BidBatchReader(DataSourceReader):

@@ -10,7 +10,12 @@ from __future__ import annotations
 from pyspark.sql.datasource import DataSource
 from pyspark.sql.types import StructType
 
-from keyshift.spark.ingest_writer import KeyshiftBatchWriter, KeyshiftStreamWriter, WriterOptions
+from keyshift.spark.ingest_writer import (
+    KeyshiftBatchWriter,
+    KeyshiftStreamWriter,
+    WriterOptions,
+    check_due_column,
+)
 from keyshift.spark.log_reader import KeyshiftLogReader, KeyshiftLogStreamReader, spark_schema
 
 
@@ -24,11 +29,14 @@ class KeyshiftDataSource(DataSource):
 
     def writer(self, schema: StructType, overwrite: bool) -> KeyshiftBatchWriter:
         _append_only(overwrite)
-        return KeyshiftBatchWriter(dict(self.options))
+        writer = KeyshiftBatchWriter(dict(self.options))
+        check_due_column(writer.options, schema.fieldNames())
+        return writer
 
     def streamWriter(self, schema: StructType, overwrite: bool) -> KeyshiftStreamWriter:
         _append_only(overwrite)
-        WriterOptions.parse(dict(self.options))  # fail when the query starts, not in a task
+        # Fail when the query starts, not in a task.
+        check_due_column(WriterOptions.parse(dict(self.options)), schema.fieldNames())
         return KeyshiftStreamWriter(dict(self.options))
 
     def reader(self, schema: StructType) -> KeyshiftLogReader:

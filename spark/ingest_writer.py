@@ -10,6 +10,12 @@ transaction only once. So a retried task replaces its part, a micro-batch that S
 after a restart from its checkpoint is not counted twice, and a failed micro-batch leaves
 nothing behind (`abort`, or expiry of the staged parts).
 
+With option `dueColumn` (a column saying when each row fell due: epoch microseconds, or a
+timestamp), every push also reports the writer's backlog (keyshift.runtime.ingest_backlog): the
+rows due by now but not pushed yet, estimated from the due times of the rows it pushes (their
+rate, and how long ago the last of them fell due), and the age of the oldest. The job's
+autoscaler sizes the job for it: without it, a job that pushes back sees only what it manages.
+
 Rows that do not fit the job's schema are rejected at staging, with reasons. The valid rows of
 the batch are committed; then, with `badRows` = `fail` (the default), commit raises
 KeyshiftRejectedRows so the error reaches the query; with `drop`, they are dropped and counted
@@ -28,6 +34,7 @@ from functools import partial
 
 import grpc
 import pyarrow as pa
+import pyarrow.compute as pc
 from pyspark import TaskContext
 from pyspark.sql.datasource import (
     DataSourceArrowWriter,
@@ -36,6 +43,7 @@ from pyspark.sql.datasource import (
 )
 
 from keyshift.runtime.auth import Security
+from keyshift.runtime.ingest_backlog import ClientBacklog
 from keyshift.runtime.ingest_client import IngestClient, IngestError, IngestReply
 from keyshift.runtime.job import DEFAULT_MAX_REQUEST_BYTES, DEFAULT_MAX_REQUEST_ROWS
 from keyshift.runtime.job_secret import SECRET_ENV
@@ -61,6 +69,7 @@ class WriterOptions:
     security: Security  # the job's token (and TLS settings) every push presents
     max_request_rows: int = DEFAULT_MAX_REQUEST_ROWS  # the job's ingest source's limits
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+    due_column: str | None = None  # when each row fell due, for the backlog report
 
     @classmethod
     def parse(cls, options: dict[str, str]) -> WriterOptions:
@@ -99,7 +108,20 @@ class WriterOptions:
             raise ValueError(f"option 'token': {exc}") from None
         rows = _positive_int(options, "maxrequestrows", DEFAULT_MAX_REQUEST_ROWS)
         size = _positive_int(options, "maxrequestbytes", DEFAULT_MAX_REQUEST_BYTES)
-        return cls(endpoints, bad_rows, timeout, security, rows, size)
+        due = options.get("duecolumn")
+        if due is not None and not due.strip():
+            raise ValueError("option 'dueColumn' must name a column, got an empty string")
+        return cls(endpoints, bad_rows, timeout, security, rows, size, due)
+
+
+def check_due_column(options: WriterOptions, columns: Sequence[str]) -> None:
+    """ValueError, when the query starts, if option dueColumn names a column the DataFrame
+    does not have."""
+    if options.due_column is not None and options.due_column not in columns:
+        raise ValueError(
+            f"option 'dueColumn' names {options.due_column!r}, which the DataFrame does not have "
+            f"(it has {', '.join(columns)})"
+        )
 
 
 def _positive_int(options: dict[str, str], name: str, default: int) -> int:
@@ -144,7 +166,11 @@ class _IngestWriter:
         self.options = WriterOptions.parse(options)
         self.transaction = transaction  # the batch writer's; a stream's is per micro-batch
 
-    def _stage(self, batches: Iterator[pa.RecordBatch], transaction: str) -> StagedParts:
+    def _stage(
+        self, batches: Iterator[pa.RecordBatch], transaction: str, client_id: str
+    ) -> StagedParts:
+        """Stage a task's rows; `client_id` names the writer in its backlog reports (one for all
+        its tasks: each reports the whole stream's backlog as it sees it)."""
         context = TaskContext.get()
         partition = context.partitionId() if context else 0
         attempt = context.attemptNumber() if context else 0
@@ -152,20 +178,39 @@ class _IngestWriter:
         staged = StagedParts(transaction, endpoint, [])
         limits = (self.options.max_request_rows, self.options.max_request_bytes)
         with IngestClient(endpoint, *limits, self.options.security) as client:
-            pieces = (p for rows in _chunks(batches, limits[1]) for p in client.pieces(rows))
-            for index, (fmt, payload, count) in enumerate(pieces):
-                part = f"{partition}-{attempt}-{index}"
-                reply = _retrying(
-                    "staging",
-                    endpoint,
-                    self.options.timeout,
-                    partial(client.stage_payload, fmt, payload, transaction, part),
-                )
-                staged.parts.append(part)
-                staged.rows += count - reply.rejected
-                staged.rejected += reply.rejected
-                staged.reasons += [r for r in reply.reasons if r not in staged.reasons]
+            index = 0
+            for rows in _chunks(batches, limits[1]):
+                left = rows.num_rows
+                for fmt, payload, count in client.pieces(rows):
+                    left -= count
+                    backlog = self._backlog(rows, left, client_id, time.time())
+                    part = f"{partition}-{attempt}-{index}"
+                    index += 1
+                    reply = _retrying(
+                        "staging",
+                        endpoint,
+                        self.options.timeout,
+                        partial(
+                            client.stage_payload, fmt, payload, transaction, part, backlog=backlog
+                        ),
+                    )
+                    staged.parts.append(part)
+                    staged.rows += count - reply.rejected
+                    staged.rejected += reply.rejected
+                    staged.reasons += [r for r in reply.reasons if r not in staged.reasons]
         return staged
+
+    def _backlog(
+        self, rows: pa.Table, left: int, client_id: str, now: float
+    ) -> ClientBacklog | None:
+        """What is due and not pushed at `now` (epoch seconds) once a piece of `rows` is,
+        `left` of them still to go; None without option dueColumn."""
+        column = self.options.due_column
+        if column is None:
+            return None
+        due, oldest = due_backlog(rows, column, rows.num_rows - left, now)
+        # Each endpoint hears of its share: the job sums its source instances' reports.
+        return ClientBacklog(client_id, due // len(self.options.endpoints), oldest)
 
     def _commit(self, messages: Sequence[WriterCommitMessage | None], what: str) -> None:
         staged = [m for m in messages if isinstance(m, StagedParts)]
@@ -204,6 +249,36 @@ class _IngestWriter:
                 pass  # staged parts expire at the endpoint by themselves
 
 
+def due_backlog(rows: pa.Table, column: str, pushed: int, now: float) -> tuple[int, float]:
+    """(rows due by `now` and not pushed, seconds since the oldest of them fell due) once the
+    first `pushed` of `rows` are, from `column`, when each row fell due. Rows later than these
+    are not known here: they are estimated from these rows' rate over their span of due times,
+    as due since the last of them; rows without a due time count as due."""
+    if column not in rows.column_names:
+        raise KeyshiftWriteError(
+            f"option 'dueColumn' names {column!r}, which the rows do not have (they have "
+            f"{', '.join(rows.column_names)})"
+        )
+    values = rows.column(column)
+    if pa.types.is_timestamp(values.type):
+        values = values.cast(pa.timestamp("us", values.type.tz)).cast(pa.int64())
+    elif not pa.types.is_integer(values.type):
+        raise KeyshiftWriteError(
+            f"option 'dueColumn': column {column!r} must hold epoch microseconds or timestamps, "
+            f"not {values.type}"
+        )
+    left = rows.num_rows - pushed
+    known = pc.drop_null(values)
+    if len(known) == 0:
+        return left, 0.0
+    first, last = pc.min(known).as_py() / 1e6, pc.max(known).as_py() / 1e6
+    rate = (len(known) - 1) / (last - first) if last > first else 0.0
+    later = int(rate * max(now - last, 0.0))
+    next_due = values[pushed].as_py() if left else None
+    oldest = next_due / 1e6 if next_due is not None else (last if later else now)
+    return left + later, max(now - oldest, 0.0)
+
+
 def _chunks(batches: Iterator[pa.RecordBatch], max_bytes: int) -> Iterator[pa.Table]:
     """The task's rows as tables of about `max_bytes` (a push's worth: the task holds no more
     than that at once); none for an empty partition."""
@@ -233,7 +308,7 @@ class KeyshiftStreamWriter(_IngestWriter, DataSourceStreamArrowWriter):
             raise KeyshiftWriteError("no streaming query id or batch id in the task's context")
         # The query id survives restarts from the checkpoint, so a re-run batch has the same
         # transaction and is committed once.
-        return self._stage(iterator, f"{query}:{batch}")
+        return self._stage(iterator, f"{query}:{batch}", query)
 
     def commit(self, messages: list[WriterCommitMessage | None], batchId: int) -> None:
         self._commit(messages, f"micro-batch {batchId}")
@@ -248,7 +323,7 @@ class KeyshiftBatchWriter(_IngestWriter, DataSourceArrowWriter):
 
     def write(self, iterator: Iterator[pa.RecordBatch]) -> StagedParts:
         assert self.transaction is not None
-        return self._stage(iterator, self.transaction)
+        return self._stage(iterator, self.transaction, self.transaction)
 
     def commit(self, messages: list[WriterCommitMessage | None]) -> None:
         self._commit(messages, "the write")

@@ -11,6 +11,9 @@ import signal
 import subprocess
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -24,10 +27,13 @@ from keyshift.operator.scaling_metrics import (
     job_graph,
     members_of,
 )
+from keyshift.runtime.ingest_backlog import ClientBacklog
+from keyshift.runtime.ingest_client import IngestClient
 from keyshift.runtime.job import parse_job
 from keyshift.runtime.metrics import MetricName
 from tests.conftest import KEYSHIFT, REPO, cli, count_job, running_job, wait_for, write_job
 from tests.prometheus_server import PrometheusServer, free_port
+from tests.test_poison_rows import ingest_address
 from tests.test_rescale import applied_once, check_output
 
 STEP_AT = 10.0
@@ -237,3 +243,120 @@ def test_a_query_that_finds_nothing_is_a_reason_not_a_crash(
     source = PrometheusSource(prometheus.url, spec.name, job_graph(spec), lambda: {})
     with pytest.raises(MetricsUnavailable, match=f"Prometheus has no {MetricName.RECORDS_IN}"):
         source.collect(10, time.time())
+
+
+# --- the backlog an ingest client reports -------------------------------------------------------
+
+CLIENT_BACKLOG = 60_000
+
+
+def ingest_job(out: Path, autoscaler: dict[str, Any]) -> dict[str, Any]:
+    """An ingest source feeding tests.job_fns:slow_track (near 6k records/s per instance)."""
+    return count_job(
+        name="behind",
+        source={"parallelism": 1, "config": {"kind": "ingest"}},
+        keyed={"name": "track", "parallelism": 1,
+               "operator": {"kind": "process", "function": "tests.job_fns:slow_track"}},
+        sink={"config": {"kind": "log", "path": str(out), "format": "jsonl"}},
+        autoscaler=autoscaler,
+    )  # fmt: skip
+
+
+@contextmanager
+def pushing_behind(endpoint: str) -> Iterator[None]:
+    """A client that pushes about 1,000 rows/s and reports CLIENT_BACKLOG rows due but not
+    pushed yet with every push, on a thread, until the block ends."""
+    stop = threading.Event()
+    backlog = ClientBacklog("behind-client", CLIENT_BACKLOG, 5.0)
+
+    def push() -> None:
+        with IngestClient(endpoint) as client:
+            n = 0
+            while not stop.is_set():
+                rows = [{"key": (n + i) % 500, "value": 1.0} for i in range(100)]
+                client.push(rows, batch_id=f"b{n}", backlog=backlog)
+                n += 100
+                stop.wait(0.1)
+
+    thread = threading.Thread(target=push, name="pusher", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join(timeout=30)
+
+
+def test_both_metrics_sources_read_the_backlog_an_ingest_client_reports(
+    tmp_path: Path, prometheus: PrometheusServer
+) -> None:
+    job = ingest_job(tmp_path / "out", {})
+    spec = parse_job(job)
+    with running_job(tmp_path, job) as local:
+        endpoint = wait_for(lambda: ingest_address(local), 60, "the ingest endpoint")
+        members = wait_for(
+            lambda: (m := members_of(local.status())) and all(m.values()) and m,
+            30,
+            "every instance to report its metrics address",
+        )
+        prometheus.write_targets([{"targets": [a for g in members.values() for a in g.values()]}])
+        scrape = ScrapeSource(job_graph(spec), lambda: members, WallClock()).start()
+        from_prometheus = PrometheusSource(
+            prometheus.url, spec.name, job_graph(spec), lambda: members
+        )
+
+        def reads_the_backlog(source: ScrapeSource | PrometheusSource) -> bool:
+            try:
+                stage = source.collect(5, time.time()).stage("source")
+            except MetricsUnavailable:
+                return False
+            return stage.client_backlog == CLIENT_BACKLOG
+
+        try:
+            with pushing_behind(endpoint):
+                for source in (scrape, from_prometheus):
+                    what = f"{type(source).__name__} to read the client's backlog"
+                    wait_for(partial(reads_the_backlog, source), 60, what)
+        finally:
+            scrape.close()
+
+
+def test_a_job_whose_ingest_client_is_behind_is_scaled_for_the_backlog(tmp_path: Path) -> None:
+    # The client pushes ~1,000 rows/s, which one instance takes at under 20 % busy, and reports
+    # 60,000 rows due but not pushed: over client_catch_up = 10 s, 6,000/s more. Sized for
+    # 7,000/s at 0.8 utilization the keyed stage needs 2 instances; for what arrives, 1.
+    autoscaler = {"interval": 1, "metrics_window": 5, "warmup": 3, "client_catch_up": 10}
+    job = ingest_job(tmp_path / "out", autoscaler)
+    logs = tmp_path / "logs"
+    args = ["run", str(write_job(tmp_path, job)), "--no-view", "--log-dir", str(logs)]
+
+    def decisions(stage: str) -> list[dict[str, Any]]:
+        lines = (logs / "decisions.jsonl").read_text().splitlines()
+        return [d for line in lines if (d := json.loads(line)).get("stage") == stage]
+
+    def endpoint() -> str | None:
+        status = keyshift_status("behind")
+        instances = status["stages"][0]["instances"] if status else []
+        return instances[0]["stats"].get("ingest_address") if instances else None
+
+    with cli(args) as run:
+        output = Output(run)
+        address = wait_for(endpoint, 60, "the ingest endpoint")
+        with pushing_behind(address):
+            scaled = wait_for(
+                lambda: [d for d in decisions("track") if d["action"] == "scale_up"],
+                60,
+                "the keyed stage to be scaled up for the client's backlog",
+            )[0]
+        os.kill(run.pid, signal.SIGINT)
+        run.wait(timeout=60)
+        output.join()
+    assert run.returncode == 0, output.text()
+    assert (scaled["from"], scaled["to"]) == (1, 2), scaled
+    inputs = scaled["inputs"]
+    # What it scaled for: the rows that arrive plus the client's backlog over 10 s.
+    assert inputs["target_rate"] == pytest.approx(inputs["observed_rate"] + 6_000, rel=0.15)
+    assert inputs["observed_rate"] < 2_000
+    source = [d for d in decisions("source") if d["inputs"].get("client_backlog")]
+    assert source and source[-1]["inputs"]["client_backlog"] == CLIENT_BACKLOG
+    assert "clients' backlog 60,000 records" in source[-1]["reason"]

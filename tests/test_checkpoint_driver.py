@@ -184,7 +184,7 @@ def test_a_restarted_coordinator_records_its_recovery(tmp_path: Path) -> None:
     assert entry["checkpoint"] == meta.id
     assert entry["reason"].startswith("instance counts/0") and entry["seconds"] >= 0
     status = second.coordinator.status(Empty())
-    assert status["recoveries"] == {"total": 1, "last": entry}
+    assert status.recoveries == {"total": 1, "last": entry}
     exported = second.coordinator.metrics.registry.get_sample_value(
         MetricName.RECOVERIES, {JOB_LABEL: "t"}
     )

@@ -20,6 +20,7 @@ import pytest
 from keyshift.runtime import ingest
 from keyshift.runtime.auth import Security
 from keyshift.runtime.ingest import PUSH_METHOD, IngestService, pack_request
+from keyshift.runtime.ingest_backlog import ClientBacklog
 from keyshift.runtime.ingest_client import IngestClient, IngestError, IngestReply
 from keyshift.runtime.records import now_us, record_schema
 from keyshift.runtime.transport import GRPC_OPTIONS, TransportError, start_server
@@ -601,3 +602,50 @@ def test_batch_ids_and_transactions_do_not_collide(start: Start) -> None:
     ep.client.stage(table([good(1)]), "same", "0-0")
     reply = ep.client.commit("same", ["0-0"])
     assert (reply.accepted, reply.duplicate) == (1, False)
+
+
+# --- the backlog clients report -----------------------------------------------------------------
+
+
+def test_pushes_report_the_clients_backlog_and_old_clients_report_none(start: Start) -> None:
+    ep = start()
+    ep.client.push([good(0)])  # an older client: no backlog field at all
+    assert ep.service.client_backlogs.total(time.monotonic()).rows == 0
+    ep.client.push([good(1)], backlog=ClientBacklog("spark-q", 5000, 1.5))
+    ep.client.stage([good(2)], "t1", "p0", backlog=ClientBacklog("other", 200, 0.5))
+    total = ep.service.client_backlogs.total(time.monotonic())
+    assert total.rows == 5200 and total.oldest_seconds >= 1.5
+    assert ep.service.pending_rows() == 2  # the rows themselves flow as ever
+
+
+def test_a_split_push_tells_each_piece_the_rows_after_it(start: Start) -> None:
+    ep = start()
+    reports: list[int] = []
+    report = ep.service.client_backlogs.report
+
+    def spy(backlog: ClientBacklog, now: float) -> None:
+        reports.append(backlog.rows)
+        report(backlog, now)
+
+    ep.service.client_backlogs.report = spy  # type: ignore[method-assign]
+    with IngestClient(f"127.0.0.1:{ep.port}", max_request_rows=40) as client:
+        reply = client.push([good(i) for i in range(100)], backlog=ClientBacklog("q", 7, 0.0))
+    assert reply.accepted == 100
+    assert reports == [67, 27, 7]  # pieces of 40, 40 and 20 rows
+
+
+def test_a_bad_backlog_refuses_the_push_and_accepts_nothing(start: Start) -> None:
+    ep = start()
+    bad = [
+        {"version": 2, "client": "q", "rows": 1, "oldest_seconds": 0.0},
+        {"version": 1, "client": "q", "rows": -5, "oldest_seconds": 0.0},
+        "lots",
+    ]
+    for backlog in bad:
+        body = pack_request({"format": "json", "backlog": backlog}, b"[]")
+        assert raw_push(ep.port, body) == grpc.StatusCode.INVALID_ARGUMENT, backlog
+    header = {"format": "json", "backlog": bad[0]}
+    with pytest.raises(ingest.IngestRefused, match="reads version 1"):
+        ep.service.push(pack_request(header, b'[{"user": "a", "clicks": 1}]'))
+    assert ep.service.pending() == 0
+    assert ep.service.client_backlogs.total(time.monotonic()).rows == 0

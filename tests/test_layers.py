@@ -8,6 +8,7 @@ from __future__ import annotations
 import ast
 import importlib.util
 from pathlib import Path
+from typing import get_args
 
 import pytest
 
@@ -161,6 +162,15 @@ def test_the_runtime_and_the_policies_bound_parallelism_alike() -> None:
     from keyshift.runtime.job import MAX_PARALLELISM as RUNTIME_MAX
 
     assert POLICIES_MAX == RUNTIME_MAX
+
+
+def test_the_policies_settings_name_the_runtimes_strategies() -> None:
+    """The one list of strategies is the protocol's; the settings, which may not import it,
+    spell the same ones (the CRD and the CLI derive theirs from the protocol's)."""
+    from keyshift.policies.settings import AutoscalerSettings
+    from keyshift.runtime.protocol import STRATEGIES
+
+    assert get_args(AutoscalerSettings.model_fields["strategy"].annotation) == STRATEGIES
 
 
 def test_stdlib_operator_is_not_shadowed() -> None:

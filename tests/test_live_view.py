@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from keyshift.operator.live_view import RateTracker
+from keyshift.operator.live_view import RateTracker, plain_line
 from keyshift.runtime.metrics import LATENCY_BUCKETS
 
 
@@ -54,3 +54,15 @@ def test_a_retired_instance_neither_makes_rates_negative_nor_leaves_the_totals()
     reborn = [instance(0, 1600), instance(1, 1300), {**instance(2, 50), "pid": 999}]
     tracker.add({"stages": [{"name": "k", "parallelism": 3, "instances": reborn}]}, now=2.0)
     assert tracker.total("k", "records_in") == 1600 + 1300 + 600 + 50
+
+
+def test_the_rows_an_ingest_sources_clients_are_behind_show_on_its_line() -> None:
+    tracker = RateTracker()
+    for now, behind in ((0.0, 0), (1.0, 42_000)):
+        source = {**instance(0, 100), "stats": {"records_in": 100, "client_backlog": behind}}
+        stages = [{"name": "source", "parallelism": 1, "instances": [source]}]
+        tracker.add({"stages": stages, "uptime": now, "phase": "running"}, now)
+    (view,) = tracker.stages()
+    assert view.behind == 42_000
+    line = plain_line({"uptime": 1.0, "phase": "running"}, tracker)
+    assert "source x1 in 0/s busy 0% q 0 behind 42,000" in line

@@ -181,6 +181,51 @@ def test_ds2_catch_up_rate_flows_through_selectivities() -> None:
     assert result["b"].inputs["catch_up_rate"] == pytest.approx(8_000)
 
 
+def test_ds2_sizes_for_the_backlog_the_clients_report() -> None:
+    # The job takes in 4,000/s (all it manages); its clients report 120,000 rows due but not
+    # pushed: over client_catch_up = 30 s that is 4,000/s more, so the target is 8,000/s, and
+    # at 1,000/s per instance and utilization 0.8, x needs 10 instances (5 without it).
+    def decide(client_backlog: float, **settings: object) -> dict[str, Recommendation]:
+        src = StageRates("src", 1, (inst(4_000, 0.1),), client_backlog=client_backlog)
+        given = scaling(src, op("x", {"src": 1.0}, inst(500, 0.5)))
+        return by_stage(ds2(**settings).decide(given))
+
+    assert decide(0)["x"].recommended == 5
+    both = decide(120_000)
+    assert both["x"].recommended == 10
+    assert both["x"].inputs["target_rate"] == pytest.approx(8_000)
+    assert both["src"].inputs["client_backlog"] == 120_000
+    assert "clients' backlog 120,000 records (target 8k/s)" in both["src"].reason
+    # A longer horizon asks less: 120,000 over 120 s is 1,000/s more → 5,000/s → 7.
+    assert decide(120_000, client_catch_up=120)["x"].recommended == 7
+
+
+def test_ds2_client_backlog_flows_through_selectivities_and_adds_to_the_catch_up() -> None:
+    # src takes in 2,000/s, its clients report 60,000 (2,000/s over 30 s): target 4,000/s; a
+    # halves it, so b's target is 2,000/s → 3 instances of 1,000/s at 0.8. The source's own
+    # backlog, 300,000 over 300 s, adds 1,000/s to the catch-up rate on top: 5,000 → b 2,500.
+    src = StageRates("src", 1, (inst(2_000, 0.1),), backlog=300_000, client_backlog=60_000)
+    given = scaling(
+        src,
+        op("a", {"src": 1.0}, inst(2_000, 0.2, 0.5)),
+        op("b", {"a": 1.0}, inst(500, 0.5)),
+    )
+    result = by_stage(ds2().decide(given))
+    assert result["b"].inputs["target_rate"] == pytest.approx(2_000)
+    assert result["b"].inputs["catch_up_rate"] == pytest.approx(2_500)
+    assert result["b"].recommended == 3
+
+
+@pytest.mark.parametrize("bad", [-1.0, math.nan, math.inf])
+def test_ds2_holds_on_an_invalid_client_backlog(bad: float) -> None:
+    src = StageRates("src", 1, (inst(1_000, 0.1),), client_backlog=bad)
+    given = scaling(src, op("x", {"src": 1.0}, inst(500, 0.5)))
+    result = by_stage(ds2().decide(given))
+    assert "invalid client backlog" in result["src"].reason
+    assert result["x"].recommended == result["x"].current
+    assert "no target rate for upstream src" in result["x"].reason
+
+
 def test_ds2_offered_rate_defaults_to_what_the_source_took_in() -> None:
     given = scaling(source(None), op("x", {"src": 1.0}, inst(250, 0.5)))
     # The source took in 1,000/s; 500/s per instance → 2.

@@ -1,11 +1,13 @@
 """The typed control protocol (keyshift.runtime.protocol): every command and event survives its
 wire form; a malformed one (unknown type, missing field, wrong type, unexpected field) is a
 ProtocolError naming the field; a malformed request to a real coordinator is refused with
-INVALID_ARGUMENT and changes nothing; an instance handed a malformed command stops, saying why.
+INVALID_ARGUMENT and changes nothing; an instance handed a malformed command stops, saying why;
+a malformed migration fetch is refused before the stage loop sees it.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -13,6 +15,7 @@ import grpc
 import pytest
 
 from keyshift.runtime.coordinator import SERVICE, Coordinator
+from keyshift.runtime.instance import migrate_handler
 from keyshift.runtime.job import parse_job
 from keyshift.runtime.protocol import (
     STRATEGIES,
@@ -21,6 +24,7 @@ from keyshift.runtime.protocol import (
     Checkpoint,
     CheckpointComplete,
     Drain,
+    FetchBody,
     InDone,
     KeyedCheckpointAck,
     MigrateIn,
@@ -39,13 +43,14 @@ from keyshift.runtime.protocol import (
     Retire,
     SinkCheckpointAck,
     SourceCheckpointAck,
+    StatusReply,
     Stop,
     Topology,
     parse,
     parse_command,
     parse_event,
 )
-from keyshift.runtime.stage_context import InstanceContext
+from keyshift.runtime.stage_context import MIGRATE_SERVICE, InstanceContext
 from keyshift.runtime.transport import (
     Inbox,
     JsonClient,
@@ -215,3 +220,56 @@ def test_an_instance_handed_a_malformed_command_stops_and_says_why(
     finally:
         control.close()
         server.stop(None)
+
+
+def test_a_malformed_fetch_is_refused_and_a_good_one_reaches_the_stage_loop() -> None:
+    """The Migrate/Fetch call between keyed instances: its body is parsed before the stage
+    loop sees it (the loop alone touches the state)."""
+    spec = parse_job(count_job(keyed={"parallelism": 1}, sink={"parallelism": 1}))
+    nowhere = JsonClient("127.0.0.1:1", SERVICE)
+    ctx = InstanceContext(spec, "counts", 0, nowhere, Inbox())
+    ctx.fetch_served.set()
+    server, port = start_server("127.0.0.1:0", [migrate_handler([ctx])])
+    channel = ctx.security.channel(f"127.0.0.1:{port}", [])
+    fetch = channel.unary_unary(f"/{MIGRATE_SERVICE}/Fetch", None, None)
+    try:
+        for body, message in [
+            (b"not json", "fetch refused"),
+            (b'{"epoch": 2, "keys": [1.5], "groups": [3]}', "keys.0"),
+            (b'{"epoch": 2, "keys": [1]}', "groups: Field required"),
+        ]:
+            with pytest.raises(grpc.RpcError) as raised:
+                fetch(body, timeout=10)
+            assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT  # type: ignore[attr-defined]
+            assert message in raised.value.details()  # type: ignore[attr-defined]
+        assert ctx.fetches.empty()
+        good = b'{"epoch": 2, "keys": [1, "a"], "groups": [3, 4]}'
+        answered = threading.Thread(target=lambda: fetch(good, timeout=10))
+        answered.start()
+        request = ctx.fetches.get(timeout=10)
+        assert request.body == FetchBody(epoch=2, keys=[1, "a"], groups=[3, 4])
+        request.done.set()
+        answered.join(timeout=10)
+    finally:
+        channel.close()
+        nowhere.close()
+        server.stop(None)
+
+
+def test_the_status_reply_is_a_status_reply_on_the_wire(
+    coordinator: tuple[Coordinator, str],
+) -> None:
+    coord, address = coordinator
+    coord.register(RegisterRequest(stage="counts", index=0, data_address="a:1", pid=7))
+    client = JsonClient(address, SERVICE)
+    try:
+        status = parse(StatusReply, client.call("Status"))
+    finally:
+        client.close()
+    assert (status.phase, status.rescale, status.rescales) == ("starting", None, [])
+    counts = next(s for s in status.stages if s.name == "counts")
+    assert (counts.parallelism, counts.instances[0].address, counts.instances[0].pid) == (
+        1,
+        "a:1",
+        7,
+    )

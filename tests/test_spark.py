@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -19,15 +20,19 @@ from typing import Any
 import pyarrow.parquet as pq
 import pytest
 import yaml
+from prometheus_client.parser import text_string_to_metric_families
 from pyspark.errors import AnalysisException, PythonException, StreamingQueryException
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 from pyspark.sql.streaming import StreamingQuery
 
 from keyshift.operator.local_host import LocalJob
+from keyshift.operator.scaling_metrics import members_of
 from keyshift.runtime.job_secret import SECRET_ENV, new_job_secret
+from keyshift.runtime.metrics import MetricName
 from keyshift.runtime.output_log import OutputLogReader, reader_offsets
 from keyshift.runtime.transport import JsonClient
+from keyshift.spark.bids import DUE_COLUMN
 from keyshift.spark.session import local_session
 from tests.conftest import count_job, latest_by_version, running_job, wait_for
 from tests.test_rescale import SERVICE, rescale_via
@@ -109,11 +114,26 @@ def expected(spark: SparkSession, total: int) -> dict[int, tuple[int, float]]:
 
 
 def write_into(df: DataFrame, endpoint: str, checkpoint: Path, **options: str) -> StreamingQuery:
-    writer = df.select("auction", "price").writeStream.format("keyshift")
+    due = [DUE_COLUMN] if options.get("dueColumn") == DUE_COLUMN else []
+    writer = df.select("auction", "price", *due).writeStream.format("keyshift")
     writer = writer.option("endpoint", endpoint).option("checkpointLocation", str(checkpoint))
     for name, value in options.items():
         writer = writer.option(name, value)
     return writer.trigger(processingTime="500 milliseconds").start()
+
+
+def client_backlog_age(local: LocalJob) -> float:
+    """The age of the oldest row the source's clients report due and not pushed, as the source
+    instance exports it."""
+    (address,) = members_of(local.status())["source"].values()
+    with urllib.request.urlopen(f"http://{address}/metrics", timeout=5) as reply:
+        text = reply.read().decode()
+    return sum(
+        sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == MetricName.CLIENT_BACKLOG_AGE
+    )
 
 
 def stop_job(local: LocalJob) -> None:
@@ -159,9 +179,16 @@ def test_spark_source_to_rescaled_job_to_spark_sink_matches_a_batch_query(
                 .start()
             )
             queries.append(sink)
-            source = write_into(bids(spark, total, True, 25_000), endpoint, tmp_path / "src-cp")
+            source = write_into(
+                bids(spark, total, True, 25_000),
+                endpoint,
+                tmp_path / "src-cp",
+                dueColumn=DUE_COLUMN,
+            )
             queries.append(source)
             wait_for(lambda: ingested(local) > total // 4, 120, "a quarter of the bids")
+            # The writer reports the bids due but not written yet with its pushes.
+            wait_for(lambda: client_backlog_age(local) > 0, 60, "the writer's backlog report")
             client = JsonClient(local.address, SERVICE)
             try:
                 rescale_via(local, client, 3, "hot-first", stage="per-auction")

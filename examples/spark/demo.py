@@ -39,6 +39,7 @@ from keyshift.runtime.job_secret import SECRET_ENV, new_job_secret
 from keyshift.runtime.lifecycle import allow_user_code
 from keyshift.runtime.output_log import OutputLogReader
 from keyshift.runtime.transport import JsonClient, TransportError
+from keyshift.spark.bids import DUE_COLUMN
 from keyshift.spark.session import local_session
 
 JOB_FILE = Path("examples/spark/bids.yaml")
@@ -150,7 +151,7 @@ def main() -> int:
         )
         queries.append(sink)
         bids = bid_stream(spark, total, PROFILE.model_dump(mode="json"), AUCTIONS, SEED)
-        source = write_to_keyshift(bids, endpoint, OUT / "source-checkpoint")
+        source = write_to_keyshift(bids, endpoint, OUT / "source-checkpoint", due_column=DUE_COLUMN)
         queries.append(source)
         wait(lambda: committed_bids(source) >= total, 600, "Spark to write every bid", job)
         source.stop()

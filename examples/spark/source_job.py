@@ -22,6 +22,7 @@ from pathlib import Path
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql.streaming import StreamingQuery
 
+from keyshift.spark.bids import DUE_COLUMN
 from keyshift.spark.session import local_session, run_to_the_end
 
 
@@ -43,12 +44,18 @@ def file_stream(spark: SparkSession, directory: Path, fmt: str) -> DataFrame:
 
 
 def write_to_keyshift(
-    df: DataFrame, endpoint: str, checkpoint: Path, trigger_seconds: float = 1.0
+    df: DataFrame,
+    endpoint: str,
+    checkpoint: Path,
+    trigger_seconds: float = 1.0,
+    due_column: str | None = None,
 ) -> StreamingQuery:
+    """`due_column`: when each row fell due, so the writer reports its backlog to the job."""
+    writer = df.writeStream.format("keyshift").option("endpoint", endpoint)
+    if due_column is not None:
+        writer = writer.option("dueColumn", due_column)
     return (
-        df.writeStream.format("keyshift")
-        .option("endpoint", endpoint)
-        .option("checkpointLocation", str(checkpoint))
+        writer.option("checkpointLocation", str(checkpoint))
         .trigger(processingTime=f"{trigger_seconds} seconds")
         .start()
     )
@@ -77,7 +84,8 @@ def main(argv: list[str] | None = None) -> int:
         df = bid_stream(spark, args.bids, args.profile, args.auctions, args.seed)
     else:
         df = file_stream(spark, args.input, args.format)
-    query = write_to_keyshift(df, args.endpoint, args.checkpoint)
+    due = DUE_COLUMN if args.bids is not None else None
+    query = write_to_keyshift(df, args.endpoint, args.checkpoint, due_column=due)
     # --bids ends once every bid is committed to the job; a file replay runs until Ctrl-C.
     run_to_the_end(spark, query, bounded=args.bids is not None)
     return 0
