@@ -26,7 +26,7 @@ from keyshift.runtime.checkpoint_store import (
 )
 from keyshift.runtime.checkpointing import KeyedCheckpointer
 from keyshift.runtime.job import CheckpointSettings
-from keyshift.runtime.protocol import KeyedCheckpointAck
+from keyshift.runtime.protocol import Barrier, KeyedCheckpointAck
 from keyshift.runtime.records import GROUP
 from keyshift.runtime.rocksdb_state import RocksAggregateState, open_database, prepare_directory
 from keyshift.runtime.state import AggregateState
@@ -73,7 +73,7 @@ def take(
     previous: int | None,
     owned: np.ndarray = EVERY,
 ) -> KeyedCheckpointAck:
-    ack = checkpointer.take({"id": number, "previous": previous}, state, owned)
+    ack = checkpointer.take(Barrier(id=number, previous=previous), state, owned)
     assert ack.error is None, ack
     return ack
 
@@ -244,7 +244,7 @@ def test_a_checkpoint_whose_storage_fails_fails_and_the_next_uploads_everything(
     state = rocks(tmp_path / "a", "keyed-0")
     feed(state, range(1_000))
     checkpointer = KeyedCheckpointer(CheckpointSettings(storage=str(blocked / "ckpt")), "keyed-0")
-    ack = checkpointer.take({"id": 1, "previous": None}, state, EVERY)
+    ack = checkpointer.take(Barrier(id=1, previous=None), state, EVERY)
     assert ack.error is not None and "cannot write" in ack.error
     assert state.items() == truth(range(1_000))
     # No checkpoint directory is left beside the database.

@@ -16,6 +16,7 @@ import yaml
 
 from keyshift.runtime.checkpointing import KeyedCheckpointer
 from keyshift.runtime.job import CheckpointSettings, JobError, parse_job
+from keyshift.runtime.protocol import Barrier
 from keyshift.runtime.rocksdb_state import (
     MARKER,
     RocksAggregateState,
@@ -108,7 +109,7 @@ def test_a_full_disk_stops_the_writes_with_an_error_naming_it_and_loses_nothing(
         checkpointer = KeyedCheckpointer(
             CheckpointSettings(storage=str(tmp_path / "checkpoints")), "keyed-0"
         )
-        ack = checkpointer.take({"id": 1, "previous": None}, state, np.ones(G, dtype=bool))
+        ack = checkpointer.take(Barrier(id=1, previous=None), state, np.ones(G, dtype=bool))
         assert ack.error is not None and "No space left" in ack.error, ack
         assert state.key_count == written
         with pytest.raises(Exception, match="No space left"):
