@@ -22,10 +22,13 @@ import pytest
 import yaml
 
 from keyshift.operator.local_host import LocalJob
+from keyshift.runtime.coordinator import Coordinator
 from keyshift.runtime.job import JobSpec, parse_job
 from keyshift.runtime.job_secret import SECRET_ENV, new_job_secret
 from keyshift.runtime.lifecycle import PARENT_ENV
 from keyshift.runtime.output_log import OutputLogReader
+from keyshift.runtime.protocol import Empty
+from keyshift.runtime.transport import start_server
 from tests.prometheus_server import PrometheusServer
 
 REPO = Path(__file__).resolve().parent.parent
@@ -134,6 +137,21 @@ def count_job(**overrides: Any) -> dict[str, Any]:
         else:
             job[key] = value
     return job
+
+
+@pytest.fixture
+def one_keyed_coordinator() -> Iterator[tuple[Coordinator, str]]:
+    """A count job's coordinator (one keyed and one sink instance expected) served in process on
+    a free loopback port, for tests that play the instances over real calls; its address."""
+    coordinator = Coordinator(
+        parse_job(count_job(keyed={"parallelism": 1}, sink={"parallelism": 1})), 30.0
+    )
+    server, port = start_server("127.0.0.1:0", [coordinator.handler()])
+    try:
+        yield coordinator, f"127.0.0.1:{port}"
+    finally:
+        coordinator.shutdown(Empty())
+        server.stop(None)
 
 
 @pytest.fixture(autouse=True)

@@ -8,35 +8,22 @@ thread updated them raised, and the reporting thread died with it).
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
 
 import numpy as np
 import pytest
 
 from keyshift.runtime.coordinator import SERVICE, Coordinator
 from keyshift.runtime.identity import Identity
-from keyshift.runtime.job import parse_job
 from keyshift.runtime.protocol import RegisterRequest
 from keyshift.runtime.stage_context import InstanceContext
-from keyshift.runtime.transport import Inbox, JsonClient, start_server
-from tests.conftest import count_job, wait_for
-
-
-@pytest.fixture
-def coordinator() -> Iterator[tuple[Coordinator, str]]:
-    spec = parse_job(count_job(keyed={"parallelism": 1}, sink={"parallelism": 1}))
-    coordinator = Coordinator(spec, 30.0)
-    server, port = start_server("127.0.0.1:0", [coordinator.handler()])
-    try:
-        yield coordinator, f"127.0.0.1:{port}"
-    finally:
-        server.stop(None)
+from keyshift.runtime.transport import Inbox, JsonClient
+from tests.conftest import wait_for
 
 
 def test_a_report_that_fails_is_logged_and_the_reports_go_on(
-    coordinator: tuple[Coordinator, str], caplog: pytest.LogCaptureFixture
+    one_keyed_coordinator: tuple[Coordinator, str], caplog: pytest.LogCaptureFixture
 ) -> None:
-    coord, address = coordinator
+    coord, address = one_keyed_coordinator
     reply = coord.register(RegisterRequest(stage="counts", index=0, data_address="-"))
     control = JsonClient(address, SERVICE)
     identity = Identity.from_json(reply.identity)

@@ -157,17 +157,6 @@ def test_rescale_messages_carry_the_strategy_and_its_options() -> None:
         parse(RescaleReport, {"to": 2})
 
 
-@pytest.fixture
-def coordinator() -> Iterator[tuple[Coordinator, str]]:
-    spec = parse_job(count_job(keyed={"parallelism": 1}, sink={"parallelism": 1}))
-    coordinator = Coordinator(spec, 30.0)
-    server, port = start_server("127.0.0.1:0", [coordinator.handler()])
-    try:
-        yield coordinator, f"127.0.0.1:{port}"
-    finally:
-        server.stop(None)
-
-
 @pytest.mark.parametrize(
     ("method", "body", "message"),
     [
@@ -180,9 +169,9 @@ def coordinator() -> Iterator[tuple[Coordinator, str]]:
     ],
 )
 def test_a_malformed_request_is_refused_before_it_changes_anything(
-    coordinator: tuple[Coordinator, str], method: str, body: dict[str, Any], message: str
+    one_keyed_coordinator: tuple[Coordinator, str], method: str, body: dict[str, Any], message: str
 ) -> None:
-    coord, address = coordinator
+    coord, address = one_keyed_coordinator
     client = JsonClient(address, SERVICE)
     try:
         with pytest.raises(TransportError) as raised:
@@ -197,11 +186,11 @@ def test_a_malformed_request_is_refused_before_it_changes_anything(
 
 
 def test_an_instance_handed_a_malformed_command_stops_and_says_why(
-    coordinator: tuple[Coordinator, str],
+    one_keyed_coordinator: tuple[Coordinator, str],
 ) -> None:
     """The coordinator runs the same protocol: a command that does not fit is a bug, and the
     instance stops rather than go on without a step of the protocol."""
-    coord, _ = coordinator
+    coord, _ = one_keyed_coordinator
 
     def watch(body: dict[str, Any], context: grpc.ServicerContext) -> Iterator[dict[str, Any]]:
         yield Pause(epoch=1).wire()
@@ -257,9 +246,9 @@ def test_a_malformed_fetch_is_refused_and_a_good_one_reaches_the_stage_loop() ->
 
 
 def test_the_status_reply_is_a_status_reply_on_the_wire(
-    coordinator: tuple[Coordinator, str],
+    one_keyed_coordinator: tuple[Coordinator, str],
 ) -> None:
-    coord, address = coordinator
+    coord, address = one_keyed_coordinator
     coord.register(RegisterRequest(stage="counts", index=0, data_address="a:1", pid=7))
     client = JsonClient(address, SERVICE)
     try:

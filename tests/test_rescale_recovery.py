@@ -14,20 +14,16 @@ from __future__ import annotations
 
 import queue
 import threading
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import numpy as np
-import pytest
 
 from keyshift.runtime.coordinator import SERVICE, Coordinator
-from keyshift.runtime.job import parse_job
 from keyshift.runtime.protocol import (
     Abort,
     Ack,
     Command,
-    Empty,
     Event,
     InstanceCall,
     MigrateIn,
@@ -39,8 +35,8 @@ from keyshift.runtime.protocol import (
     RescaleRequest,
     parse_command,
 )
-from keyshift.runtime.transport import JsonClient, TransportError, start_server
-from tests.conftest import count_job, wait_for
+from keyshift.runtime.transport import JsonClient, TransportError
+from tests.conftest import wait_for
 
 C = TypeVar("C", bound=Command)
 
@@ -81,18 +77,6 @@ class PlayedInstance:
         self.client.call("Report", request.wire())
 
 
-@pytest.fixture
-def job() -> Iterator[tuple[Coordinator, str]]:
-    spec = parse_job(count_job(keyed={"parallelism": 1}, sink={"parallelism": 1}))
-    coordinator = Coordinator(spec, 30.0)
-    server, port = start_server("127.0.0.1:0", [coordinator.handler()])
-    try:
-        yield coordinator, f"127.0.0.1:{port}"
-    finally:
-        coordinator.shutdown(Empty())
-        server.stop(None)
-
-
 def join(address: str, stage: str, index: int) -> PlayedInstance:
     client = JsonClient(address, SERVICE)
     request = RegisterRequest(stage=stage, index=index, data_address=f"127.0.0.1:{1000 + index}")
@@ -103,9 +87,9 @@ def join(address: str, stage: str, index: int) -> PlayedInstance:
 
 
 def test_a_new_owner_lost_after_the_old_owner_handed_everything_over_gives_it_back(
-    job: tuple[Coordinator, str],
+    one_keyed_coordinator: tuple[Coordinator, str],
 ) -> None:
-    coordinator, address = job
+    coordinator, address = one_keyed_coordinator
     spec = coordinator.spec
     source, old = join(address, "source", 0), join(address, "counts", 0)
     sink = join(address, "sink", 0)
