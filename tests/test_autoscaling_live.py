@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 
 from keyshift.operator.autoscaler import MetricsUnavailable
+from keyshift.operator.local_host import LocalJob
 from keyshift.operator.local_scaling import WallClock
 from keyshift.operator.scaling_metrics import (
     PrometheusSource,
@@ -29,7 +30,7 @@ from keyshift.operator.scaling_metrics import (
 )
 from keyshift.runtime.ingest_backlog import ClientBacklog
 from keyshift.runtime.ingest_client import IngestClient
-from keyshift.runtime.job import parse_job
+from keyshift.runtime.job import JobSpec, parse_job
 from keyshift.runtime.metrics import MetricName
 from tests.conftest import KEYSHIFT, REPO, cli, count_job, running_job, wait_for, write_job
 from tests.prometheus_server import PrometheusServer, free_port
@@ -198,16 +199,7 @@ def test_both_metrics_sources_read_the_same_rates_from_a_running_job(
                                        "profile": {"rate": 5000}}})  # fmt: skip
     spec = parse_job(job)
     with running_job(tmp_path, job) as local:
-        members = wait_for(
-            lambda: (m := members_of(local.status())) and all(m.values()) and m,
-            30,
-            "every instance to report its metrics address",
-        )
-        prometheus.write_targets([{"targets": [a for g in members.values() for a in g.values()]}])
-        scrape = ScrapeSource(job_graph(spec), lambda: members, WallClock()).start()
-        from_prometheus = PrometheusSource(
-            prometheus.url, spec.name, job_graph(spec), lambda: members
-        )
+        scrape, from_prometheus = both_sources(local, spec, prometheus)
         try:
             wait_for(lambda: _collects(scrape), 30, "two scrapes")
             wait_for(lambda: _collects(from_prometheus), 60, "Prometheus to have the series")
@@ -226,6 +218,21 @@ def test_both_metrics_sources_read_the_same_rates_from_a_running_job(
         5000, rel=0.2
     )
     assert 0 < a.stage("counts").busy < 1
+
+
+def both_sources(
+    local: LocalJob, spec: JobSpec, prometheus: PrometheusServer
+) -> tuple[ScrapeSource, PrometheusSource]:
+    """Once every instance reports its metrics address: a started ScrapeSource (the caller
+    closes it) and a PrometheusSource over a server scraping those addresses."""
+    members = wait_for(
+        lambda: (m := members_of(local.status())) and all(m.values()) and m,
+        30,
+        "every instance to report its metrics address",
+    )
+    prometheus.write_targets([{"targets": [a for g in members.values() for a in g.values()]}])
+    scrape = ScrapeSource(job_graph(spec), lambda: members, WallClock()).start()
+    return scrape, PrometheusSource(prometheus.url, spec.name, job_graph(spec), lambda: members)
 
 
 def _collects(source: ScrapeSource | PrometheusSource) -> bool:
@@ -294,16 +301,7 @@ def test_both_metrics_sources_read_the_backlog_an_ingest_client_reports(
     spec = parse_job(job)
     with running_job(tmp_path, job) as local:
         endpoint = wait_for(lambda: ingest_address(local), 60, "the ingest endpoint")
-        members = wait_for(
-            lambda: (m := members_of(local.status())) and all(m.values()) and m,
-            30,
-            "every instance to report its metrics address",
-        )
-        prometheus.write_targets([{"targets": [a for g in members.values() for a in g.values()]}])
-        scrape = ScrapeSource(job_graph(spec), lambda: members, WallClock()).start()
-        from_prometheus = PrometheusSource(
-            prometheus.url, spec.name, job_graph(spec), lambda: members
-        )
+        scrape, from_prometheus = both_sources(local, spec, prometheus)
 
         def reads_the_backlog(source: ScrapeSource | PrometheusSource) -> bool:
             try:
