@@ -79,8 +79,11 @@ def test_a_coordinator_restart_during_the_wait_is_reported_not_taken_for_the_res
     exit 1, instead of waiting for, or reporting, a rescale of the new one."""
     job = count_job(
         name="restarted",
-        source={"config": {"kind": "generator", "keys": 2000, "distribution": "uniform",
-                           "profile": {"rate": 5_000}}},
+        # 2k records/s over a million keys: thousands of keys have state by the first
+        # checkpoint and a record seldom meets one again, so fetch on demand cannot finish the
+        # move early (over 2k keys it fetched nearly all in ~4 s; zipf left only a few keys).
+        source={"config": {"kind": "generator", "keys": 1_000_000, "distribution": "uniform",
+                           "profile": {"rate": 2_000}}},
         keyed={"name": "counts", "parallelism": 1},
         sink={"config": {"kind": "log", "path": str(tmp_path / "out")}},
         checkpoints={"interval": 2, "storage": str(tmp_path / "checkpoints")},
@@ -94,7 +97,7 @@ def test_a_coordinator_restart_during_the_wait_is_reported_not_taken_for_the_res
 
         wait_for(lambda: (status().get("checkpoints") or {}).get("completed", 0) >= 1, 60,
                  "a checkpoint")  # fmt: skip
-        # A trickle of 20 keys/s: the move of ~1,000 keys lasts long enough to kill inside it.
+        # A trickle of 20 keys/s: the move of thousands of keys lasts long enough to kill inside it.
         waiting = subprocess.Popen(
             [KEYSHIFT, "rescale", "restarted", "counts", "2", "--option", "chunk_keys=4",
              "--option", "trickle_keys_per_s=20"],
