@@ -130,12 +130,17 @@ class Coordinator:
         self.incarnation = uuid.uuid4().hex[:12]  # this process; with an id, names a rescale
         self._phase = "starting"
         self.errors: list[str] = []
-        self.assignment = Assignment.contiguous(spec.max_key_groups, spec.keyed.parallelism)
+        # Every keyed stage's key groups' owners, by epoch.
+        self.assignments = {
+            step.stage.name: Assignment.contiguous(spec.max_key_groups, step.stage.parallelism)
+            for step in spec.keyed_chain()
+        }
         self.desired = {s.name: s.parallelism for s in spec.stages()}
         if restore is not None:
             # The job goes on from the checkpoint: its key groups' owners, and so as many keyed
             # instances as it had then (a rescale may have changed them since the job began).
-            self.assignment = Assignment.from_json(restore.assignment)
+            # (Checkpoints are only taken of a job with one keyed stage so far.)
+            self.assignments[spec.keyed.name] = Assignment.from_json(restore.assignment)
             self.desired[spec.keyed.name] = self.assignment.parallelism
         self.members: dict[str, dict[int, InstanceRecord]] = {s.name: {} for s in spec.stages()}
         self._drain_requested = False
@@ -163,6 +168,17 @@ class Coordinator:
         self.metrics.recovered(len(self.recoveries), last)
         for stage in spec.stages():
             self.metrics.set_parallelism(stage.name, stage.parallelism)
+
+    @property
+    def assignment(self) -> Assignment:
+        """The first keyed stage's assignment (what a checkpoint records and Status's epoch)."""
+        return self.assignments[self.spec.keyed.name]
+
+    def upstream_of(self, stage: str) -> str:
+        """The stage whose instances send to keyed stage `stage`."""
+        chain = [step.stage.name for step in self.spec.keyed_chain()]
+        position = chain.index(stage)
+        return chain[position - 1] if position else self.spec.source.name
 
     @property
     def phase(self) -> str:
@@ -210,7 +226,8 @@ class Coordinator:
             name: {str(i): r.data_address for i, r in sorted(members.items())}
             for name, members in self.members.items()
         }
-        return Topology(stages=stages, assignment=self.assignment.to_json())
+        assignments = {name: a.to_json() for name, a in self.assignments.items()}
+        return Topology(stages=stages, assignments=assignments)
 
     def _broadcast_topology(self) -> None:
         topology = self._topology()
@@ -219,46 +236,50 @@ class Coordinator:
 
     # -- RescaleHost ---------------------------------------------------------------------
 
-    def keyed_addresses(self) -> dict[int, str]:
+    def addresses(self, stage: str) -> dict[int, str]:
         with self._lock:
-            return {i: r.data_address for i, r in self.members[self.spec.keyed.name].items()}
+            return {i: r.data_address for i, r in self.members[stage].items()}
 
-    def source_count(self) -> int:
-        return self.spec.source.parallelism
+    def sender_count(self, stage: str) -> int:
+        with self._lock:
+            return self.desired[stage]
+
+    def finished(self, stage: str) -> set[int]:
+        with self._lock:
+            return {i for i, r in self.members[stage].items() if r.finished}
 
     def finished_sources(self) -> set[int]:
-        with self._lock:
-            return {i for i, r in self.members[self.spec.source.name].items() if r.finished}
+        return self.finished(self.spec.source.name)
 
     def send(self, stage: str, index: int, command: Command) -> None:
         with self._lock:
             self.members[stage][index].commands.put(command)
 
-    def set_desired(self, parallelism: int) -> None:
+    def set_desired(self, stage: str, parallelism: int) -> None:
         with self._lock:
-            self.desired[self.spec.keyed.name] = parallelism
+            self.desired[stage] = parallelism
 
-    def broadcast_keyed(self, command: Command) -> None:
+    def broadcast(self, stage: str, command: Command) -> None:
         with self._lock:
-            for record in self.members[self.spec.keyed.name].values():
+            for record in self.members[stage].values():
                 record.commands.put(command)
 
-    def commit(self, assignment: Assignment) -> None:
+    def commit(self, stage: str, assignment: Assignment) -> None:
         with self._lock:
-            self.assignment = assignment
-            self.metrics.set_parallelism(self.spec.keyed.name, assignment.parallelism)
+            self.assignments[stage] = assignment
+            self.metrics.set_parallelism(stage, assignment.parallelism)
             self._broadcast_topology()
 
-    def retire(self, indexes: list[int]) -> None:
+    def retire(self, stage: str, indexes: list[int]) -> None:
         with self._lock:
             for index in indexes:
-                record = self.members[self.spec.keyed.name][index]
+                record = self.members[stage][index]
                 record.retiring = True
                 record.commands.put(Retire())
         self.wait_for(
-            lambda _events: not any(i in self.members[self.spec.keyed.name] for i in indexes),
+            lambda _events: not any(i in self.members[stage] for i in indexes),
             30.0,
-            f"instances {indexes} to retire",
+            f"instances {indexes} of {stage} to retire",
         )
 
     def wait_for(
@@ -366,8 +387,8 @@ class Coordinator:
                 del self.members[record.stage][record.index]
                 self._broadcast_topology()
             elif (
-                record.stage == self.spec.keyed.name
-                and self.rescale_status is not None
+                self.rescale_status is not None
+                and record.stage == self.rescale_status.stage
                 and not record.finished
                 and self.phase == "running"
                 # With checkpoints, the host restarts the job from the last one instead: going
@@ -407,7 +428,9 @@ class Coordinator:
             if request.metrics_address:
                 record.metrics_address = request.metrics_address
             if request.group_hits is not None:
-                self._group_rates.update(record.name, request.group_hits, time.monotonic())
+                self._group_rates.update(
+                    record.stage, record.name, request.group_hits, time.monotonic()
+                )
             for event in request.events:
                 reported = Reported(record.stage, record.index, event)
                 if isinstance(event, CHECKPOINT_ACKS):
@@ -440,14 +463,15 @@ class Coordinator:
             return DrainReply(phase=self.phase)
 
     def rescale(self, request: RescaleRequest) -> RescaleReport:
-        """Start a rescale of the keyed stage; refused while another one runs."""
+        """Start a rescale of a keyed stage; refused while another one runs (of any stage)."""
         with self._lock:
             stage = request.stage
-            if stage != self.spec.keyed.name:
+            if stage not in self.assignments:
                 if stage in self.desired:
+                    keyed = ", ".join(repr(name) for name in self.assignments)
                     raise ControlError(
-                        f"stage {stage!r} has no keyed state; only "
-                        f"{self.spec.keyed.name!r} can be rescaled live"
+                        f"stage {stage!r} has no keyed state; only the keyed stages ({keyed}) "
+                        "can be rescaled live"
                     )
                 raise ControlError(f"job {self.spec.name} has no stage {stage!r}",
                                    grpc.StatusCode.NOT_FOUND)  # fmt: skip
@@ -477,7 +501,8 @@ class Coordinator:
                 current = self.rescale_status
                 raise ControlError(
                     f"rescale {current.id} of stage {current.stage} is still running "
-                    f"({current.phase}); one rescale at a time, try again when it finishes"
+                    f"({current.phase}); one rescale at a time, of any stage: try again when "
+                    "it finishes"
                 )
             self._wait_for_checkpoint()
             status = RescaleStatus(
@@ -494,8 +519,8 @@ class Coordinator:
             self._abort = None
             self._lost_keyed = set()
             driver = RescaleDriver(
-                self, status, stage, self.spec.source.name, self.assignment,
-                self._group_rates.rates(),
+                self, status, stage, self.upstream_of(stage), self.assignments[stage],
+                self._group_rates.rates(stage),
             )  # fmt: skip
         self.metrics.rescale_started(stage)
         threading.Thread(target=self._run_rescale, args=(driver,), daemon=True).start()
@@ -633,7 +658,8 @@ class Coordinator:
         for reported in self._events:
             if isinstance(reported.event, OutDone | InDone):
                 totals.update(reported.event.stats)
-        for record in self.members[self.spec.keyed.name].values() if live else ():
+        moving = self.rescale_status.stage if live and self.rescale_status else None
+        for record in self.members[moving].values() if moving else ():
             totals.update(record.stats.get("migration", {}))
         return {k: float(v) for k, v in totals.items()}
 
@@ -764,26 +790,27 @@ class Coordinator:
 
 
 class GroupRates:
-    """Per-group record rates from the keyed instances' cumulative hit counts."""
+    """Per-group record rates of each keyed stage, from its instances' cumulative hit counts."""
 
     def __init__(self, groups: int) -> None:
         self.groups = groups
         self._last: dict[str, tuple[float, np.ndarray]] = {}
-        self._rates: dict[str, np.ndarray] = {}
+        self._rates: dict[str, dict[str, np.ndarray]] = {}
 
-    def update(self, instance: str, sparse: dict[str, int], now: float) -> None:
+    def update(self, stage: str, instance: str, sparse: dict[str, int], now: float) -> None:
         hits = np.zeros(self.groups, dtype=np.float64)
         if sparse:
             hits[np.fromiter((int(g) for g in sparse), dtype=np.int64)] = list(sparse.values())
         previous = self._last.get(instance)
         if previous is not None and now > previous[0]:
-            self._rates[instance] = np.maximum(hits - previous[1], 0) / (now - previous[0])
+            rates = np.maximum(hits - previous[1], 0) / (now - previous[0])
+            self._rates.setdefault(stage, {})[instance] = rates
         self._last[instance] = (now, hits)
 
-    def rates(self) -> np.ndarray:
-        """Recent records/s per group (groups that moved count where they are now)."""
+    def rates(self, stage: str) -> np.ndarray:
+        """Recent records/s per group of `stage` (groups that moved count where they are now)."""
         total = np.zeros(self.groups)
-        for rates in self._rates.values():
+        for rates in self._rates.get(stage, {}).values():
             total += rates
         return total
 
@@ -791,8 +818,9 @@ class GroupRates:
 def max_calls(spec: JobSpec) -> int:
     """The most calls the coordinator serves at once: per instance its command stream and two
     reports (the periodic one and a protocol step's), with the keyed stage at the most a
-    rescale may take it to; and a few for the hosts' and the CLI's calls."""
-    instances = spec.source.parallelism + spec.sink.parallelism + MAX_PARALLELISM
+    rescale may take each keyed stage to; and a few for the hosts' and the CLI's calls."""
+    keyed = len(spec.keyed_chain())
+    instances = spec.source.parallelism + spec.sink.parallelism + keyed * MAX_PARALLELISM
     return 3 * instances + CLIENT_CALLS
 
 

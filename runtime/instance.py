@@ -86,11 +86,8 @@ def run_stage(ctx: InstanceContext) -> None:
     # Only this instance's stage is imported: the others' modules (the output log's Parquet and
     # JSON writers, the ingest endpoint, ...) would cost every instance memory and start time.
     spec = ctx.spec
-    module = {
-        spec.source.name: "source_stage",
-        spec.keyed.name: "keyed_stage",
-        spec.sink.name: "sink_stage",
-    }[ctx.stage]
+    modules = {spec.source.name: "source_stage", spec.sink.name: "sink_stage"}
+    module = modules.get(ctx.stage, "keyed_stage")
     stage = importlib.import_module(f"keyshift.runtime.{module}")
     stage.run(ctx)
 

@@ -4,7 +4,8 @@ A job is a graph of named stages (`graph`: sources, map/filter/flat_map stages, 
 sinks, each naming its inputs), checked by `keyshift.runtime.job_graph`; a job file of the older
 shape (source -> map/filter -> key_by -> one keyed operator -> sink at the top level) is
 normalised into the same graph. The runtime executes one shape so far, which a graph is lowered
-onto (`source`, `keyed`, `sink`, `fields`); any other shape is refused at load time. The local
+onto (`source`, `keyed`, `sink`, `fields`, and `keyed_chain()`: every keyed stage in a line);
+any other shape is refused at load time. The local
 host validates a job file with `load_job` before it starts anything; the coordinator and every
 instance receive the same validated model. The Python API in `keyshift.runtime.pipeline` builds
 these models too. Job files are read by `keyshift.runtime.job_file` (size, nesting, alias and
@@ -17,6 +18,7 @@ import importlib
 import inspect
 import types
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal, TypeVar
 
@@ -25,6 +27,7 @@ from pydantic import (
     ConfigDict,
     Discriminator,
     Field,
+    PrivateAttr,
     SerializerFunctionWrapHandler,
     Tag,
     ValidationError,
@@ -396,6 +399,18 @@ class SinkStage(Stage):
     config: SinkConfig = Field(default_factory=LogSink)
 
 
+@dataclass(frozen=True)
+class KeyedStep:
+    """A keyed stage as the runtime runs it: its settings, the schema of the records it reads,
+    the map/filter functions its instances run on its updates, and the stage those go to (the
+    next keyed stage, or the sink)."""
+
+    stage: KeyedStage
+    fields: dict[str, FieldType]
+    transforms: tuple[Transform, ...]
+    output: str
+
+
 GENERATED_FIELDS: dict[str, FieldType] = {"key": "int", "value": "float"}
 
 
@@ -626,6 +641,9 @@ class JobSpec(_Model):
         "that dies is noticed at once",
     )
 
+    # Every keyed stage in a line, the first being `keyed`; derived at validation.
+    _keyed_chain: tuple[KeyedStep, ...] = PrivateAttr(default=())
+
     @model_validator(mode="before")
     @classmethod
     def _one_shape(cls, data: Any) -> Any:
@@ -659,10 +677,8 @@ class JobSpec(_Model):
             raise ValueError(str(exc)) from None
         stages = {stage.name: stage for stage in self.graph}
         source = stages[chain.source.name]
-        keyed = stages[chain.keyed.name]
         sink = stages[chain.sink.name]
-        assert isinstance(source, SourceNode) and isinstance(keyed, KeyedNode)
-        assert isinstance(sink, SinkNode)
+        assert isinstance(source, SourceNode) and isinstance(sink, SinkNode)
         if isinstance(source.config, IngestSource) and dict(chain.fields) != source.fields:
             changing = next(t for t in chain.transforms if t.fields is not None)
             raise ValueError(
@@ -673,18 +689,11 @@ class JobSpec(_Model):
         # Validated again with the job's context: a model's own checks rerun on its instances,
         # and the user's functions must be checked as the job asks (imported, or by form only).
         context = info.context
-        transforms = [{t.role: t.function} for t in chain.transforms]
-        values = {
-            "source": SourceStage.model_validate(
-                {
-                    "name": source.name,
-                    "parallelism": source.parallelism,
-                    "config": source.config,
-                    "transforms": transforms,
-                },
-                context=context,
-            ),
-            "keyed": KeyedStage.model_validate(
+        steps = []
+        for i, link in enumerate(chain.keyed):
+            keyed = stages[link.keyed.name]
+            assert isinstance(keyed, KeyedNode)
+            step = KeyedStage.model_validate(
                 {
                     "name": keyed.name,
                     "parallelism": keyed.parallelism,
@@ -693,7 +702,24 @@ class JobSpec(_Model):
                     "state": keyed.state,
                 },
                 context=context,
+            )
+            after = chain.keyed[i + 1].keyed.name if i + 1 < len(chain.keyed) else sink.name
+            transforms = tuple(
+                Transform.model_validate({t.role: t.function}, context=context)
+                for t in link.transforms
+            )
+            steps.append(KeyedStep(step, dict(link.fields), transforms, after))
+        values = {
+            "source": SourceStage.model_validate(
+                {
+                    "name": source.name,
+                    "parallelism": source.parallelism,
+                    "config": source.config,
+                    "transforms": [{t.role: t.function} for t in chain.transforms],
+                },
+                context=context,
             ),
+            "keyed": steps[0].stage,
             "sink": SinkStage.model_validate(
                 {"name": sink.name, "parallelism": sink.parallelism, "config": sink.config},
                 context=context,
@@ -702,6 +728,18 @@ class JobSpec(_Model):
         }
         for name, value in values.items():
             object.__setattr__(self, name, value)
+        self._keyed_chain = tuple(steps)
+
+    def keyed_chain(self) -> tuple[KeyedStep, ...]:
+        """Every keyed stage, in the order records pass them (one in a job of the older shape)."""
+        return self._keyed_chain
+
+    def keyed_step(self, name: str) -> KeyedStep:
+        """The keyed stage named `name` as the runtime runs it; KeyError if there is none."""
+        for step in self._keyed_chain:
+            if step.stage.name == name:
+                return step
+        raise KeyError(name)
 
     def dataflow(self) -> Graph:
         """The job's graph, checked: its `graph`, or the older shape normalised into one (the
@@ -752,7 +790,9 @@ class JobSpec(_Model):
     def _consistent(self, info: ValidationInfo) -> JobSpec:
         if self.graph is not None:
             self._lower_graph(info)
-        names = [self.source.name, self.keyed.name, self.sink.name]
+        else:
+            self._keyed_chain = (KeyedStep(self.keyed, dict(self.fields), (), self.sink.name),)
+        names = [stage.name for stage in self.stages()]
         if len(set(names)) != len(names):
             raise ValueError(f"stage names must be distinct, got {names}")
         if self.keyed.key_by not in self.fields:
@@ -780,8 +820,16 @@ class JobSpec(_Model):
         not_floats = [f for f in self.allow_non_finite if self.fields.get(f) != "float"]
         if not_floats:
             raise ValueError(f"allow_non_finite names {not_floats}, which are not float fields")
-        if self.keyed.parallelism > self.max_key_groups:
-            raise ValueError("keyed.parallelism must not exceed max_key_groups")
+        for step in self._keyed_chain:
+            if step.stage.parallelism > self.max_key_groups:
+                raise ValueError(
+                    f"keyed.parallelism of stage {step.stage.name!r} must not exceed max_key_groups"
+                )
+        if len(self._keyed_chain) > 1 and self.checkpoints is not None:
+            raise ValueError(
+                f"not supported yet: stage {self._keyed_chain[1].stage.name!r} (keyed): "
+                "checkpoints of a job with more than one keyed stage"
+            )
         if self.graph is None:
             try:
                 self.dataflow()
@@ -792,7 +840,7 @@ class JobSpec(_Model):
     _no_reserved = field_validator("fields")(_record_fields)
 
     def stages(self) -> list[Stage]:
-        return [self.source, self.keyed, self.sink]
+        return [self.source, *(step.stage for step in self._keyed_chain), self.sink]
 
 
 J = TypeVar("J", bound=JobSpec)

@@ -3,9 +3,10 @@ and the record schema along every edge.
 
 `keyshift.runtime.job` validates every job through it: a job file's `graph` (and a job of the
 older source/keyed/sink shape, normalised into one) becomes `Node`s, `build_graph` refuses a
-bad graph naming the stage and the reason, and `lower_to_chain` maps a graph onto the one shape
-the runtime executes today (a source with its chained map/filter stages, one keyed stage, one
-sink), refusing any other shape with "not supported yet". The module is pure: no I/O, no
+bad graph naming the stage and the reason, and `lower_to_chain` maps a graph onto the shape
+the runtime executes today (a source with its chained map/filter stages, keyed stages in a
+line, each with the map/filter stages after it chained into its instances, one sink), refusing
+any other shape with "not supported yet". The module is pure: no I/O, no
 imports of the job's pydantic models (they import it).
 """
 
@@ -263,14 +264,25 @@ def build_graph(nodes: Sequence[Node]) -> Graph:
 
 
 @dataclass(frozen=True)
+class KeyedLink:
+    """One keyed stage of the chain: it reads records of schema `fields`, and its instances
+    also run `transforms` (map/filter) on its updates before they go on."""
+
+    keyed: Node
+    fields: Schema
+    transforms: tuple[Node, ...]
+
+
+@dataclass(frozen=True)
 class Chain:
     """The shape the runtime executes today: a source whose instances also run `transforms`
-    (map/filter, chained by forward edges), one keyed stage fed by key_by on the records of
-    schema `fields`, and one sink receiving each key's updates in the partition of its key."""
+    (map/filter, chained by forward edges), keyed stages in a line, each fed by key_by (the
+    first on the records of schema `fields`), and one sink receiving each key's updates of the
+    last keyed stage in the partition of its key."""
 
     source: Node
     transforms: tuple[Node, ...]
-    keyed: Node
+    keyed: tuple[KeyedLink, ...]
     sink: Node
     fields: Schema
 
@@ -286,49 +298,73 @@ def _only(graph: Graph, role: Role, what: str) -> Node:
     return found[0]
 
 
+def _one_output(graph: Graph, node: Node) -> Edge:
+    outs = graph.outputs_of(node.name)
+    if len(outs) > 1:
+        raise _not_yet(graph.node(outs[1].target), f"fan-out from {node.name!r}")
+    return outs[0]
+
+
+def _chained(graph: Graph, start: Node, after_keyed: bool) -> tuple[list[Node], Edge, Node]:
+    """The map/filter stages chained into `start`'s instances, the edge out of the last of
+    them and the stage it reaches. After a source they take forward edges; after a keyed
+    stage also its default key_by of the key, under which they run in the keyed instances
+    that own each key (a stateless stage's output does not depend on where it runs)."""
+    transforms: list[Node] = []
+    current = start
+    while True:
+        edge = _one_output(graph, current)
+        after = graph.node(edge.target)
+        if after.role in ("keyed", "sink"):
+            return transforms, edge, after
+        if after.role == "flat_map":
+            raise _not_yet(after, "flat_map stages")
+        chains = edge.partitioning == "forward" or (
+            after_keyed and edge.partitioning == "key_by" and edge.key_by == KEY_FIELD
+        )
+        if not chains:
+            where = "a keyed stage's" if after_keyed else "the source"
+            raise _not_yet(
+                after,
+                f"a {edge.partitioning} edge from {current.name!r} (map and filter stages run "
+                f"chained into {where} instances: forward edges only)",
+            )
+        if len(after.inputs) > 1:
+            raise _not_yet(after, "a stage with more than one input")
+        transforms.append(after)
+        current = after
+
+
 def lower_to_chain(graph: Graph) -> Chain:
     """The graph as the runtime's chain; GraphError "not supported yet" naming the first stage
     the runtime cannot execute as the graph says."""
     source = _only(graph, "source", "source")
-    keyed_stages = graph.of_role("keyed")
-    if not keyed_stages:
+    if not graph.of_role("keyed"):
         raise _not_yet(graph.of_role("sink")[0], "a job without a keyed stage")
-    keyed = _only(graph, "keyed", "keyed stage")
     sink = _only(graph, "sink", "sink")
     for node in graph.of_role("flat_map"):
         raise _not_yet(node, "flat_map stages")
-    transforms: list[Node] = []
-    current = source
-    while True:
-        outs = graph.outputs_of(current.name)
-        if len(outs) > 1:
-            raise _not_yet(graph.node(outs[1].target), f"fan-out from {current.name!r}")
-        edge = outs[0]
-        after = graph.node(edge.target)
-        if after.role == "keyed":
-            break
-        if after.role == "sink":
-            raise _not_yet(after, "a sink fed by a stage that is not keyed")
-        if edge.partitioning != "forward":
-            raise _not_yet(
-                after,
-                f"a {edge.partitioning} edge from {current.name!r} (map and filter "
-                "stages run chained into the source: forward edges only)",
-            )
-        transforms.append(after)
-        current = after
-    if len(keyed.inputs) > 1:
-        raise _not_yet(keyed, "a keyed stage with more than one input")
-    outs = graph.outputs_of(keyed.name)
-    if len(outs) > 1:
-        raise _not_yet(graph.node(outs[1].target), f"fan-out from {keyed.name!r}")
-    out = outs[0]
-    if out.target != sink.name:
-        raise _not_yet(graph.node(out.target), f"a stage after the keyed stage {keyed.name!r}")
-    if out.partitioning != "key_by" or out.key_by != KEY_FIELD:
+    transforms, edge, after = _chained(graph, source, after_keyed=False)
+    if after.role == "sink":
+        raise _not_yet(after, "a sink fed by a stage that is not keyed")
+    fields = graph.schemas[edge.source]
+    links: list[KeyedLink] = []
+    while after.role == "keyed":
+        keyed = after
+        if len(keyed.inputs) > 1:
+            raise _not_yet(keyed, "a keyed stage with more than one input")
+        chained, edge, after = _chained(graph, keyed, after_keyed=True)
+        links.append(KeyedLink(keyed, graph.schemas[keyed.inputs[0]], tuple(chained)))
+    if links[-1].transforms:
+        raise _not_yet(
+            links[-1].transforms[0],
+            f"a map or filter between the last keyed stage {links[-1].keyed.name!r} and the "
+            "sink (the sink receives the keyed stage's updates as they are)",
+        )
+    if edge.partitioning != "key_by" or edge.key_by != KEY_FIELD:
         raise _not_yet(
             sink,
-            f"a {out.partitioning} edge from the keyed stage (sinks receive each key's "
+            f"a {edge.partitioning} edge from the keyed stage (sinks receive each key's "
             f"updates in the partition of its key group: key_by {KEY_FIELD!r})",
         )
-    return Chain(source, tuple(transforms), keyed, sink, graph.schemas[current.name])
+    return Chain(source, tuple(transforms), tuple(links), sink, fields)

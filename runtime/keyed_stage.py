@@ -1,8 +1,10 @@
 """The keyed stage loop: apply incoming batches to keyed state (vectorized aggregates or a
-per-record function), send one update per changed key to the sink instance of its group, and
-take part in live migrations (`keyshift.runtime.migration`) while records keep flowing.
+per-record function), send one update per changed key on (to the sink instance of its group,
+or through the chained map/filter functions to the owner in the next keyed stage, by an
+`EdgeRouter`), and take part in live migrations (`keyshift.runtime.migration`) while records
+keep flowing.
 
-Called by `keyshift.runtime.instance` for instances of the job's keyed stage.
+Called by `keyshift.runtime.instance` for instances of the job's keyed stages.
 """
 
 from __future__ import annotations
@@ -18,7 +20,8 @@ import numpy as np
 import pyarrow as pa
 
 from keyshift.runtime.checkpointing import BarrierAligner, KeyedCheckpointer
-from keyshift.runtime.job import AggregateOperator, JobSpec, resolve_function
+from keyshift.runtime.edge_router import EdgeRouter
+from keyshift.runtime.job import AggregateOperator, JobSpec, KeyedStep, resolve_function
 from keyshift.runtime.metrics import MetricName
 from keyshift.runtime.migration import MoveIn, MoveOut, ProtocolError
 from keyshift.runtime.protocol import (
@@ -69,6 +72,7 @@ from keyshift.runtime.transport import (
     LEAVE,
     MARKER,
     STATE,
+    Outlet,
 )
 
 IDLE_WAIT = 0.05
@@ -77,14 +81,14 @@ log = logging.getLogger("keyshift.keyed")
 
 
 def make_state(
-    spec: JobSpec, seal: StateSeal, owner: str
+    spec: JobSpec, step: KeyedStep, seal: StateSeal, owner: str
 ) -> AggregateState | ProcessState | RocksAggregateState | RocksProcessState:
-    """The keyed stage's state store for instance `owner` ("<stage>-<index>")."""
-    key_type = ARROW_TYPES[spec.fields[spec.keyed.key_by]]
-    op = spec.keyed.operator
+    """Keyed stage `step`'s state store for instance `owner` ("<stage>-<index>")."""
+    key_type = ARROW_TYPES[step.fields[step.stage.key_by]]
+    op = step.stage.operator
     # Pickled values are only safe to keep when every state byte that arrives is authenticated.
     codec = ValueCodec(allow_pickle=seal.authenticated)
-    settings = spec.keyed.state
+    settings = step.stage.state
     if settings.backend == "rocksdb":
         directory = prepare_directory(Path(settings.path) / spec.name / owner, owner)
         db = open_database(directory, settings.block_cache_mb, settings.write_buffer_mb)
@@ -115,9 +119,11 @@ def process_output_schema(key_type: pa.DataType) -> pa.Schema:
 
 
 def sink_schema(spec: JobSpec) -> pa.Schema:
-    """The columns of the records the job's sink receives (and its output log holds)."""
-    key_type = ARROW_TYPES[spec.fields[spec.keyed.key_by]]
-    op = spec.keyed.operator
+    """The columns of the records the job's sink receives (and its output log holds): the last
+    keyed stage's updates."""
+    last = spec.keyed_chain()[-1]
+    key_type = ARROW_TYPES[last.fields[last.stage.key_by]]
+    op = last.stage.operator
     if isinstance(op, AggregateOperator):
         schema = aggregate_output_schema(op.function, key_type)
     else:
@@ -132,17 +138,27 @@ class KeyedStage:
         self.ctx = ctx
         spec = ctx.spec
         self.spec = spec
+        step = spec.keyed_step(ctx.stage)
         self.seal = StateSeal.from_environment()
-        self.state = make_state(spec, self.seal, f"{ctx.stage}-{ctx.index}")
+        self.state = make_state(spec, step, self.seal, f"{ctx.stage}-{ctx.index}")
         ctx.state_size = lambda: (self.state.key_count, self.state.bytes_estimate())
         ctx.group_hits = self.state.group_hits
-        op = spec.keyed.operator
+        op = step.stage.operator
         self.value_field = op.field if isinstance(op, AggregateOperator) else None
-        self.key_field = spec.keyed.key_by
+        self.key_field = step.stage.key_by
         self.out_schema = process_output_schema(self.state.key_type)
-        self.sinks = ctx.connect(spec.sink.name)
-        self.sources = ctx.upstream_names(spec.source.name)
-        self.owned = ctx.assignment().owners == ctx.index
+        chain = [s.stage.name for s in spec.keyed_chain()]
+        position = chain.index(ctx.stage)
+        # The stage whose instances send here, and where the updates go: the next keyed stage
+        # (routed by its assignment, as a source routes to the first) or the sinks.
+        self.upstream = chain[position - 1] if position else spec.source.name
+        self.router: EdgeRouter | None = None
+        self.sinks: dict[int, Outlet] = {}
+        if step.output == spec.sink.name:
+            self.sinks = ctx.connect(spec.sink.name)
+        else:
+            self.router = EdgeRouter(ctx, step.output, step.transforms)
+        self.owned = ctx.assignment(ctx.stage).owners == ctx.index
         self.ended: set[str] = set()
         self.backlog: deque[tuple[str, bytes, Any]] = deque()
         self.move_out: MoveOut | None = None
@@ -174,19 +190,28 @@ class KeyedStage:
             for row in rows:
                 row["value"] = json.dumps(row["value"])
             out = pa.RecordBatch.from_pylist(rows, schema=self.out_schema)
-        parts = []
-        if out.num_rows:
+        parts: list[tuple[int, bytes]] = []
+        if out.num_rows and self.router is not None:
+            out, parts = self.router.prepare(out)
+        elif out.num_rows:
             sinks = len(self.sinks)
             owners = (out.column(GROUP).to_numpy() % sinks).astype(np.int64)
             parts = [(o, encode(p)) for o, p in split_by_owner(out, owners, sinks)]
         self.ctx.metrics.count(MetricName.BUSY_SECONDS, time.perf_counter() - t0)
-        for owner, payload in parts:
-            self.ctx.send(self.sinks[owner], payload)
+        if self.router is not None:
+            self.router.send(parts)
+        else:
+            for owner, payload in parts:
+                self.ctx.send(self.sinks[owner], payload)
         self.ctx.metrics.count(MetricName.RECORDS_IN, batch.num_rows)
         self.ctx.metrics.count(MetricName.RECORDS_OUT, out.num_rows)
 
+    def senders(self) -> set[str]:
+        """The instances of the stage upstream now (its rescales change them)."""
+        return self.ctx.upstream_names(self.upstream)
+
     def records(self, batch: pa.RecordBatch, sender: str) -> None:
-        """A batch from a source: split it by what this instance does with each group."""
+        """A batch from upstream: split it by what this instance does with each group."""
         groups = batch.column(GROUP).to_numpy()
         rest = np.ones(batch.num_rows, dtype=bool)
         if self.move_out is not None:
@@ -211,6 +236,8 @@ class KeyedStage:
     # -- control ---------------------------------------------------------------------------
 
     def command(self, command: Command) -> None:
+        if self.router is not None and self.router.handle(command):
+            return  # a rescale of the keyed stage downstream, or a new topology
         if isinstance(command, MigrateIn):
             if self.move_in is not None:
                 raise ProtocolError("migrate_in while another move in is running")
@@ -241,8 +268,8 @@ class KeyedStage:
             self.retire = True
         elif isinstance(command, Rescaling):
             self.rescaling = command.active
-            # Sources that ended before this instance joined never sent it their END.
-            self.ended |= set(command.ended) & self.sources
+            # Senders that ended before this instance joined never sent it their END.
+            self.ended |= set(command.ended) & self.senders()
 
     def forward_queued(self, move: MoveOut) -> None:
         """Re-route what already waits in the inbox: moving records leave now, the rest stay
@@ -320,16 +347,16 @@ class KeyedStage:
         elif kind == BARRIER:
             self.aligner.arrive(sender, parse(Barrier, json.loads(payload)))
             self.checkpoint_if_aligned()
-        elif kind == END and sender in self.sources:
+        elif kind == END and sender in self.senders():
             self.ended.add(sender)
             if self.move_out is not None:
                 self.move_out.marker(sender, None)
             self.checkpoint_if_aligned()
 
     def checkpoint_if_aligned(self) -> None:
-        """Once every live source's barrier is in: write the owned groups, ack, pass the
-        barrier on to the sinks, and go on with what the aligned sources sent meanwhile."""
-        if not self.aligner.aligned(self.sources - self.ended):
+        """Once every live sender's barrier is in: write the owned groups, ack, pass the
+        barrier on downstream, and go on with what the aligned senders sent meanwhile."""
+        if not self.aligner.aligned(self.senders() - self.ended):
             return
         barrier = self.aligner.barrier
         assert barrier is not None
@@ -339,6 +366,8 @@ class KeyedStage:
         if ack.error:
             self.ctx.metrics.storage_failed("checkpoint")
         self.ctx.emit(ack)
+        if self.router is not None:
+            self.router.barrier(barrier)
         encoded = json.dumps(barrier.wire()).encode()
         for outlet in self.sinks.values():
             self.ctx.send(outlet, encoded, kind=BARRIER)
@@ -350,7 +379,7 @@ class KeyedStage:
         ctx = self.ctx
         metrics = ctx.metrics
         while not (
-            self.sources <= self.ended
+            self.senders() <= self.ended
             and self.move_out is None
             and self.move_in is None
             and not self.rescaling
@@ -366,6 +395,11 @@ class KeyedStage:
             self.finish_moves()
             if self.retire and self.move_out is None and self.move_in is None:
                 break
+            if self.router is not None and self.router.paused:
+                # A rescale of the stage downstream moves its state with nothing flowing.
+                time.sleep(IDLE_WAIT)
+                metrics.count(MetricName.IDLE_SECONDS, IDLE_WAIT)
+                continue
             if self.backlog:
                 self.deliver(*self.backlog.popleft())
                 continue
@@ -383,8 +417,12 @@ class KeyedStage:
             payload = delivery.payload
             delivery.release()
             self.deliver(delivery.sender, delivery.kind, payload)
+        # A retired instance only leaves: a later one of its name may join the stage again.
+        kind = LEAVE if self.retire else END
+        if self.router is not None:
+            self.router.finish(kind)
         for outlet in self.sinks.values():
-            outlet.finish(kind=LEAVE if self.retire else END)
+            outlet.finish(kind=kind)
 
 
 def run(ctx: InstanceContext) -> None:

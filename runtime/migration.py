@@ -110,9 +110,7 @@ class MoveOut:
             except TransportError as exc:
                 # The new owner died: hold on, the coordinator will give its groups back.
                 if dst not in self.unreachable:
-                    log.warning(
-                        "new owner %s/%d unreachable: %s", self.ctx.spec.keyed.name, dst, exc
-                    )
+                    log.warning("new owner %s/%d unreachable: %s", self.ctx.stage, dst, exc)
                 self.unreachable.add(dst)
 
     def forward(self, batch: pa.RecordBatch, groups: np.ndarray) -> None:
@@ -260,7 +258,7 @@ class MoveIn:
             int(src): ctx.security.channel(command.peers[src], GRPC_OPTIONS)
             for src in command.groups
         }
-        self.key_field = ctx.spec.keyed.key_by
+        self.key_field = ctx.spec.keyed_step(ctx.stage).stage.key_by
         self.started = time.monotonic()
         self.stats["groups_in"] += int((self.source_of >= 0).sum())
 
@@ -355,10 +353,8 @@ class MoveIn:
             except queue.Empty:
                 break
             if isinstance(reply, Exception):
-                raise ProtocolError(
-                    f"fetch from {self.ctx.spec.keyed.name}/{owner} failed: {reply}"
-                )
-            what = f"fetch reply from {self.ctx.spec.keyed.name}/{owner}"
+                raise ProtocolError(f"fetch from {self.ctx.stage}/{owner} failed: {reply}")
+            what = f"fetch reply from {self.ctx.stage}/{owner}"
             body, snapshot = unpack(self.seal.open(reply, what))
             header = parse(FetchReplyHeader, body)
             got: list[Any] = []

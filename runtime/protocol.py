@@ -58,11 +58,11 @@ class Message(BaseModel):
 
 
 class Topology(Message):
-    """Every stage's instances (index -> data address) and the keyed stage's assignment."""
+    """Every stage's instances (index -> data address) and every keyed stage's assignment."""
 
     type: Literal["topology"] = "topology"
     stages: dict[str, dict[str, str]]
-    assignment: dict[str, Any]
+    assignments: dict[str, dict[str, Any]]
 
     def addresses(self, stage: str) -> dict[int, str]:
         return {int(i): a for i, a in self.stages[stage].items()}
@@ -97,9 +97,11 @@ class CheckpointComplete(Message):
 
 
 class Reroute(Message):
-    """Sources: route by `assignment` from now on (after an epoch marker on every stream)."""
+    """The senders to keyed stage `stage` (its upstream stage's instances): route to it by
+    `assignment` from now on (after an epoch marker on every stream to it)."""
 
     type: Literal["reroute"] = "reroute"
+    stage: str
     epoch: int
     assignment: dict[str, Any]
     keyed: dict[str, str]
@@ -139,7 +141,7 @@ class MigrateOut(Message):
     epoch: int
     groups: dict[str, list[int]]
     peers: dict[str, str]
-    sources: int
+    sources: int  # senders upstream of the stage: the epoch markers to wait for
     push: PushOptions = PushOptions()
 
 
@@ -157,7 +159,8 @@ class Retire(Message):
 
 
 class Rescaling(Message):
-    """Keyed instances: a rescale runs (stay up), or ended (`ended`: the sources done by then)."""
+    """Keyed instances: a rescale runs (stay up), or ended (`ended`: the senders upstream
+    done by then)."""
 
     type: Literal["rescaling"] = "rescaling"
     active: bool

@@ -8,12 +8,13 @@ batch of groups for `batched`) the coordinator:
 2. FREEZING: tells each old owner which groups leave and to whom (`migrate_out`); from then on
    it stops applying records of those groups, forwards them in order to the new owner, answers
    on-demand fetches, and pushes the rest of their state, hottest groups first.
-3. REROUTING: tells every source the new assignment (`reroute`); each sends an epoch MARKER on
-   its data streams, so an old owner knows when nothing routed by the old epoch can still come.
+3. REROUTING: tells every sender (each instance of the stage upstream: a source, or the keyed
+   stage before) the new assignment (`reroute`); each sends an epoch MARKER on its data streams
+   to the stage, so an old owner knows when nothing routed by the old epoch can still come.
 4. MOVING: waits until every old owner reports `out_done` (all forwarded and pushed) and every
    new owner `in_done` (all state in, nothing parked).
 
-`all-at-once` pauses the sources before the first step and resumes them after the last;
+`all-at-once` pauses the senders before the first step and resumes them after the last;
 `lazy` pushes state at a slow trickle so nearly everything moves by on-demand fetches. A
 scale-out starts the new instances first (the host sees the desired parallelism in the status);
 a scale-in moves state away first and then retires the highest indexes.
@@ -76,25 +77,25 @@ class RescaleHost(Protocol):
 
     register_timeout: float  # how long a new instance may take to start and register
 
-    def keyed_addresses(self) -> dict[int, str]: ...
+    def addresses(self, stage: str) -> dict[int, str]: ...
 
-    def source_count(self) -> int: ...
+    def sender_count(self, stage: str) -> int: ...
 
-    def finished_sources(self) -> set[int]: ...
+    def finished(self, stage: str) -> set[int]: ...
 
     def send(self, stage: str, index: int, command: Command) -> None: ...
 
-    def set_desired(self, parallelism: int) -> None: ...
+    def set_desired(self, stage: str, parallelism: int) -> None: ...
 
-    def commit(self, assignment: Assignment) -> None: ...
+    def commit(self, stage: str, assignment: Assignment) -> None: ...
 
-    def retire(self, indexes: list[int]) -> None: ...
+    def retire(self, stage: str, indexes: list[int]) -> None: ...
 
     def wait_for(
         self, predicate: Callable[[list[Reported]], bool], timeout: float, what: str
     ) -> None: ...
 
-    def broadcast_keyed(self, command: Command) -> None: ...
+    def broadcast(self, stage: str, command: Command) -> None: ...
 
     def lost_keyed(self) -> set[int]: ...
 
@@ -199,22 +200,24 @@ class RescaleDriver:
         host: RescaleHost,
         status: RescaleStatus,
         keyed_stage: str,
-        source_stage: str,
+        upstream: str,
         current: Assignment,
         group_load: np.ndarray,
     ) -> None:
+        """`upstream`: the stage whose instances send to `keyed_stage` (a source, or the keyed
+        stage before it): they are rerouted, paused and resumed."""
         self.host = host
         self.status = status
         self.keyed = keyed_stage
-        self.source = source_stage
+        self.senders = upstream
         self.current = current
         self.group_load = group_load
         self.step: tuple[Assignment, set[int], set[int]] | None = None  # target, from, to
 
     def run(self) -> None:
         status = self.status
-        # Keyed instances stay up while a rescale runs, even once every source has ended.
-        self.host.broadcast_keyed(Rescaling(active=True))
+        # Keyed instances stay up while a rescale runs, even once every sender has ended.
+        self.host.broadcast(self.keyed, Rescaling(active=True))
         try:
             self._run()
             status.phase = "done"
@@ -230,8 +233,8 @@ class RescaleDriver:
             status.phase = "failed"
         finally:
             status.finished = time.time()
-            ended = [f"{self.source}/{i}" for i in sorted(self.host.finished_sources())]
-            self.host.broadcast_keyed(Rescaling(active=False, ended=ended))
+            ended = [f"{self.senders}/{i}" for i in sorted(self.host.finished(self.senders))]
+            self.host.broadcast(self.keyed, Rescaling(active=False, ended=ended))
 
     def _phase(self, phase: str) -> None:
         self.status.phase = phase
@@ -242,9 +245,9 @@ class RescaleDriver:
         old_p, new_p = status.from_parallelism, status.to_parallelism
         if new_p > old_p:
             self._phase("starting-instances")
-            self.host.set_desired(new_p)
+            self.host.set_desired(self.keyed, new_p)
             self.host.wait_for(
-                lambda _events: len(self.host.keyed_addresses()) >= new_p,
+                lambda _events: len(self.host.addresses(self.keyed)) >= new_p,
                 self.host.register_timeout,
                 f"new instances {self.keyed}/{old_p}..{new_p - 1} to register",
             )
@@ -260,7 +263,7 @@ class RescaleDriver:
             steps = [moving]
         paused = status.strategy == "all-at-once"
         if paused:
-            self._broadcast_sources(Pause(epoch=self.current.epoch))
+            self._broadcast_senders(Pause(epoch=self.current.epoch))
         try:
             for groups in steps:
                 owners = self.current.owners.copy()
@@ -269,28 +272,28 @@ class RescaleDriver:
         finally:
             if paused:
                 self._phase("resuming")
-                self._broadcast_sources(Resume(epoch=self.current.epoch))
+                self._broadcast_senders(Resume(epoch=self.current.epoch))
         if new_p < old_p:
             self._phase("retiring")
             # Lowered first: a host keeps instances 0..desired-1 running, and must not start a
             # retired one again in the moment after it left.
-            self.host.set_desired(new_p)
-            self.host.retire(list(range(new_p, old_p)))
+            self.host.set_desired(self.keyed, new_p)
+            self.host.retire(self.keyed, list(range(new_p, old_p)))
 
-    def _broadcast_sources(self, command: Pause | Resume | Reroute) -> None:
-        """Send a command to the sources and wait for their acks; a source that has ended
+    def _broadcast_senders(self, command: Pause | Resume | Reroute) -> None:
+        """Send a command to the senders and wait for their acks; a sender that has ended
         sends nothing more, so it needs no command (its END also ends the old epoch)."""
         step, epoch = command.type, command.epoch
-        expected = {(self.source, i) for i in range(self.host.source_count())}
+        expected = {(self.senders, i) for i in range(self.host.sender_count(self.senders))}
         for _, index in expected:
-            self.host.send(self.source, index, command)
+            self.host.send(self.senders, index, command)
         acked = _acked(step, epoch, expected)
 
         def done(events: list[Reported]) -> bool:
-            ended = {(self.source, i) for i in self.host.finished_sources()}
+            ended = {(self.senders, i) for i in self.host.finished(self.senders)}
             return _acked(step, epoch, expected - ended)(events) or acked(events)
 
-        self.host.wait_for(done, STEP_TIMEOUT, f"sources to {step}")
+        self.host.wait_for(done, STEP_TIMEOUT, f"senders {self.senders} to {step}")
 
     def _recover(self, lost: set[int]) -> str:
         """After an instance died mid-move: keep every group whose state survives where it is,
@@ -307,17 +310,17 @@ class RescaleDriver:
         wanted = set(range(max(self.status.from_parallelism, self.status.to_parallelism))) - lost
         try:
             self.host.wait_for(
-                lambda _events: wanted <= set(self.host.keyed_addresses()),
+                lambda _events: wanted <= set(self.host.addresses(self.keyed)),
                 self.host.register_timeout,
                 f"instances {sorted(wanted)} to take the lost instances' key groups",
             )
         except RescaleError:
-            if not set(self.host.keyed_addresses()) - lost:
+            if not set(self.host.addresses(self.keyed)) - lost:
                 raise
-        alive = sorted(set(self.host.keyed_addresses()) - lost)
+        alive = sorted(set(self.host.addresses(self.keyed)) - lost)
         if gone.any():
             owners[gone] = np.asarray(alive, dtype=np.int32)[np.arange(gone.sum()) % len(alive)]
-        # Survivors take up every group of a lost instance they now own before any source
+        # Survivors take up every group of a lost instance they now own before any sender
         # routes a record of it there: those whose state died, and those given back to their
         # old owner, whose move out may have handed all of it over and closed already (its
         # `out_done` in) while the new owner died before its `in_done`.
@@ -326,19 +329,20 @@ class RescaleDriver:
         }
         recovered = Assignment(max(target.epoch, self.current.epoch) + 1, owners)
         participants = (senders | receivers | {int(i) for i in adopt}) - lost
-        self.host.broadcast_keyed(Abort(epoch=target.epoch, lost=sorted(lost), adopt=adopt))
+        self.host.broadcast(self.keyed, Abort(epoch=target.epoch, lost=sorted(lost), adopt=adopt))
         self.host.wait_for(
             _acked("abort", target.epoch, {(self.keyed, i) for i in participants}),
             STEP_TIMEOUT,
             "survivors to abandon the moves to and from the lost instance",
         )
         reroute = Reroute(
+            stage=self.keyed,
             epoch=recovered.epoch,
             assignment=recovered.to_json(),
-            keyed={str(i): a for i, a in self.host.keyed_addresses().items() if i not in lost},
+            keyed={str(i): a for i, a in self.host.addresses(self.keyed).items() if i not in lost},
             lost=sorted(lost),
         )
-        self._broadcast_sources(reroute)
+        self._broadcast_senders(reroute)
         self.host.wait_for(
             lambda events: (
                 _reported(OutDone, target.epoch, senders - lost)(events)
@@ -348,8 +352,8 @@ class RescaleDriver:
             "the survivors' moves to finish",
         )
         self.current = recovered
-        self.host.commit(recovered)
-        self.host.set_desired(max(alive) + 1)
+        self.host.commit(self.keyed, recovered)
+        self.host.set_desired(self.keyed, max(alive) + 1)
         return (
             f"recovered at parallelism {len(alive)}: {int(gone.sum())} key groups lost their "
             f"state with instance(s) {sorted(lost)}, the rest stay where their state is"
@@ -361,7 +365,7 @@ class RescaleDriver:
         status.epoch = epoch
         status.steps += 1
         pairs = moves(self.current.owners, new.owners)
-        addresses = self.host.keyed_addresses()
+        addresses = self.host.addresses(self.keyed)
         incoming: dict[int, dict[int, list[int]]] = {}
         outgoing: dict[int, dict[int, list[int]]] = {}
         for (src, dst), groups in pairs.items():
@@ -388,7 +392,7 @@ class RescaleDriver:
                 epoch=epoch,
                 groups={str(k): v for k, v in by_dst.items()},
                 peers=peers,
-                sources=self.host.source_count(),
+                sources=self.host.sender_count(self.senders),
                 push=push,
             )
             self.host.send(self.keyed, src, command)
@@ -399,11 +403,12 @@ class RescaleDriver:
         )
         self._phase("rerouting")
         reroute = Reroute(
+            stage=self.keyed,
             epoch=epoch,
             assignment=new.to_json(),
             keyed={str(i): a for i, a in addresses.items()},
         )
-        self._broadcast_sources(reroute)
+        self._broadcast_senders(reroute)
         self._phase("moving")
         self.host.wait_for(
             lambda events: (
@@ -415,5 +420,5 @@ class RescaleDriver:
         )
         self.current = new
         self.step = None
-        self.host.commit(new)
+        self.host.commit(self.keyed, new)
         status.groups_moved += sum(len(g) for g in pairs.values())

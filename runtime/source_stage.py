@@ -1,199 +1,52 @@
 """The source stage loop: make records (generator) or take them from clients (ingest), run the
 chained map/filter functions, check them against the schema, compute key groups, and send each
-record to its keyed owner by the current assignment epoch.
+record to its keyed owner by the current assignment epoch (`keyshift.runtime.edge_router`).
 
 Called by `keyshift.runtime.instance` for instances of the job's source stage.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import time
-from collections.abc import Callable, Mapping
-from typing import Any
+from collections.abc import Callable
 
 import grpc
 import numpy as np
 import pyarrow as pa
 
+from keyshift.runtime.edge_router import EdgeRouter
 from keyshift.runtime.generator import KeyGenerator, Pacer, instance_total, rate_at
 from keyshift.runtime.ingest import REMEMBERED_BATCH_IDS, IngestLimits, IngestService
 from keyshift.runtime.ingest_log import IngestLog, ingest_log_url
-from keyshift.runtime.job import GeneratorSource, IngestSource, JobSpec, resolve_function
-from keyshift.runtime.keyspace import Assignment, key_groups
+from keyshift.runtime.job import GeneratorSource, IngestSource
 from keyshift.runtime.metrics import MetricName
 from keyshift.runtime.protocol import (
-    Ack,
     Barrier,
     Checkpoint,
     CheckpointComplete,
-    Command,
-    Pause,
-    Reroute,
-    Resume,
     SourceCheckpointAck,
-    Topology,
 )
 from keyshift.runtime.records import (
-    EVENT_TIME,
-    GROUP,
-    INGEST_TIME,
-    METADATA_FIELDS,
-    SEQ,
-    SOURCE,
-    decode,
-    encode,
     now_us,
     record_schema,
-    split_by_owner,
 )
-from keyshift.runtime.schema_check import check_records
 from keyshift.runtime.stage_context import InstanceContext
 from keyshift.runtime.storage import StorageError
 from keyshift.runtime.transport import (
-    BARRIER,
-    MARKER,
     PortInUseError,
-    TransportError,
     start_server,
 )
 
 log = logging.getLogger("keyshift.source")
-Transform = tuple[str, Callable[..., Any]]
-
-
-def _transforms(spec: JobSpec) -> list[Transform]:
-    return [
-        ("map", resolve_function(t.map)) if t.map else ("filter", resolve_function(t.filter or ""))
-        for t in spec.source.transforms
-    ]
-
-
-def apply_transforms(
-    ctx: InstanceContext, batch: pa.RecordBatch, transforms: list[Transform]
-) -> pa.RecordBatch:
-    """Run map/filter per record; reject what fails or does not fit; keep the rest in order."""
-    fields = ctx.spec.fields
-    results: list[dict[str, Any]] = []
-    for record in batch.to_pylist():
-        current: Any = record
-        try:
-            for kind, fn in transforms:
-                if kind == "map":
-                    meta = {f: current[f] for f in METADATA_FIELDS}
-                    current = fn(current)
-                    # Any mapping becomes a dict here, inside the try: one whose reads fail
-                    # is this record's error, not the stage's.
-                    if isinstance(current, Mapping):
-                        current = {**current, **meta}
-                elif not fn(current):
-                    current = None
-                    break
-        except Exception as exc:
-            ctx.reject(f"function_error {type(exc).__name__}: {exc}", record)
-            continue
-        if current is not None:
-            results.append(current)
-    checked = check_records(results, fields, ctx.spec.allow_non_finite)
-    for bad, reason in checked.rejected:
-        ctx.reject(f"schema {reason}", bad)
-    kept = checked.kept
-    columns = dict(checked.columns)
-    for name, kind in (
-        (EVENT_TIME, pa.int64()),
-        (INGEST_TIME, pa.int64()),
-        (SOURCE, pa.int32()),
-        (SEQ, pa.int64()),
-    ):
-        columns[name] = pa.array([results[i][name] for i in kept], type=kind)
-    return pa.RecordBatch.from_pydict(
-        {**columns, GROUP: pa.array(np.zeros(len(kept), dtype=np.int32))},
-        schema=record_schema(fields),
-    )
-
-
-class Router:
-    """Sends each record to the keyed instance that owns its key group, by assignment epoch.
-
-    On a `reroute` it first sends an epoch MARKER on every keyed stream, after the last batch
-    it routed by the old epoch, then switches. Streams stay open until the source ends (their
-    END means "this source is done"), except to instances that left the topology.
-    """
-
-    def __init__(self, ctx: InstanceContext) -> None:
-        self.ctx = ctx
-        self.keyed = ctx.spec.keyed.name
-        self.outlets = ctx.connect(self.keyed)
-        self.assignment = ctx.assignment()
-        self.paused = False
-        self.dead: set[int] = set()
-        self.stranded: list[bytes] = []
-
-    def route(self, batch: pa.RecordBatch, groups: np.ndarray) -> list[tuple[int, bytes]]:
-        owners = self.assignment.owners[groups]
-        # By the assignment, not the open streams: an owner that left keeps its records here.
-        parallelism = int(owners.max()) + 1 if len(owners) else 1
-        return [(o, encode(part)) for o, part in split_by_owner(batch, owners, parallelism)]
-
-    def send(self, parts: list[tuple[int, bytes]]) -> None:
-        for owner, payload in parts:
-            outlet = self.outlets.get(owner)
-            if owner in self.dead or outlet is None:
-                # Dead, or gone from the topology before the reroute that gives its groups away.
-                self.stranded.append(payload)
-                continue
-            try:
-                self.ctx.send(outlet, payload)
-            except TransportError as exc:
-                # A keyed instance died; the coordinator reroutes its groups to survivors, and
-                # these records follow them then. (What it had received is gone with it.)
-                log.warning("keyed instance %d is gone (%s); holding its records", owner, exc)
-                self.dead.add(owner)
-                self.stranded.append(payload)
-
-    def handle(self, command: Command) -> None:
-        if isinstance(command, Reroute):
-            self.reroute(command)
-        elif isinstance(command, Topology):
-            current = command.addresses(self.keyed)
-            for index in [i for i in self.outlets if i not in current]:
-                self.outlets.pop(index).abort()
-        elif isinstance(command, Pause | Resume):
-            self.paused = isinstance(command, Pause)
-            self.ctx.emit(Ack(step=command.type, epoch=command.epoch))
-
-    def reroute(self, command: Reroute) -> None:
-        new = Assignment.from_json(command.assignment)
-        for index in set(command.lost) | self.dead:
-            if index in self.outlets:
-                self.outlets.pop(index).abort()
-        self.dead.clear()
-        marker = json.dumps({"epoch": new.epoch}).encode()
-        for outlet in self.outlets.values():
-            self.ctx.send(outlet, marker, kind=MARKER)
-        for joined, address in command.keyed.items():
-            if int(joined) not in self.outlets:
-                self.outlets[int(joined)] = self.ctx.outlet(address)
-        self.assignment = new
-        stranded, self.stranded = self.stranded, []
-        for payload in stranded:
-            batch = decode(payload)
-            self.send(self.route(batch, batch.column(GROUP).to_numpy()))
-        self.ctx.emit(Ack(step="reroute", epoch=new.epoch))
-
-    def finish(self) -> None:
-        for outlet in self.outlets.values():
-            outlet.finish()
 
 
 class Emitter:
     """Turns a batch of new records into routed sends: transforms, key groups, routing."""
 
-    def __init__(self, ctx: InstanceContext, router: Router) -> None:
+    def __init__(self, ctx: InstanceContext, router: EdgeRouter) -> None:
         self.ctx = ctx
         self.router = router
-        self.transforms = _transforms(ctx.spec)
         self.emitted = 0
         # A source that keeps what it emitted until a checkpoint covers it lets go of it here.
         self.on_complete: Callable[[int], None] = lambda position: None
@@ -205,14 +58,9 @@ class Emitter:
         self.ctx.extra_stats["emitted"] = position
 
     def emit(self, batch: pa.RecordBatch, started: float) -> None:
-        spec = self.ctx.spec
         metrics = self.ctx.metrics
         made = batch.num_rows
-        if self.transforms:
-            batch = apply_transforms(self.ctx, batch, self.transforms)
-        groups = key_groups(batch.column(spec.keyed.key_by), spec.max_key_groups)
-        batch = batch.set_column(batch.schema.get_field_index(GROUP), GROUP, pa.array(groups))
-        parts = self.router.route(batch, groups)
+        batch, parts = self.router.prepare(batch)
         metrics.count(MetricName.BUSY_SECONDS, time.perf_counter() - started)
         self.router.send(parts)
         metrics.count(MetricName.RECORDS_OUT, batch.num_rows)
@@ -231,16 +79,13 @@ class Emitter:
 
     def barrier(self, command: Checkpoint) -> None:
         """Checkpoint here, between two batches: what was emitted so far is in it."""
-        barrier = json.dumps(Barrier(id=command.id, previous=command.previous).wire()).encode()
-        for index, outlet in self.router.outlets.items():
-            if index not in self.router.dead:
-                self.ctx.send(outlet, barrier, kind=BARRIER)
+        self.router.barrier(Barrier(id=command.id, previous=command.previous))
         self.ctx.emit(SourceCheckpointAck(id=command.id, position=self.emitted))
 
 
 def run(ctx: InstanceContext) -> None:
     config = ctx.spec.source.config
-    router = Router(ctx)
+    router = EdgeRouter(ctx, ctx.spec.keyed.name, ctx.spec.source.transforms)
     emitter = Emitter(ctx, router)
     if isinstance(config, GeneratorSource):
         run_generator(ctx, config, emitter)

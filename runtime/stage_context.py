@@ -149,8 +149,9 @@ class InstanceContext:
         assert self.topology is not None
         return self.topology
 
-    def assignment(self) -> Assignment:
-        return Assignment.from_json(self.wait_topology().assignment)
+    def assignment(self, stage: str) -> Assignment:
+        """Keyed stage `stage`'s current assignment."""
+        return Assignment.from_json(self.wait_topology().assignments[stage])
 
     def next_command(self) -> Command | None:
         try:

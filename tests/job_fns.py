@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -62,3 +63,25 @@ def tally(state: Tally | None, record: dict[str, Any]) -> tuple[Any, Any]:
     tally = state or Tally(0)
     tally.count += 1
     return tally, [tally.count, record["source"], record["seq"]]
+
+
+def nest(state: Any, record: dict[str, Any]) -> tuple[Any, Any]:
+    """Count a key's records and emit (count, the update it came from): after a chain of keyed
+    stages, each output carries its whole path, so every stage's exactly-once is checkable."""
+    count = (state or 0) + 1
+    return count, [count, json.loads(record["value"])]
+
+
+REGIONS = 61
+ZONES = 5
+
+
+def to_region(record: dict[str, Any]) -> dict[str, Any]:
+    """A user's update goes on keyed by the user's region, carrying the user."""
+    user = [record["key"], json.loads(record["value"])]
+    return {"key": record["key"] % REGIONS, "value": json.dumps(user)}
+
+
+def to_zone(record: dict[str, Any]) -> dict[str, Any]:
+    """A region's update goes on keyed by the region's zone."""
+    return {"key": record["key"] % ZONES, "value": record["value"]}

@@ -33,3 +33,8 @@ def collect(batch: pa.RecordBatch) -> None:
 class Enricher:
     def enrich(self, record: dict[str, Any]) -> dict[str, Any]:
         return record
+
+
+def region(record: dict[str, Any]) -> dict[str, Any]:
+    """Map after a keyed stage: a user's update goes on keyed by the user's region."""
+    return {"key": record["key"] % 7, "value": record["value"]}

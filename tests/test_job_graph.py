@@ -320,14 +320,25 @@ def test_a_cycle_without_a_way_in_is_still_named() -> None:
 # -- shapes the runtime does not execute yet ----------------------------------------------------
 
 NOT_YET: dict[str, tuple[list[dict], str]] = {
-    "two keyed stages": (
+    "a keyed stage with two inputs": (
         [
             stage("clicks", "source"),
-            stage("per-user", "keyed", "clicks", key_by="key"),
-            stage("again", "keyed", "per-user", key_by="key"),
+            stage("evens", "filter", "clicks", function=KEEP),
+            stage("odds", "filter", "clicks", function=KEEP),
+            stage("k", "keyed", ["evens", "odds"], key_by="key"),
+            stage("out", "sink", "k"),
+        ],
+        "stage 'odds' (filter): fan-out from 'clicks'",
+    ),
+    "a rebalance edge between keyed stages": (
+        [
+            *chain()[:3],
+            stage("tidy", "filter", "per-user", function=KEEP, partitioning="rebalance"),
+            stage("again", "keyed", "tidy", key_by="key"),
             stage("out", "sink", "again"),
         ],
-        "stage 'again' (keyed): the runtime runs one keyed stage per job so far",
+        "stage 'tidy' (filter): a rebalance edge from 'per-user' (map and filter stages run "
+        "chained into a keyed stage's instances",
     ),
     "two sources": (
         [
@@ -356,7 +367,8 @@ NOT_YET: dict[str, tuple[list[dict], str]] = {
             stage("tidy", "filter", "per-user", function=KEEP),
             stage("out", "sink", "tidy"),
         ],
-        "stage 'tidy' (filter): a stage after the keyed stage 'per-user'",
+        "stage 'tidy' (filter): a map or filter between the last keyed stage 'per-user' and "
+        "the sink",
     ),
     "a broadcast to the sink": (
         chain(out={"partitioning": "broadcast"}),
@@ -385,6 +397,67 @@ def test_a_shape_the_runtime_cannot_run_yet_is_refused_naming_the_stage(case: st
     stages, reason = NOT_YET[case]
     message = refused(graph_job(stages))
     assert "not supported yet: " + reason in message, message
+
+
+def keyed_line() -> list[dict]:
+    """clicks -> per-user (track) -> region (map, chained) -> per-region (count) -> out."""
+    return [
+        stage("clicks", "source", parallelism=2),
+        stage(
+            "per-user",
+            "keyed",
+            "clicks",
+            key_by="key",
+            operator={"kind": "process", "function": TRACK},
+        ),
+        stage(
+            "region",
+            "map",
+            "per-user",
+            function="tests.pipeline_fns:region",
+            fields={"key": "int", "value": "str"},
+        ),
+        stage("per-region", "keyed", "region", key_by="key", parallelism=3),
+        stage(
+            "top", "keyed", "per-region", key_by="value", operator={"function": "max", "field": "n"}
+        ),
+        stage("out", "sink", "top"),
+    ]
+
+
+def test_keyed_stages_in_a_line_run_with_the_maps_between_them_chained() -> None:
+    spec = parse_job(graph_job(keyed_line()))
+    steps = spec.keyed_chain()
+    assert [s.stage.name for s in steps] == ["per-user", "per-region", "top"]
+    assert [s.output for s in steps] == ["per-region", "top", "out"]
+    assert [t.map for t in steps[0].transforms] == ["tests.pipeline_fns:region"]
+    assert steps[1].fields == {"key": "int", "value": "str"}
+    assert steps[2].fields == {"key": "int", "value": "int", "n": "int", "version": "int"}
+    assert steps[1].stage.parallelism == 3 and steps[2].stage.key_by == "value"
+    assert spec.keyed == steps[0].stage
+    assert [s.name for s in spec.stages()] == ["clicks", "per-user", "per-region", "top", "out"]
+    again = parse_job(spec.model_dump(mode="json"))
+    assert again.keyed_chain() == steps
+
+
+def test_an_older_job_is_a_chain_of_one_keyed_stage() -> None:
+    spec = load_job(REPO / "examples" / "clicks.yaml")
+    (step,) = spec.keyed_chain()
+    assert step.stage == spec.keyed and step.output == spec.sink.name
+    assert step.fields == spec.fields and step.transforms == ()
+
+
+def test_checkpoints_of_several_keyed_stages_are_not_supported_yet() -> None:
+    message = refused(graph_job(keyed_line(), checkpoints={"storage": "cp"}))
+    assert (
+        "not supported yet: stage 'per-region' (keyed): checkpoints of a job with more than one "
+        "keyed stage" in message
+    ), message
+
+
+def test_a_keyed_stage_wider_than_its_key_groups_is_refused_by_name() -> None:
+    message = refused(graph_job(keyed_line(), max_key_groups=2))
+    assert "keyed.parallelism of stage 'per-region' must not exceed max_key_groups" in message
 
 
 def test_keyshift_run_refuses_a_bad_graph_with_exit_2_before_starting(tmp_path: Path) -> None:

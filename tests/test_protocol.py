@@ -61,12 +61,12 @@ from keyshift.runtime.transport import (
 from tests.conftest import count_job
 
 COMMANDS = [
-    Topology(stages={"counts": {"0": "a:1"}}, assignment={"epoch": 1, "owners": [0]}),
+    Topology(stages={"counts": {"0": "a:1"}}, assignments={"counts": {"epoch": 1, "owners": [0]}}),
     Drain(),
     Stop(reason="shutdown"),
     Checkpoint(id=3, previous=None),
     CheckpointComplete(id=3, sources={"0": 10}, outputs={"0": 7}),
-    Reroute(epoch=2, assignment={"epoch": 2}, keyed={"0": "a:1"}, lost=[1]),
+    Reroute(stage="counts", epoch=2, assignment={"epoch": 2}, keyed={"0": "a:1"}, lost=[1]),
     Pause(epoch=1),
     Resume(epoch=1),
     MigrateIn(epoch=2, groups={"0": [1, 2]}, peers={"0": "a:1"}),

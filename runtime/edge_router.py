@@ -1,0 +1,199 @@
+"""The key_by edge into a keyed stage, at the sending end: run the map/filter functions chained
+into the sender, check the records against the schema the keyed stage reads, compute their key
+groups, and send each record to the owner of its group by the keyed stage's assignment epoch.
+
+Every stage that feeds a keyed stage owns one `EdgeRouter`: the source loop
+(`keyshift.runtime.source_stage`) and a keyed instance whose updates go on to the next keyed
+stage (`keyshift.runtime.keyed_stage`). A rescale of the keyed stage it feeds reaches it as
+`reroute`/`pause`/`resume` (`keyshift.runtime.rescale`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+from keyshift.runtime.job import FieldType, Transform, resolve_function
+from keyshift.runtime.keyspace import Assignment, key_groups
+from keyshift.runtime.protocol import Ack, Barrier, Command, Pause, Reroute, Resume, Topology
+from keyshift.runtime.records import (
+    EVENT_TIME,
+    GROUP,
+    INGEST_TIME,
+    METADATA_FIELDS,
+    SEQ,
+    SOURCE,
+    decode,
+    encode,
+    record_schema,
+    split_by_owner,
+)
+from keyshift.runtime.schema_check import check_records
+from keyshift.runtime.stage_context import InstanceContext
+from keyshift.runtime.transport import BARRIER, END, MARKER, TransportError
+
+log = logging.getLogger("keyshift.routing")
+Function = tuple[str, Callable[..., Any]]
+
+
+def resolve_transforms(transforms: list[Transform] | tuple[Transform, ...]) -> list[Function]:
+    return [
+        ("map", resolve_function(t.map)) if t.map else ("filter", resolve_function(t.filter or ""))
+        for t in transforms
+    ]
+
+
+def apply_transforms(
+    ctx: InstanceContext,
+    batch: pa.RecordBatch,
+    transforms: list[Function],
+    fields: Mapping[str, FieldType],
+) -> pa.RecordBatch:
+    """Run map/filter per record; reject what fails or does not fit `fields`; keep the rest in
+    order, with each record's metadata."""
+    results: list[dict[str, Any]] = []
+    for record in batch.to_pylist():
+        current: Any = record
+        try:
+            for kind, fn in transforms:
+                if kind == "map":
+                    meta = {f: current[f] for f in METADATA_FIELDS}
+                    current = fn(current)
+                    # Any mapping becomes a dict here, inside the try: one whose reads fail
+                    # is this record's error, not the stage's.
+                    if isinstance(current, Mapping):
+                        current = {**current, **meta}
+                elif not fn(current):
+                    current = None
+                    break
+        except Exception as exc:
+            ctx.reject(f"function_error {type(exc).__name__}: {exc}", record)
+            continue
+        if current is not None:
+            results.append(current)
+    checked = check_records(results, fields, ctx.spec.allow_non_finite)
+    for bad, reason in checked.rejected:
+        ctx.reject(f"schema {reason}", bad)
+    kept = checked.kept
+    columns = dict(checked.columns)
+    for name, kind in (
+        (EVENT_TIME, pa.int64()),
+        (INGEST_TIME, pa.int64()),
+        (SOURCE, pa.int32()),
+        (SEQ, pa.int64()),
+    ):
+        columns[name] = pa.array([results[i][name] for i in kept], type=kind)
+    return pa.RecordBatch.from_pydict(
+        {**columns, GROUP: pa.array(np.zeros(len(kept), dtype=np.int32))},
+        schema=record_schema(fields),
+    )
+
+
+class EdgeRouter:
+    """Sends each record to the instance of keyed stage `target` that owns its key group, by
+    assignment epoch.
+
+    On a `reroute` it first sends an epoch MARKER on every stream to the stage, after the last
+    batch it routed by the old epoch, then switches. Streams stay open until the sender ends
+    (their END means "this sender is done"; a retired sender's LEAVE only closes them), except
+    to instances that left the topology.
+    """
+
+    def __init__(
+        self,
+        ctx: InstanceContext,
+        target: str,
+        transforms: list[Transform] | tuple[Transform, ...],
+    ) -> None:
+        self.ctx = ctx
+        self.target = target
+        step = ctx.spec.keyed_step(target)
+        self.fields = step.fields
+        self.key_by = step.stage.key_by
+        self.transforms = resolve_transforms(transforms)
+        self.outlets = ctx.connect(target)
+        self.assignment = ctx.assignment(target)
+        self.paused = False
+        self.dead: set[int] = set()
+        self.stranded: list[bytes] = []
+
+    def prepare(self, batch: pa.RecordBatch) -> tuple[pa.RecordBatch, list[tuple[int, bytes]]]:
+        """The records as the keyed stage reads them (transformed, checked, with their key
+        groups), and their parts by owner."""
+        if self.transforms:
+            batch = apply_transforms(self.ctx, batch, self.transforms, self.fields)
+        groups = key_groups(batch.column(self.key_by), self.ctx.spec.max_key_groups)
+        batch = batch.set_column(batch.schema.get_field_index(GROUP), GROUP, pa.array(groups))
+        return batch, self.route(batch, groups)
+
+    def route(self, batch: pa.RecordBatch, groups: np.ndarray) -> list[tuple[int, bytes]]:
+        owners = self.assignment.owners[groups]
+        # By the assignment, not the open streams: an owner that left keeps its records here.
+        parallelism = int(owners.max()) + 1 if len(owners) else 1
+        return [(o, encode(part)) for o, part in split_by_owner(batch, owners, parallelism)]
+
+    def send(self, parts: list[tuple[int, bytes]]) -> None:
+        for owner, payload in parts:
+            outlet = self.outlets.get(owner)
+            if owner in self.dead or outlet is None:
+                # Dead, or gone from the topology before the reroute that gives its groups away.
+                self.stranded.append(payload)
+                continue
+            try:
+                self.ctx.send(outlet, payload)
+            except TransportError as exc:
+                # A keyed instance died; the coordinator reroutes its groups to survivors, and
+                # these records follow them then. (What it had received is gone with it.)
+                log.warning("%s/%d is gone (%s); holding its records", self.target, owner, exc)
+                self.dead.add(owner)
+                self.stranded.append(payload)
+
+    def barrier(self, barrier: Barrier) -> None:
+        """A checkpoint barrier on every live stream: what was sent before it is in it."""
+        encoded = json.dumps(barrier.wire()).encode()
+        for index, outlet in self.outlets.items():
+            if index not in self.dead:
+                self.ctx.send(outlet, encoded, kind=BARRIER)
+
+    def handle(self, command: Command) -> bool:
+        """Follow a command meant for the senders to the keyed stage; False if it is not one."""
+        if isinstance(command, Reroute) and command.stage == self.target:
+            self.reroute(command)
+        elif isinstance(command, Topology):
+            current = command.addresses(self.target)
+            for index in [i for i in self.outlets if i not in current]:
+                self.outlets.pop(index).abort()
+        elif isinstance(command, Pause | Resume):
+            self.paused = isinstance(command, Pause)
+            self.ctx.emit(Ack(step=command.type, epoch=command.epoch))
+        else:
+            return False
+        return True
+
+    def reroute(self, command: Reroute) -> None:
+        new = Assignment.from_json(command.assignment)
+        for index in set(command.lost) | self.dead:
+            if index in self.outlets:
+                self.outlets.pop(index).abort()
+        self.dead.clear()
+        marker = json.dumps({"epoch": new.epoch}).encode()
+        for outlet in self.outlets.values():
+            self.ctx.send(outlet, marker, kind=MARKER)
+        for joined, address in command.keyed.items():
+            if int(joined) not in self.outlets:
+                self.outlets[int(joined)] = self.ctx.outlet(address)
+        self.assignment = new
+        stranded, self.stranded = self.stranded, []
+        for payload in stranded:
+            batch = decode(payload)
+            self.send(self.route(batch, batch.column(GROUP).to_numpy()))
+        self.ctx.emit(Ack(step="reroute", epoch=new.epoch))
+
+    def finish(self, kind: bytes = END) -> None:
+        for outlet in self.outlets.values():
+            outlet.finish(kind=kind)
