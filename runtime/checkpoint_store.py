@@ -35,7 +35,7 @@ import logging
 import re
 import uuid
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import pyarrow as pa
@@ -52,8 +52,9 @@ HISTORY = "recovery/history.json"
 KEPT_RECOVERIES = 100
 _METADATA_NAME = re.compile(r"^(\d{10})\.json$")
 _WRITER_NAME = re.compile(r"^[a-z0-9][a-z0-9-]{0,60}$")
-FORMAT_VERSION = 2
-_READABLE_FORMATS = (1, 2)  # 1: before native RocksDB checkpoints (no databases)
+FORMAT_VERSION = 3
+# 1: before native RocksDB checkpoints (no databases); 2: before keyed stages in a line (no later)
+_READABLE_FORMATS = (1, 2, 3)
 _FILE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,100}$")
 
 
@@ -90,6 +91,14 @@ class GroupChain:
 
 
 @dataclass(frozen=True)
+class KeyedGroups:
+    """A keyed stage's part of a checkpoint: its owners and its groups' chains."""
+
+    assignment: dict[str, Any]
+    groups: dict[int, GroupChain]
+
+
+@dataclass(frozen=True)
 class CheckpointMeta:
     id: int
     created: float  # wall-clock seconds
@@ -101,10 +110,22 @@ class CheckpointMeta:
     assignment: dict[str, Any] = field(default_factory=dict)  # the keyed stage's owners
     # Native RocksDB checkpoints: per writer, its database's files by their local names.
     databases: dict[str, dict[str, ShardFile]] = field(default_factory=dict)
+    # The keyed stages after the first in a job of several (the first's are `assignment` and
+    # `groups`, as in a job of one), by stage.
+    later: dict[str, KeyedGroups] = field(default_factory=dict)
+
+    def of_stage(self, stage: str) -> CheckpointMeta:
+        """The checkpoint as keyed stage `stage` restores from it: that stage's owners and
+        chains as `assignment` and `groups`."""
+        if stage not in self.later:
+            return self
+        part = self.later[stage]
+        return replace(self, assignment=part.assignment, groups=part.groups, later={})
 
     def stored(self) -> set[ShardFile]:
         """Every file the checkpoint names, each once (thousands of groups share a shard)."""
-        files = {f for chain in self.groups.values() for f in chain.files}
+        chains = [self.groups, *(part.groups for part in self.later.values())]
+        files = {f for groups in chains for chain in groups.values() for f in chain.files}
         return files | {f for database in self.databases.values() for f in database.values()}
 
     def files(self) -> set[str]:
@@ -117,6 +138,10 @@ class CheckpointMeta:
     def to_json(self) -> dict[str, Any]:
         body = asdict(self)
         body.update(chains_to_json(self.groups))
+        body["later"] = {
+            stage: {"assignment": part.assignment, **chains_to_json(part.groups)}
+            for stage, part in self.later.items()
+        }
         return {"format": FORMAT_VERSION, **body}
 
     @classmethod
@@ -133,6 +158,10 @@ class CheckpointMeta:
             written=int(data["written"]),
             assignment=dict(data["assignment"]),
             databases=databases_from_json(data.get("databases", {})),
+            later={
+                str(stage): KeyedGroups(dict(part["assignment"]), chains_from_json(part))
+                for stage, part in data.get("later", {}).items()
+            },
         )
 
 

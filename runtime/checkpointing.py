@@ -52,6 +52,7 @@ from keyshift.runtime.checkpoint_store import (
     CheckpointMeta,
     CheckpointStore,
     GroupChain,
+    KeyedGroups,
     ShardFile,
     chains_from_json,
     chains_to_json,
@@ -91,16 +92,16 @@ def open_store(settings: CheckpointSettings) -> CheckpointStore:
 class CheckpointHost(Protocol):
     """What the driver needs from the coordinator (implemented by Coordinator)."""
 
-    def checkpoint_members(self) -> dict[str, set[int]] | None:
-        """The instances a checkpoint would involve, per role ("source" only the live ones),
-        and mark a checkpoint in flight; None when none may start now (starting, draining,
-        a rescale running)."""
+    def checkpoint_members(self) -> CheckpointMembers | None:
+        """The instances a checkpoint would involve (only the live sources), and mark a
+        checkpoint in flight; None when none may start now (starting, draining, a rescale
+        running)."""
         ...
 
     def checkpoint_send(self, index: int, command: Checkpoint) -> None: ...
 
-    def checkpoint_assignment(self) -> dict[str, Any]:
-        """The keyed stage's assignment (unchanged while a checkpoint is in flight)."""
+    def checkpoint_assignments(self) -> dict[str, dict[str, Any]]:
+        """Every keyed stage's assignment (unchanged while a checkpoint is in flight)."""
         ...
 
     def checkpoint_events(self, checkpoint: int, timeout: float) -> list[Reported] | None:
@@ -119,6 +120,16 @@ class CheckpointHost(Protocol):
         """The storage failures the instances report now ("<instance>: <error>"): why a
         checkpoint may not complete (a sink stalled on a full disk backpressures the job)."""
         ...
+
+
+@dataclass(frozen=True)
+class CheckpointMembers:
+    """The instances one checkpoint involves: source indexes, each keyed stage's instance
+    indexes, sink indexes."""
+
+    sources: set[int]
+    keyed: dict[str, set[int]]
+    sinks: set[int]
 
 
 class CheckpointAbandoned(CheckpointError):
@@ -179,7 +190,9 @@ class CheckpointDriver:
         last_completed: int | None = None,
         next_id: int | None = 1,
     ) -> None:
-        """`next_id` None: not known (storage could not list the checkpoints taken before)."""
+        """`keyed_stage`: the first keyed stage, whose owners and groups the metadata keeps as
+        `assignment` and `groups` (those of the later ones go in its `later`). `next_id` None:
+        not known (storage could not list the checkpoints taken before)."""
         self.host = host
         self.settings = settings
         self.store = store
@@ -207,7 +220,7 @@ class CheckpointDriver:
             else:
                 wait = backoff.failed()
 
-    def take(self, members: dict[str, set[int]]) -> CheckpointOutcome:
+    def take(self, members: CheckpointMembers) -> CheckpointOutcome:
         started, t0 = time.time(), time.monotonic()
         if self.next_id is None:
             # Numbering from 1 could overwrite the checkpoints of an earlier run (and retention
@@ -223,7 +236,7 @@ class CheckpointDriver:
         checkpoint = self.next_id
         self.next_id += 1
         command = Checkpoint(id=checkpoint, previous=self.last_completed)
-        for index in sorted(members["source"]):
+        for index in sorted(members.sources):
             self.host.checkpoint_send(index, command)
         outcome = CheckpointOutcome(checkpoint, False, started, 0.0)
         try:
@@ -243,7 +256,7 @@ class CheckpointDriver:
             outcome.ok = True
             outcome.written = meta.written
             outcome.full = meta.size()
-            outcome.groups = len(meta.groups)
+            outcome.groups = len(meta.groups) + sum(len(p.groups) for p in meta.later.values())
             self.last_completed = checkpoint
             try:
                 self.store.retain(self.settings.retain)
@@ -260,7 +273,7 @@ class CheckpointDriver:
         return outcome
 
     def _metadata(self, checkpoint: int, started: float, events: list[Reported]) -> CheckpointMeta:
-        groups: dict[int, GroupChain] = {}
+        groups: dict[str, dict[int, GroupChain]] = {}
         databases: dict[str, dict[str, ShardFile]] = {}
         sources: dict[str, Any] = {}
         outputs: dict[str, int] = {}
@@ -270,23 +283,29 @@ class CheckpointDriver:
             if isinstance(event, SourceCheckpointAck):
                 sources[str(reported.index)] = event.position
             elif isinstance(event, KeyedCheckpointAck):
-                groups.update(chains_from_json(event.chains))
+                groups.setdefault(reported.stage, {}).update(chains_from_json(event.chains))
                 written += event.written
                 if event.writer is not None and event.database is not None:
                     databases[event.writer] = database_from_json(event.database)
             elif isinstance(event, SinkCheckpointAck) and event.offset is not None:
                 outputs[str(reported.index)] = event.offset
-        assignment = self.host.checkpoint_assignment()
+        assignments = self.host.checkpoint_assignments()
+        first = self.keyed_stage
         return CheckpointMeta(
             id=checkpoint,
             created=started,
-            epochs={self.keyed_stage: int(assignment["epoch"])},
-            assignment=assignment,
+            epochs={stage: int(a["epoch"]) for stage, a in assignments.items()},
+            assignment=assignments[first],
             sources=sources,
             outputs=outputs,
-            groups=groups,
+            groups=groups.get(first, {}),
             written=written,
             databases=databases,
+            later={
+                stage: KeyedGroups(a, groups.get(stage, {}))
+                for stage, a in assignments.items()
+                if stage != first
+            },
         )
 
 
@@ -295,19 +314,28 @@ def _error_of(reported: Reported) -> str | None:
     return event.error if isinstance(event, CHECKPOINT_ACKS) else None
 
 
-def acked(events: Iterable[Reported], checkpoint: int, members: dict[str, set[int]]) -> bool:
+def acked(events: Iterable[Reported], checkpoint: int, members: CheckpointMembers) -> bool:
     """Whether every member has acked `checkpoint`, or one of them failed it."""
-    kinds = {"source": SourceCheckpointAck, "keyed": KeyedCheckpointAck, "sink": SinkCheckpointAck}
-    seen: dict[str, set[int]] = {role: set() for role in kinds}
+    sources: set[int] = set()
+    keyed: dict[str, set[int]] = {}
+    sinks: set[int] = set()
     for reported in events:
         if checkpoint_of(reported) != checkpoint:
             continue
         if _error_of(reported):
             return True
-        for role, kind in kinds.items():
-            if isinstance(reported.event, kind):
-                seen[role].add(reported.index)
-    return all(seen[role] >= members[role] for role in kinds)
+        event = reported.event
+        if isinstance(event, SourceCheckpointAck):
+            sources.add(reported.index)
+        elif isinstance(event, KeyedCheckpointAck):
+            keyed.setdefault(reported.stage, set()).add(reported.index)
+        elif isinstance(event, SinkCheckpointAck):
+            sinks.add(reported.index)
+    return (
+        sources >= members.sources
+        and sinks >= members.sinks
+        and all(keyed.get(stage, set()) >= wanted for stage, wanted in members.keyed.items())
+    )
 
 
 # --- the instances' side ----------------------------------------------------------------------

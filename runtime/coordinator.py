@@ -20,7 +20,7 @@ import time
 import uuid
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -33,6 +33,7 @@ from keyshift.runtime.checkpoint_store import CheckpointError, CheckpointMeta, C
 from keyshift.runtime.checkpointing import (
     CheckpointAbandoned,
     CheckpointDriver,
+    CheckpointMembers,
     CheckpointOutcome,
     CheckpointStats,
     acked,
@@ -137,11 +138,12 @@ class Coordinator:
         }
         self.desired = {s.name: s.parallelism for s in spec.stages()}
         if restore is not None:
-            # The job goes on from the checkpoint: its key groups' owners, and so as many keyed
+            # The job goes on from the checkpoint: every keyed stage's owners, and so as many
             # instances as it had then (a rescale may have changed them since the job began).
-            # (Checkpoints are only taken of a job with one keyed stage so far.)
-            self.assignments[spec.keyed.name] = Assignment.from_json(restore.assignment)
-            self.desired[spec.keyed.name] = self.assignment.parallelism
+            for name in self.assignments:
+                assignment = Assignment.from_json(restore.of_stage(name).assignment)
+                self.assignments[name] = assignment
+                self.desired[name] = assignment.parallelism
         self.members: dict[str, dict[int, InstanceRecord]] = {s.name: {} for s in spec.stages()}
         self._drain_requested = False
         self._lock = threading.RLock()
@@ -155,7 +157,7 @@ class Coordinator:
         self._group_rates = GroupRates(spec.max_key_groups)
         self.checkpoints = CheckpointStats()
         self._checkpoint_events: list[Reported] = []
-        self._checkpoint_members: dict[str, set[int]] | None = None
+        self._checkpoint_members: CheckpointMembers | None = None
         self.stopped = threading.Event()
         self.metrics = CoordinatorMetrics(spec.name)
         self.metrics.set_phase(self._phase)
@@ -538,18 +540,18 @@ class Coordinator:
 
     # -- CheckpointHost --------------------------------------------------------------------
 
-    def checkpoint_members(self) -> dict[str, set[int]] | None:
+    def checkpoint_members(self) -> CheckpointMembers | None:
         with self._lock:
             if self.phase != "running" or self._drain_requested or self.rescale_status:
                 return None
-            members = {
-                "source": {
+            members = CheckpointMembers(
+                sources={
                     i for i, r in self.members[self.spec.source.name].items() if not r.finished
                 },
-                "keyed": set(self.members[self.spec.keyed.name]),
-                "sink": set(self.members[self.spec.sink.name]),
-            }
-            if not members["source"]:
+                keyed={name: set(self.members[name]) for name in self.assignments},
+                sinks=set(self.members[self.spec.sink.name]),
+            )
+            if not members.sources:
                 return None  # the sources are done: nothing will move past a barrier
             self._checkpoint_members = members
             self._checkpoint_events.clear()
@@ -560,9 +562,9 @@ class Coordinator:
             self.checkpoints.in_flight = command.id
             self.members[self.spec.source.name][index].commands.put(command)
 
-    def checkpoint_assignment(self) -> dict[str, Any]:
+    def checkpoint_assignments(self) -> dict[str, dict[str, Any]]:
         with self._lock:
-            return self.assignment.to_json()
+            return {name: a.to_json() for name, a in self.assignments.items()}
 
     def checkpoint_events(self, checkpoint: int, timeout: float) -> list[Reported] | None:
         deadline = time.monotonic() + timeout
@@ -575,7 +577,7 @@ class Coordinator:
                 # A source that ended before it saw the command sends no barrier: its END
                 # ends the alignment downstream, and all it emitted is in the checkpoint.
                 ended = self._ended_source_positions()
-                waiting = {**members, "source": members["source"] - set(ended)}
+                waiting = replace(members, sources=members.sources - set(ended))
                 if acked(self._checkpoint_events, checkpoint, waiting):
                     break
                 remaining = deadline - time.monotonic()

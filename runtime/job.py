@@ -825,11 +825,6 @@ class JobSpec(_Model):
                 raise ValueError(
                     f"keyed.parallelism of stage {step.stage.name!r} must not exceed max_key_groups"
                 )
-        if len(self._keyed_chain) > 1 and self.checkpoints is not None:
-            raise ValueError(
-                f"not supported yet: stage {self._keyed_chain[1].stage.name!r} (keyed): "
-                "checkpoints of a job with more than one keyed stage"
-            )
         if self.graph is None:
             try:
                 self.dataflow()

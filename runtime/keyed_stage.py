@@ -172,7 +172,8 @@ class KeyedStage:
             KeyedCheckpointer(settings, f"{ctx.stage}-{ctx.index}") if settings else None
         )
         if ctx.restore is not None and self.checkpointer is not None:
-            keys = self.checkpointer.restore(ctx.restore, self.state, self.owned)
+            restore = ctx.restore.of_stage(ctx.stage)
+            keys = self.checkpointer.restore(restore, self.state, self.owned)
             log.info("restored %d keys from checkpoint %d", keys, ctx.restore.id)
         ctx.fetch_served.set()
 

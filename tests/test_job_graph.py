@@ -447,14 +447,6 @@ def test_an_older_job_is_a_chain_of_one_keyed_stage() -> None:
     assert step.fields == spec.fields and step.transforms == ()
 
 
-def test_checkpoints_of_several_keyed_stages_are_not_supported_yet() -> None:
-    message = refused(graph_job(keyed_line(), checkpoints={"storage": "cp"}))
-    assert (
-        "not supported yet: stage 'per-region' (keyed): checkpoints of a job with more than one "
-        "keyed stage" in message
-    ), message
-
-
 def test_a_keyed_stage_wider_than_its_key_groups_is_refused_by_name() -> None:
     message = refused(graph_job(keyed_line(), max_key_groups=2))
     assert "keyed.parallelism of stage 'per-region' must not exceed max_key_groups" in message
