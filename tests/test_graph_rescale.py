@@ -90,16 +90,17 @@ def check_paths(out: Path, emitted: list[int]) -> None:
     seen: Counter[tuple[int, int]] = Counter()
     for zone, value in zip(table.column("key").to_pylist(), table.column("value").to_pylist(),
                            strict=True):  # fmt: skip
-        zones, (regions, (user, (users, source, seq))) = json.loads(value)
+        at_zone, (at_region, (user, (at_user, source, seq))) = json.loads(value)
         assert zone == user % REGIONS % ZONES, (zone, user)
-        stages["zones"].setdefault(zone, []).append(zones)
-        stages["regions"].setdefault(user % REGIONS, []).append(regions)
-        stages["users"].setdefault(user, []).append(users)
-        applied.setdefault(user, []).append((users, source, seq))
+        stages["zones"].setdefault(zone, []).append(at_zone)
+        stages["regions"].setdefault(user % REGIONS, []).append(at_region)
+        stages["users"].setdefault(user, []).append(at_user)
+        applied.setdefault(user, []).append((at_user, source, seq))
         seen[(source, seq)] += 1
     for name, by_key in stages.items():
-        for key, counts in by_key.items():
-            assert sorted(counts) == list(range(1, len(counts) + 1)), (name, key, counts[:20])
+        for key, seen_counts in by_key.items():
+            ordered = sorted(seen_counts)
+            assert ordered == list(range(1, len(ordered) + 1)), (name, key, ordered[:20])
     for user, updates in applied.items():
         last: dict[int, int] = {}
         for _, source, seq in sorted(updates):
@@ -109,10 +110,10 @@ def check_paths(out: Path, emitted: list[int]) -> None:
     assert not seen or max(seen.values()) == 1, "a record reached the sink twice"
     assert set(seen) == records, f"{len(records - set(seen))} records lost"
     assert {u: len(c) for u, c in stages["users"].items()} == dict(counts)
-    regions: Counter[int] = Counter()
+    per_region: Counter[int] = Counter()
     for user, n in counts.items():
-        regions[user % REGIONS] += n
-    assert {r: len(c) for r, c in stages["regions"].items()} == dict(regions)
+        per_region[user % REGIONS] += n
+    assert {r: len(c) for r, c in stages["regions"].items()} == dict(per_region)
 
 
 STEPS = [
@@ -136,7 +137,7 @@ def test_every_keyed_stage_rescales_live_and_the_output_equals_the_truth(
         wait_for(lambda: local.status()["phase"] == "running", 30, "the job to run")
         for stage, parallelism, strategy in steps:
             flowed = sum_out(local)
-            wait_for(lambda f=flowed: sum_out(local) > f + 3000, 60, "records to flow")
+            wait_for(lambda f=flowed: sum_out(local) > f + 3000, 60, "records to flow")  # type: ignore[misc]
             result = rescale_via(local, client, parallelism, strategy, stage=stage)
             assert result["stage"] == stage and result["to"] == parallelism
             assert result["groups_moved"] == result["groups_to_move"] > 0, result
