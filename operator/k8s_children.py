@@ -82,7 +82,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from keyshift.operator.state_memory import sized_resources
 from keyshift.operator.streamingjob import OutputLocation, Resources, SparkApp, StreamingJobSpec
 from keyshift.runtime.auth import TLS_CA_ENV, TLS_CERT_ENV, TLS_KEY_ENV, TLS_SERVER_NAME_ENV
-from keyshift.runtime.job import IngestSource, JobSpec, LogSink
+from keyshift.runtime.job import IngestSource, JobSpec, KeyedStage, LogSink
 from keyshift.runtime.job_secret import SECRET_ENV
 
 Manifest = dict[str, Any]
@@ -693,13 +693,19 @@ def _stage_ports(job: JobSpec, stage: str) -> list[tuple[str, int]]:
     return ports
 
 
+def _keyed_stage(job: JobSpec, stage: str) -> KeyedStage | None:
+    """`stage`'s settings if it is one of the job's keyed stages."""
+    return next((s.stage for s in job.keyed_stages() if s.stage.name == stage), None)
+
+
 def _state_volume(job: JobSpec, stage: str) -> tuple[Manifest, Manifest] | None:
     """The local disk of a keyed stage on RocksDB (its `state.path`; the root filesystem is
     read-only): an emptyDir, since the database is rebuilt from checkpoints or a migration at
     every start and never holds the job's only copy of its state."""
-    settings = job.keyed.state
-    if stage != job.keyed.name or settings.backend != "rocksdb":
+    keyed = _keyed_stage(job, stage)
+    if keyed is None or keyed.state.backend != "rocksdb":
         return None
+    settings = keyed.state
     path = posixpath.normpath(posixpath.join(APP_DIR, settings.path))
     return {"name": _STATE_VOLUME, "emptyDir": {}}, {"name": _STATE_VOLUME, "mountPath": path}
 
@@ -740,6 +746,7 @@ def stage_stateful_set(
     scaler owns its replicas: `keyshift.operator.k8s_apply`)."""
     selector = stage_selector_labels(name, stage)
     labels = {**common_labels(name, "stage"), **selector}
+    keyed = _keyed_stage(job, stage)
     mounts = [_job_mount()]
     volumes = [_job_volume(name)]
     output = _output_dir(job, stage)
@@ -778,9 +785,7 @@ def stage_stateful_set(
             for port_name, port in _stage_ports(job, stage)
         ],
         "resources": _resources(
-            sized_resources(spec.resources, job.keyed.state)
-            if stage == job.keyed.name
-            else spec.resources
+            sized_resources(spec.resources, keyed.state) if keyed is not None else spec.resources
         ),
         "volumeMounts": mounts,
         **_metrics_probes(),

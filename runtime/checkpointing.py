@@ -7,13 +7,15 @@ Three parts, one per role:
   source puts a BARRIER on each of its keyed streams between two batches and acks its
   position (records emitted so far). A keyed instance aligns: once a source's barrier
   arrived, that source's later batches wait (unread, so their credits backpressure it) until
-  every live source's barrier is in; then it writes its key groups
+  every live source's barrier is in (a keyed stage after others aligns the same way over their
+  instances, over every input of a union); then it writes its key groups
   (keyshift.runtime.state_checkpoint: a base or a delta per group; on RocksDB a native
   checkpoint of its database, keyshift.runtime.rocksdb_checkpoint), acks them, sends
-  the barrier on to the sinks and goes on. A sink aligns on the keyed instances'
-  barriers the same way, flushes its output log and acks the log's end offset. When every
-  instance has acked, the driver writes the checkpoint's metadata (id, assignment epoch,
-  source positions, output offsets, every group's chain) in one atomic write: the checkpoint
+  the barrier on to the keyed stages it feeds and the sinks, and goes on. A sink aligns on
+  the keyed instances' barriers the same way, flushes its output log and acks the log's end
+  offset. When every instance has acked, the driver writes the checkpoint's metadata (id,
+  every keyed stage's epoch and assignment, source positions, output offsets, every group's
+  chain) in one atomic write: the checkpoint
   is complete. It tells the sources and sinks so (`CheckpointComplete`): an ingest source
   lets go of the logged rows the checkpoint covers, and a sink lets readers see its output
   up to the checkpoint's offset. Then it deletes what the retained checkpoints no longer need.

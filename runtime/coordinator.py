@@ -1,4 +1,4 @@
-"""The coordinator: one per job. Holds the graph and the keyed stage's assignment (by epoch),
+"""The coordinator: one per job. Holds the graph and every keyed stage's assignment (by epoch),
 registers instances, publishes the topology, drives draining, and reports status over gRPC.
 
 Started as a process by a host (`python -m keyshift.runtime.coordinator`); instances and the
@@ -134,7 +134,7 @@ class Coordinator:
         # Every keyed stage's key groups' owners, by epoch.
         self.assignments = {
             step.stage.name: Assignment.contiguous(spec.max_key_groups, step.stage.parallelism)
-            for step in spec.keyed_chain()
+            for step in spec.keyed_stages()
         }
         self.desired = {s.name: s.parallelism for s in spec.stages()}
         if restore is not None:
@@ -176,11 +176,9 @@ class Coordinator:
         """The first keyed stage's assignment (what a checkpoint records and Status's epoch)."""
         return self.assignments[self.spec.keyed.name]
 
-    def upstream_of(self, stage: str) -> str:
-        """The stage whose instances send to keyed stage `stage`."""
-        chain = [step.stage.name for step in self.spec.keyed_chain()]
-        position = chain.index(stage)
-        return chain[position - 1] if position else self.spec.source.name
+    def upstream_of(self, stage: str) -> tuple[str, ...]:
+        """The stages whose instances send to keyed stage `stage`."""
+        return self.spec.keyed_step(stage).inputs
 
     @property
     def phase(self) -> str:
@@ -821,7 +819,7 @@ def max_calls(spec: JobSpec) -> int:
     """The most calls the coordinator serves at once: per instance its command stream and two
     reports (the periodic one and a protocol step's), with the keyed stage at the most a
     rescale may take each keyed stage to; and a few for the hosts' and the CLI's calls."""
-    keyed = len(spec.keyed_chain())
+    keyed = len(spec.keyed_stages())
     instances = spec.source.parallelism + spec.sink.parallelism + keyed * MAX_PARALLELISM
     return 3 * instances + CLIENT_CALLS
 

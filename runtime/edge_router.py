@@ -2,10 +2,11 @@
 into the sender, check the records against the schema the keyed stage reads, compute their key
 groups, and send each record to the owner of its group by the keyed stage's assignment epoch.
 
-Every stage that feeds a keyed stage owns one `EdgeRouter`: the source loop
-(`keyshift.runtime.source_stage`) and a keyed instance whose updates go on to the next keyed
-stage (`keyshift.runtime.keyed_stage`). A rescale of the keyed stage it feeds reaches it as
-`reroute`/`pause`/`resume` (`keyshift.runtime.rescale`).
+Every stage that feeds keyed stages owns an `EdgeRouter` per keyed stage it feeds, in its
+`Outputs`: the source loop (`keyshift.runtime.source_stage`) and a keyed instance whose updates
+go on to other keyed stages (`keyshift.runtime.keyed_stage`). A rescale of a keyed stage it
+feeds reaches it as `reroute` (to that stage's router), `pause` and `resume` (the whole sender:
+it stops sending anything) from `keyshift.runtime.rescale`.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from keyshift.runtime.job import FieldType, Transform, resolve_function
+from keyshift.runtime.job import FieldType, Route, Transform, resolve_function
 from keyshift.runtime.keyspace import Assignment, key_groups
 from keyshift.runtime.protocol import Ack, Barrier, Command, Pause, Reroute, Resume, Topology
 from keyshift.runtime.records import (
@@ -104,21 +105,15 @@ class EdgeRouter:
     to instances that left the topology.
     """
 
-    def __init__(
-        self,
-        ctx: InstanceContext,
-        target: str,
-        transforms: list[Transform] | tuple[Transform, ...],
-    ) -> None:
+    def __init__(self, ctx: InstanceContext, route: Route) -> None:
         self.ctx = ctx
-        self.target = target
-        step = ctx.spec.keyed_step(target)
+        self.target = route.target
+        step = ctx.spec.keyed_step(route.target)
         self.fields = step.fields
         self.key_by = step.stage.key_by
-        self.transforms = resolve_transforms(transforms)
-        self.outlets = ctx.connect(target)
-        self.assignment = ctx.assignment(target)
-        self.paused = False
+        self.transforms = resolve_transforms(route.transforms)
+        self.outlets = ctx.connect(route.target)
+        self.assignment = ctx.assignment(route.target)
         self.dead: set[int] = set()
         self.stranded: list[bytes] = []
 
@@ -160,20 +155,11 @@ class EdgeRouter:
             if index not in self.dead:
                 self.ctx.send(outlet, encoded, kind=BARRIER)
 
-    def handle(self, command: Command) -> bool:
-        """Follow a command meant for the senders to the keyed stage; False if it is not one."""
-        if isinstance(command, Reroute) and command.stage == self.target:
-            self.reroute(command)
-        elif isinstance(command, Topology):
-            current = command.addresses(self.target)
-            for index in [i for i in self.outlets if i not in current]:
-                self.outlets.pop(index).abort()
-        elif isinstance(command, Pause | Resume):
-            self.paused = isinstance(command, Pause)
-            self.ctx.emit(Ack(step=command.type, epoch=command.epoch))
-        else:
-            return False
-        return True
+    def topology(self, command: Topology) -> None:
+        """Close the streams to instances that left the stage."""
+        current = command.addresses(self.target)
+        for index in [i for i in self.outlets if i not in current]:
+            self.outlets.pop(index).abort()
 
     def reroute(self, command: Reroute) -> None:
         new = Assignment.from_json(command.assignment)
@@ -197,3 +183,53 @@ class EdgeRouter:
     def finish(self, kind: bytes = END) -> None:
         for outlet in self.outlets.values():
             outlet.finish(kind=kind)
+
+
+Routed = tuple[EdgeRouter, list[tuple[int, bytes]]]
+
+
+class Outputs:
+    """A sending stage's routers, one per keyed stage it feeds, and whether a rescale of one of
+    them has paused it."""
+
+    def __init__(self, ctx: InstanceContext, routes: tuple[Route, ...]) -> None:
+        self.ctx = ctx
+        self.routers = {route.target: EdgeRouter(ctx, route) for route in routes}
+        self.paused = False
+
+    def prepare(self, batch: pa.RecordBatch) -> tuple[int, list[Routed]]:
+        """`batch` as every route sends it: the records out (after each route's filters), and
+        each router's parts by owner."""
+        out = 0
+        routed = []
+        for router in self.routers.values():
+            records, parts = router.prepare(batch)
+            out += records.num_rows
+            routed.append((router, parts))
+        return out, routed
+
+    def send(self, routed: list[Routed]) -> None:
+        for router, parts in routed:
+            router.send(parts)
+
+    def handle(self, command: Command) -> bool:
+        """Follow a command meant for a keyed stage's senders; False if it is not one."""
+        if isinstance(command, Reroute) and command.stage in self.routers:
+            self.routers[command.stage].reroute(command)
+        elif isinstance(command, Topology):
+            for router in self.routers.values():
+                router.topology(command)
+        elif isinstance(command, Pause | Resume):
+            self.paused = isinstance(command, Pause)
+            self.ctx.emit(Ack(step=command.type, epoch=command.epoch))
+        else:
+            return False
+        return True
+
+    def barrier(self, barrier: Barrier) -> None:
+        for router in self.routers.values():
+            router.barrier(barrier)
+
+    def finish(self, kind: bytes = END) -> None:
+        for router in self.routers.values():
+            router.finish(kind)

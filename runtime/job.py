@@ -4,7 +4,8 @@ A job is a graph of named stages (`graph`: sources, map/filter/flat_map stages, 
 sinks, each naming its inputs), checked by `keyshift.runtime.job_graph`; a job file of the older
 shape (source -> map/filter -> key_by -> one keyed operator -> sink at the top level) is
 normalised into the same graph. The runtime executes one shape so far, which a graph is lowered
-onto (`source`, `keyed`, `sink`, `fields`, and `keyed_chain()`: every keyed stage in a line);
+onto (`source`, `keyed`, `sink`, `fields`, and `keyed_stages()`, `source_routes()`,
+`sink_inputs()`: every keyed stage and the edges between the stages);
 any other shape is refused at load time. The local
 host validates a job file with `load_job` before it starts anything; the coordinator and every
 instance receive the same validated model. The Python API in `keyshift.runtime.pipeline` builds
@@ -42,6 +43,7 @@ from keyshift.runtime.job_graph import FieldType as FieldType
 from keyshift.runtime.job_graph import (
     Graph,
     GraphError,
+    Hop,
     Node,
     Partitioning,
     Role,
@@ -400,15 +402,23 @@ class SinkStage(Stage):
 
 
 @dataclass(frozen=True)
+class Route:
+    """Where a sending stage's records go: through `transforms` (map/filter, run in the
+    sender's instances) to `target` (a keyed stage, or the sink)."""
+
+    target: str
+    transforms: tuple[Transform, ...]
+
+
+@dataclass(frozen=True)
 class KeyedStep:
     """A keyed stage as the runtime runs it: its settings, the schema of the records it reads,
-    the map/filter functions its instances run on its updates, and the stage those go to (the
-    next keyed stage, or the sink)."""
+    the stages whose instances send them (a union when several), and its updates' routes."""
 
     stage: KeyedStage
     fields: dict[str, FieldType]
-    transforms: tuple[Transform, ...]
-    output: str
+    inputs: tuple[str, ...]
+    outputs: tuple[Route, ...]
 
 
 GENERATED_FIELDS: dict[str, FieldType] = {"key": "int", "value": "float"}
@@ -641,8 +651,11 @@ class JobSpec(_Model):
         "that dies is noticed at once",
     )
 
-    # Every keyed stage in a line, the first being `keyed`; derived at validation.
-    _keyed_chain: tuple[KeyedStep, ...] = PrivateAttr(default=())
+    # Derived at validation: every keyed stage (the first being `keyed`), the source's routes,
+    # and the keyed stages feeding the sink.
+    _keyed_stages: tuple[KeyedStep, ...] = PrivateAttr(default=())
+    _source_routes: tuple[Route, ...] = PrivateAttr(default=())
+    _sink_inputs: tuple[str, ...] = PrivateAttr(default=())
 
     @model_validator(mode="before")
     @classmethod
@@ -679,18 +692,28 @@ class JobSpec(_Model):
         source = stages[chain.source.name]
         sink = stages[chain.sink.name]
         assert isinstance(source, SourceNode) and isinstance(sink, SinkNode)
-        if isinstance(source.config, IngestSource) and dict(chain.fields) != source.fields:
-            changing = next(t for t in chain.transforms if t.fields is not None)
-            raise ValueError(
-                f"not supported yet: stage {changing.name!r} (map): a map that reshapes an "
-                "ingest source's rows (the runtime checks them against the schema the keyed "
-                "stage reads)"
-            )
+        reads = {link.keyed.name: link.fields for link in chain.keyed}
+        for hop in chain.outputs:
+            if isinstance(source.config, IngestSource) and dict(reads[hop.target]) != source.fields:
+                changing = next(t for t in hop.transforms if t.fields is not None)
+                raise ValueError(
+                    f"not supported yet: stage {changing.name!r} (map): a map that reshapes an "
+                    "ingest source's rows (the runtime checks them against the schema the keyed "
+                    "stage reads)"
+                )
         # Validated again with the job's context: a model's own checks rerun on its instances,
         # and the user's functions must be checked as the job asks (imported, or by form only).
         context = info.context
+
+        def route(hop: Hop) -> Route:
+            transforms = tuple(
+                Transform.model_validate({t.role: t.function}, context=context)
+                for t in hop.transforms
+            )
+            return Route(hop.target, transforms)
+
         steps = []
-        for i, link in enumerate(chain.keyed):
+        for link in chain.keyed:
             keyed = stages[link.keyed.name]
             assert isinstance(keyed, KeyedNode)
             step = KeyedStage.model_validate(
@@ -703,19 +726,17 @@ class JobSpec(_Model):
                 },
                 context=context,
             )
-            after = chain.keyed[i + 1].keyed.name if i + 1 < len(chain.keyed) else sink.name
-            transforms = tuple(
-                Transform.model_validate({t.role: t.function}, context=context)
-                for t in link.transforms
-            )
-            steps.append(KeyedStep(step, dict(link.fields), transforms, after))
+            outputs = tuple(route(hop) for hop in link.outputs)
+            steps.append(KeyedStep(step, dict(link.fields), link.inputs, outputs))
+        routes = tuple(route(hop) for hop in chain.outputs)
         values = {
             "source": SourceStage.model_validate(
                 {
                     "name": source.name,
                     "parallelism": source.parallelism,
                     "config": source.config,
-                    "transforms": [{t.role: t.function} for t in chain.transforms],
+                    # The older shape's one route: its transforms.
+                    "transforms": [{t.role: t.function} for t in chain.outputs[0].transforms],
                 },
                 context=context,
             ),
@@ -728,18 +749,28 @@ class JobSpec(_Model):
         }
         for name, value in values.items():
             object.__setattr__(self, name, value)
-        self._keyed_chain = tuple(steps)
+        self._keyed_stages = tuple(steps)
+        self._source_routes = routes
+        self._sink_inputs = chain.sink_inputs
 
-    def keyed_chain(self) -> tuple[KeyedStep, ...]:
-        """Every keyed stage, in the order records pass them (one in a job of the older shape)."""
-        return self._keyed_chain
+    def keyed_stages(self) -> tuple[KeyedStep, ...]:
+        """Every keyed stage, each after its inputs (one in a job of the older shape)."""
+        return self._keyed_stages
 
     def keyed_step(self, name: str) -> KeyedStep:
         """The keyed stage named `name` as the runtime runs it; KeyError if there is none."""
-        for step in self._keyed_chain:
+        for step in self._keyed_stages:
             if step.stage.name == name:
                 return step
         raise KeyError(name)
+
+    def source_routes(self) -> tuple[Route, ...]:
+        """Where the source's records go: each route to a keyed stage."""
+        return self._source_routes
+
+    def sink_inputs(self) -> tuple[str, ...]:
+        """The keyed stages whose updates the sink receives."""
+        return self._sink_inputs
 
     def dataflow(self) -> Graph:
         """The job's graph, checked: its `graph`, or the older shape normalised into one (the
@@ -791,7 +822,11 @@ class JobSpec(_Model):
         if self.graph is not None:
             self._lower_graph(info)
         else:
-            self._keyed_chain = (KeyedStep(self.keyed, dict(self.fields), (), self.sink.name),)
+            to_sink = (Route(self.sink.name, ()),)
+            source = (self.source.name,)
+            self._keyed_stages = (KeyedStep(self.keyed, dict(self.fields), source, to_sink),)
+            self._source_routes = (Route(self.keyed.name, tuple(self.source.transforms)),)
+            self._sink_inputs = (self.keyed.name,)
         names = [stage.name for stage in self.stages()]
         if len(set(names)) != len(names):
             raise ValueError(f"stage names must be distinct, got {names}")
@@ -820,7 +855,7 @@ class JobSpec(_Model):
         not_floats = [f for f in self.allow_non_finite if self.fields.get(f) != "float"]
         if not_floats:
             raise ValueError(f"allow_non_finite names {not_floats}, which are not float fields")
-        for step in self._keyed_chain:
+        for step in self._keyed_stages:
             if step.stage.parallelism > self.max_key_groups:
                 raise ValueError(
                     f"keyed.parallelism of stage {step.stage.name!r} must not exceed max_key_groups"
@@ -835,7 +870,7 @@ class JobSpec(_Model):
     _no_reserved = field_validator("fields")(_record_fields)
 
     def stages(self) -> list[Stage]:
-        return [self.source, *(step.stage for step in self._keyed_chain), self.sink]
+        return [self.source, *(step.stage for step in self._keyed_stages), self.sink]
 
 
 J = TypeVar("J", bound=JobSpec)

@@ -4,9 +4,9 @@ and the record schema along every edge.
 `keyshift.runtime.job` validates every job through it: a job file's `graph` (and a job of the
 older source/keyed/sink shape, normalised into one) becomes `Node`s, `build_graph` refuses a
 bad graph naming the stage and the reason, and `lower_to_chain` maps a graph onto the shape
-the runtime executes today (a source with its chained map/filter stages, keyed stages in a
-line, each with the map/filter stages after it chained into its instances, one sink), refusing
-any other shape with "not supported yet". The module is pure: no I/O, no
+the runtime executes today (one source, keyed stages with fan-out and unions between them, one
+sink; the map/filter stages on an edge chained into its sender's instances), refusing any other
+shape with "not supported yet". The module is pure: no I/O, no
 imports of the job's pydantic models (they import it).
 """
 
@@ -264,26 +264,39 @@ def build_graph(nodes: Sequence[Node]) -> Graph:
 
 
 @dataclass(frozen=True)
-class KeyedLink:
-    """One keyed stage of the chain: it reads records of schema `fields`, and its instances
-    also run `transforms` (map/filter) on its updates before they go on."""
+class Hop:
+    """An edge as the runtime runs it: records go from a sending stage (the source or a keyed
+    stage) through `transforms` (map/filter, chained into the sender's instances) to `target`
+    (a keyed stage, or the sink)."""
 
-    keyed: Node
-    fields: Schema
+    target: str
     transforms: tuple[Node, ...]
 
 
 @dataclass(frozen=True)
+class KeyedLink:
+    """One keyed stage as the runtime runs it: it reads records of schema `fields` from the
+    instances of its `inputs` (the source, keyed stages: a union when several), and its
+    updates take each of its `outputs`."""
+
+    keyed: Node
+    fields: Schema
+    inputs: tuple[str, ...]
+    outputs: tuple[Hop, ...]
+
+
+@dataclass(frozen=True)
 class Chain:
-    """The shape the runtime executes today: a source whose instances also run `transforms`
-    (map/filter, chained by forward edges), keyed stages in a line, each fed by key_by (the
-    first on the records of schema `fields`), and one sink receiving each key's updates of the
-    last keyed stage in the partition of its key."""
+    """The shapes the runtime executes today: one source whose updates take `outputs`, keyed
+    stages (in topological order) with fan-out and unions between them, and one sink
+    receiving the updates of the keyed stages in `sink_inputs`, each key in the partition of
+    its key group. `fields` is the schema the first keyed stage reads."""
 
     source: Node
-    transforms: tuple[Node, ...]
+    outputs: tuple[Hop, ...]
     keyed: tuple[KeyedLink, ...]
     sink: Node
+    sink_inputs: tuple[str, ...]
     fields: Schema
 
 
@@ -298,25 +311,17 @@ def _only(graph: Graph, role: Role, what: str) -> Node:
     return found[0]
 
 
-def _one_output(graph: Graph, node: Node) -> Edge:
-    outs = graph.outputs_of(node.name)
-    if len(outs) > 1:
-        raise _not_yet(graph.node(outs[1].target), f"fan-out from {node.name!r}")
-    return outs[0]
-
-
-def _chained(graph: Graph, start: Node, after_keyed: bool) -> tuple[list[Node], Edge, Node]:
-    """The map/filter stages chained into `start`'s instances, the edge out of the last of
-    them and the stage it reaches. After a source they take forward edges; after a keyed
-    stage also its default key_by of the key, under which they run in the keyed instances
-    that own each key (a stateless stage's output does not depend on where it runs)."""
+def _hop(graph: Graph, edge: Edge, after_keyed: bool) -> tuple[Hop, Edge]:
+    """The map/filter stages from `edge` on, chained into its sender's instances, up to the
+    keyed stage or sink they reach; and the edge that reaches it. After a source they take
+    forward edges; after a keyed stage also its default key_by of the key, under which they
+    run in the keyed instances that own each key (a stateless stage's output does not depend
+    on where it runs)."""
     transforms: list[Node] = []
-    current = start
     while True:
-        edge = _one_output(graph, current)
         after = graph.node(edge.target)
         if after.role in ("keyed", "sink"):
-            return transforms, edge, after
+            return Hop(after.name, tuple(transforms)), edge
         if after.role == "flat_map":
             raise _not_yet(after, "flat_map stages")
         chains = edge.partitioning == "forward" or (
@@ -326,17 +331,20 @@ def _chained(graph: Graph, start: Node, after_keyed: bool) -> tuple[list[Node], 
             where = "a keyed stage's" if after_keyed else "the source"
             raise _not_yet(
                 after,
-                f"a {edge.partitioning} edge from {current.name!r} (map and filter stages run "
+                f"a {edge.partitioning} edge from {edge.source!r} (map and filter stages run "
                 f"chained into {where} instances: forward edges only)",
             )
         if len(after.inputs) > 1:
-            raise _not_yet(after, "a stage with more than one input")
+            raise _not_yet(after, "a union into a map or filter stage")
+        outs = graph.outputs_of(after.name)
+        if len(outs) > 1:
+            raise _not_yet(graph.node(outs[1].target), f"fan-out from {after.name!r}")
         transforms.append(after)
-        current = after
+        edge = outs[0]
 
 
 def lower_to_chain(graph: Graph) -> Chain:
-    """The graph as the runtime's chain; GraphError "not supported yet" naming the first stage
+    """The graph as the runtime runs it; GraphError "not supported yet" naming the first stage
     the runtime cannot execute as the graph says."""
     source = _only(graph, "source", "source")
     if not graph.of_role("keyed"):
@@ -344,27 +352,37 @@ def lower_to_chain(graph: Graph) -> Chain:
     sink = _only(graph, "sink", "sink")
     for node in graph.of_role("flat_map"):
         raise _not_yet(node, "flat_map stages")
-    transforms, edge, after = _chained(graph, source, after_keyed=False)
-    if after.role == "sink":
-        raise _not_yet(after, "a sink fed by a stage that is not keyed")
-    fields = graph.schemas[edge.source]
-    links: list[KeyedLink] = []
-    while after.role == "keyed":
-        keyed = after
-        if len(keyed.inputs) > 1:
-            raise _not_yet(keyed, "a keyed stage with more than one input")
-        chained, edge, after = _chained(graph, keyed, after_keyed=True)
-        links.append(KeyedLink(keyed, graph.schemas[keyed.inputs[0]], tuple(chained)))
-    if links[-1].transforms:
-        raise _not_yet(
-            links[-1].transforms[0],
-            f"a map or filter between the last keyed stage {links[-1].keyed.name!r} and the "
-            "sink (the sink receives the keyed stage's updates as they are)",
-        )
-    if edge.partitioning != "key_by" or edge.key_by != KEY_FIELD:
-        raise _not_yet(
-            sink,
-            f"a {edge.partitioning} edge from the keyed stage (sinks receive each key's "
-            f"updates in the partition of its key group: key_by {KEY_FIELD!r})",
-        )
-    return Chain(source, tuple(transforms), tuple(links), sink, fields)
+    hops: dict[str, list[Hop]] = {}
+    senders: dict[str, list[str]] = {}
+    for sender in [source, *graph.of_role("keyed")]:
+        for edge in graph.outputs_of(sender.name):
+            hop, last = _hop(graph, edge, after_keyed=sender.role == "keyed")
+            target = graph.node(hop.target)
+            if target.role == "sink":
+                if sender.role != "keyed":
+                    raise _not_yet(target, "a sink fed by a stage that is not keyed")
+                if hop.transforms:
+                    raise _not_yet(
+                        hop.transforms[0],
+                        f"a map or filter between the keyed stage {sender.name!r} and the sink "
+                        "(the sink receives the keyed stage's updates as they are)",
+                    )
+                if last.partitioning != "key_by" or last.key_by != KEY_FIELD:
+                    raise _not_yet(
+                        sink,
+                        f"a {last.partitioning} edge from the keyed stage (sinks receive each "
+                        f"key's updates in the partition of its key group: key_by {KEY_FIELD!r})",
+                    )
+            hops.setdefault(sender.name, []).append(hop)
+            senders.setdefault(hop.target, []).append(sender.name)
+    links = []
+    for keyed in graph.of_role("keyed"):
+        inputs = senders[keyed.name]
+        if len(set(inputs)) < len(inputs):
+            raise _not_yet(keyed, f"two ways from {inputs[0]!r} into one keyed stage")
+        fields = graph.schemas[keyed.inputs[0]]
+        links.append(KeyedLink(keyed, fields, tuple(inputs), tuple(hops[keyed.name])))
+    sink_inputs = senders[sink.name]
+    # The first keyed stage in topological order reads only the source's records.
+    fields = links[0].fields
+    return Chain(source, tuple(hops[source.name]), tuple(links), sink, tuple(sink_inputs), fields)

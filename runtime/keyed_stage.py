@@ -1,7 +1,7 @@
 """The keyed stage loop: apply incoming batches to keyed state (vectorized aggregates or a
 per-record function), send one update per changed key on (to the sink instance of its group,
-or through the chained map/filter functions to the owner in the next keyed stage, by an
-`EdgeRouter`), and take part in live migrations (`keyshift.runtime.migration`) while records
+and/or through the chained map/filter functions to its owner in each keyed stage it feeds, by
+its `Outputs`), and take part in live migrations (`keyshift.runtime.migration`) while records
 keep flowing.
 
 Called by `keyshift.runtime.instance` for instances of the job's keyed stages.
@@ -20,7 +20,7 @@ import numpy as np
 import pyarrow as pa
 
 from keyshift.runtime.checkpointing import BarrierAligner, KeyedCheckpointer
-from keyshift.runtime.edge_router import EdgeRouter
+from keyshift.runtime.edge_router import Outputs, Routed
 from keyshift.runtime.job import AggregateOperator, JobSpec, KeyedStep, resolve_function
 from keyshift.runtime.metrics import MetricName
 from keyshift.runtime.migration import MoveIn, MoveOut, ProtocolError
@@ -119,9 +119,9 @@ def process_output_schema(key_type: pa.DataType) -> pa.Schema:
 
 
 def sink_schema(spec: JobSpec) -> pa.Schema:
-    """The columns of the records the job's sink receives (and its output log holds): the last
-    keyed stage's updates."""
-    last = spec.keyed_chain()[-1]
+    """The columns of the records the job's sink receives (and its output log holds): the
+    updates of the keyed stages feeding it (one schema: a union needs one)."""
+    last = spec.keyed_step(spec.sink_inputs()[0])
     key_type = ARROW_TYPES[last.fields[last.stage.key_by]]
     op = last.stage.operator
     if isinstance(op, AggregateOperator):
@@ -129,6 +129,16 @@ def sink_schema(spec: JobSpec) -> pa.Schema:
     else:
         schema = process_output_schema(key_type)
     return schema.remove(schema.get_field_index(GROUP))
+
+
+def with_record_ids(out: pa.RecordBatch) -> pa.RecordBatch:
+    """Updates as records for the stages after: a process function's carry the (source, seq)
+    of the record they came from; an aggregate's update stands for all of a key's records so
+    far, so it goes on with source -1 and its version as its sequence number."""
+    if SOURCE in out.schema.names:
+        return out
+    sources = pa.array(np.full(out.num_rows, -1, dtype=np.int32))
+    return out.append_column(SOURCE, sources).append_column(SEQ, out.column("version"))
 
 
 class KeyedStage:
@@ -147,17 +157,14 @@ class KeyedStage:
         self.value_field = op.field if isinstance(op, AggregateOperator) else None
         self.key_field = step.stage.key_by
         self.out_schema = process_output_schema(self.state.key_type)
-        chain = [s.stage.name for s in spec.keyed_chain()]
-        position = chain.index(ctx.stage)
-        # The stage whose instances send here, and where the updates go: the next keyed stage
-        # (routed by its assignment, as a source routes to the first) or the sinks.
-        self.upstream = chain[position - 1] if position else spec.source.name
-        self.router: EdgeRouter | None = None
-        self.sinks: dict[int, Outlet] = {}
-        if step.output == spec.sink.name:
-            self.sinks = ctx.connect(spec.sink.name)
-        else:
-            self.router = EdgeRouter(ctx, step.output, step.transforms)
+        # The stages whose instances send here (a union when several), and where the updates
+        # go: to other keyed stages (routed by their assignments, as a source routes) and/or
+        # to the sinks.
+        self.upstream = step.inputs
+        keyed = tuple(route for route in step.outputs if route.target != spec.sink.name)
+        self.outputs = Outputs(ctx, keyed)
+        to_sink = len(keyed) < len(step.outputs)
+        self.sinks: dict[int, Outlet] = ctx.connect(spec.sink.name) if to_sink else {}
         self.owned = ctx.assignment(ctx.stage).owners == ctx.index
         self.ended: set[str] = set()
         self.backlog: deque[tuple[str, bytes, Any]] = deque()
@@ -192,24 +199,26 @@ class KeyedStage:
                 row["value"] = json.dumps(row["value"])
             out = pa.RecordBatch.from_pylist(rows, schema=self.out_schema)
         parts: list[tuple[int, bytes]] = []
-        if out.num_rows and self.router is not None:
-            out, parts = self.router.prepare(out)
-        elif out.num_rows:
+        sent = 0
+        routed: list[Routed] = []
+        if out.num_rows and self.sinks:
             sinks = len(self.sinks)
             owners = (out.column(GROUP).to_numpy() % sinks).astype(np.int64)
             parts = [(o, encode(p)) for o, p in split_by_owner(out, owners, sinks)]
+            sent += out.num_rows
+        if out.num_rows and self.outputs.routers:
+            routed_out, routed = self.outputs.prepare(with_record_ids(out))
+            sent += routed_out
         self.ctx.metrics.count(MetricName.BUSY_SECONDS, time.perf_counter() - t0)
-        if self.router is not None:
-            self.router.send(parts)
-        else:
-            for owner, payload in parts:
-                self.ctx.send(self.sinks[owner], payload)
+        for owner, payload in parts:
+            self.ctx.send(self.sinks[owner], payload)
+        self.outputs.send(routed)
         self.ctx.metrics.count(MetricName.RECORDS_IN, batch.num_rows)
-        self.ctx.metrics.count(MetricName.RECORDS_OUT, out.num_rows)
+        self.ctx.metrics.count(MetricName.RECORDS_OUT, sent)
 
     def senders(self) -> set[str]:
-        """The instances of the stage upstream now (its rescales change them)."""
-        return self.ctx.upstream_names(self.upstream)
+        """The instances of the stages upstream now (their rescales change them)."""
+        return self.ctx.upstream_names(*self.upstream)
 
     def records(self, batch: pa.RecordBatch, sender: str) -> None:
         """A batch from upstream: split it by what this instance does with each group."""
@@ -237,8 +246,8 @@ class KeyedStage:
     # -- control ---------------------------------------------------------------------------
 
     def command(self, command: Command) -> None:
-        if self.router is not None and self.router.handle(command):
-            return  # a rescale of the keyed stage downstream, or a new topology
+        if self.outputs.handle(command):
+            return  # a rescale of a keyed stage downstream, or a new topology
         if isinstance(command, MigrateIn):
             if self.move_in is not None:
                 raise ProtocolError("migrate_in while another move in is running")
@@ -367,8 +376,7 @@ class KeyedStage:
         if ack.error:
             self.ctx.metrics.storage_failed("checkpoint")
         self.ctx.emit(ack)
-        if self.router is not None:
-            self.router.barrier(barrier)
+        self.outputs.barrier(barrier)
         encoded = json.dumps(barrier.wire()).encode()
         for outlet in self.sinks.values():
             self.ctx.send(outlet, encoded, kind=BARRIER)
@@ -396,8 +404,8 @@ class KeyedStage:
             self.finish_moves()
             if self.retire and self.move_out is None and self.move_in is None:
                 break
-            if self.router is not None and self.router.paused:
-                # A rescale of the stage downstream moves its state with nothing flowing.
+            if self.outputs.paused:
+                # A rescale of a stage downstream moves its state with nothing flowing.
                 time.sleep(IDLE_WAIT)
                 metrics.count(MetricName.IDLE_SECONDS, IDLE_WAIT)
                 continue
@@ -420,8 +428,7 @@ class KeyedStage:
             self.deliver(delivery.sender, delivery.kind, payload)
         # A retired instance only leaves: a later one of its name may join the stage again.
         kind = LEAVE if self.retire else END
-        if self.router is not None:
-            self.router.finish(kind)
+        self.outputs.finish(kind)
         for outlet in self.sinks.values():
             outlet.finish(kind=kind)
 

@@ -200,12 +200,12 @@ class RescaleDriver:
         host: RescaleHost,
         status: RescaleStatus,
         keyed_stage: str,
-        upstream: str,
+        upstream: tuple[str, ...],
         current: Assignment,
         group_load: np.ndarray,
     ) -> None:
-        """`upstream`: the stage whose instances send to `keyed_stage` (a source, or the keyed
-        stage before it): they are rerouted, paused and resumed."""
+        """`upstream`: the stages whose instances send to `keyed_stage` (the source, keyed
+        stages): they are rerouted, paused and resumed."""
         self.host = host
         self.status = status
         self.keyed = keyed_stage
@@ -233,7 +233,7 @@ class RescaleDriver:
             status.phase = "failed"
         finally:
             status.finished = time.time()
-            ended = [f"{self.senders}/{i}" for i in sorted(self.host.finished(self.senders))]
+            ended = [f"{stage}/{i}" for stage, i in sorted(self._finished_senders())]
             self.host.broadcast(self.keyed, Rescaling(active=False, ended=ended))
 
     def _phase(self, phase: str) -> None:
@@ -284,16 +284,19 @@ class RescaleDriver:
         """Send a command to the senders and wait for their acks; a sender that has ended
         sends nothing more, so it needs no command (its END also ends the old epoch)."""
         step, epoch = command.type, command.epoch
-        expected = {(self.senders, i) for i in range(self.host.sender_count(self.senders))}
-        for _, index in expected:
-            self.host.send(self.senders, index, command)
+        expected = {(s, i) for s in self.senders for i in range(self.host.sender_count(s))}
+        for stage, index in expected:
+            self.host.send(stage, index, command)
         acked = _acked(step, epoch, expected)
 
         def done(events: list[Reported]) -> bool:
-            ended = {(self.senders, i) for i in self.host.finished(self.senders)}
+            ended = self._finished_senders()
             return _acked(step, epoch, expected - ended)(events) or acked(events)
 
-        self.host.wait_for(done, STEP_TIMEOUT, f"senders {self.senders} to {step}")
+        self.host.wait_for(done, STEP_TIMEOUT, f"senders {list(self.senders)} to {step}")
+
+    def _finished_senders(self) -> set[tuple[str, int]]:
+        return {(stage, i) for stage in self.senders for i in self.host.finished(stage)}
 
     def _recover(self, lost: set[int]) -> str:
         """After an instance died mid-move: keep every group whose state survives where it is,
@@ -392,7 +395,7 @@ class RescaleDriver:
                 epoch=epoch,
                 groups={str(k): v for k, v in by_dst.items()},
                 peers=peers,
-                sources=self.host.sender_count(self.senders),
+                sources=sum(self.host.sender_count(stage) for stage in self.senders),
                 push=push,
             )
             self.host.send(self.keyed, src, command)

@@ -99,7 +99,7 @@ def run(ctx: InstanceContext) -> None:
             # An earlier run's output, or the checkpoint's.
             retrying(lambda: output.publish(output.end_offset), "publishing the output log")
     ctx.wait_topology()
-    upstream = spec.keyed_chain()[-1].stage.name
+    upstream = spec.sink_inputs()
     ended: set[str] = set()
     aligner = BarrierAligner()
     held: deque[Delivery] = deque()  # what aligned senders sent during the last alignment
@@ -140,7 +140,7 @@ def run(ctx: InstanceContext) -> None:
     last_flush = time.monotonic()
     # The keyed stage's membership changes with rescales: the log is complete once every
     # current upstream instance has ended its stream (retired ones are no longer upstream).
-    while not ctx.upstream_names(upstream) <= ended:
+    while not ctx.upstream_names(*upstream) <= ended:
         ctx.check()
         while (command := ctx.next_command()) is not None:
             # Topology updates are read through ctx.upstream_names.
@@ -195,7 +195,7 @@ def run(ctx: InstanceContext) -> None:
         elif delivery.kind == END:
             ended.add(delivery.sender)
         if delivery.kind in (BARRIER, END):
-            live = ctx.upstream_names(upstream) - ended
+            live = ctx.upstream_names(*upstream) - ended
             if aligner.aligned(live):
                 aligned = aligner.barrier
                 assert aligned is not None

@@ -1,6 +1,7 @@
 """The source stage loop: make records (generator) or take them from clients (ingest), run the
 chained map/filter functions, check them against the schema, compute key groups, and send each
-record to its keyed owner by the current assignment epoch (`keyshift.runtime.edge_router`).
+record to its owner in each keyed stage the source feeds, by that stage's assignment epoch
+(`keyshift.runtime.edge_router`).
 
 Called by `keyshift.runtime.instance` for instances of the job's source stage.
 """
@@ -15,7 +16,7 @@ import grpc
 import numpy as np
 import pyarrow as pa
 
-from keyshift.runtime.edge_router import EdgeRouter
+from keyshift.runtime.edge_router import Outputs
 from keyshift.runtime.generator import KeyGenerator, Pacer, instance_total, rate_at
 from keyshift.runtime.ingest import REMEMBERED_BATCH_IDS, IngestLimits, IngestService
 from keyshift.runtime.ingest_log import IngestLog, ingest_log_url
@@ -44,9 +45,9 @@ log = logging.getLogger("keyshift.source")
 class Emitter:
     """Turns a batch of new records into routed sends: transforms, key groups, routing."""
 
-    def __init__(self, ctx: InstanceContext, router: EdgeRouter) -> None:
+    def __init__(self, ctx: InstanceContext, outputs: Outputs) -> None:
         self.ctx = ctx
-        self.router = router
+        self.outputs = outputs
         self.emitted = 0
         # A source that keeps what it emitted until a checkpoint covers it lets go of it here.
         self.on_complete: Callable[[int], None] = lambda position: None
@@ -60,10 +61,10 @@ class Emitter:
     def emit(self, batch: pa.RecordBatch, started: float) -> None:
         metrics = self.ctx.metrics
         made = batch.num_rows
-        batch, parts = self.router.prepare(batch)
+        out, routed = self.outputs.prepare(batch)
         metrics.count(MetricName.BUSY_SECONDS, time.perf_counter() - started)
-        self.router.send(parts)
-        metrics.count(MetricName.RECORDS_OUT, batch.num_rows)
+        self.outputs.send(routed)
+        metrics.count(MetricName.RECORDS_OUT, out)
         metrics.count(MetricName.RECORDS_IN, made)
         self.emitted += made
         self.ctx.extra_stats["emitted"] = self.emitted
@@ -75,23 +76,23 @@ class Emitter:
             elif isinstance(command, CheckpointComplete):
                 self.on_complete(command.sources.get(str(self.ctx.index), 0))
             else:
-                self.router.handle(command)
+                self.outputs.handle(command)
 
     def barrier(self, command: Checkpoint) -> None:
         """Checkpoint here, between two batches: what was emitted so far is in it."""
-        self.router.barrier(Barrier(id=command.id, previous=command.previous))
+        self.outputs.barrier(Barrier(id=command.id, previous=command.previous))
         self.ctx.emit(SourceCheckpointAck(id=command.id, position=self.emitted))
 
 
 def run(ctx: InstanceContext) -> None:
     config = ctx.spec.source.config
-    router = EdgeRouter(ctx, ctx.spec.keyed.name, ctx.spec.source.transforms)
-    emitter = Emitter(ctx, router)
+    outputs = Outputs(ctx, ctx.spec.source_routes())
+    emitter = Emitter(ctx, outputs)
     if isinstance(config, GeneratorSource):
         run_generator(ctx, config, emitter)
     else:
         run_ingest(ctx, config, emitter)
-    router.finish()
+    outputs.finish()
 
 
 def run_ingest(ctx: InstanceContext, config: IngestSource, emitter: Emitter) -> None:
@@ -137,7 +138,7 @@ def run_ingest(ctx: InstanceContext, config: IngestSource, emitter: Emitter) -> 
                 while (batch := service.take(0)) is not None:
                     emitter.emit(batch, time.perf_counter())
                 return
-            if emitter.router.paused:
+            if emitter.outputs.paused:
                 time.sleep(linger)
                 continue
             ctx.metrics.source_backlog.set(service.pending_rows())
@@ -208,7 +209,7 @@ def run_generator(ctx: InstanceContext, config: GeneratorSource, emitter: Emitte
         metrics.source_target_rate.set(target / parallelism if target is not None else 0)
         due = pacer.due(elapsed, seq)
         metrics.source_backlog.set(due or 0)
-        if emitter.router.paused:
+        if emitter.outputs.paused:
             due = 0
         if due is None:
             n = max_records

@@ -171,8 +171,9 @@ class InstanceContext:
     def connect(self, stage: str) -> dict[int, Outlet]:
         return {i: self.outlet(a) for i, a in sorted(self.addresses(stage).items())}
 
-    def upstream_names(self, stage: str) -> set[str]:
-        return {f"{stage}/{i}" for i in self.addresses(stage)}
+    def upstream_names(self, *stages: str) -> set[str]:
+        """The current instances of `stages` (the senders of a union), by name."""
+        return {f"{stage}/{i}" for stage in stages for i in self.addresses(stage)}
 
     def emit(self, event: Event) -> None:
         """Tell the coordinator about a protocol step (acks, migration done) right away."""

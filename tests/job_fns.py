@@ -76,10 +76,19 @@ REGIONS = 61
 ZONES = 5
 
 
+def _region(stage: str, record: dict[str, Any]) -> dict[str, Any]:
+    update = [stage, record["key"], json.loads(record["value"])]
+    return {"key": record["key"] % REGIONS, "value": json.dumps(update)}
+
+
 def to_region(record: dict[str, Any]) -> dict[str, Any]:
     """A user's update goes on keyed by the user's region, carrying the user."""
-    user = [record["key"], json.loads(record["value"])]
-    return {"key": record["key"] % REGIONS, "value": json.dumps(user)}
+    return _region("users", record)
+
+
+def odd_to_region(record: dict[str, Any]) -> dict[str, Any]:
+    """`to_region` for the updates of the stage that counts odd keys."""
+    return _region("odds", record)
 
 
 def to_zone(record: dict[str, Any]) -> dict[str, Any]:

@@ -21,14 +21,15 @@ from typing import Any
 
 import pytest
 
-from keyshift.runtime.generator import instance_total
+from keyshift.runtime.generator import KeyGenerator, instance_total
+from keyshift.runtime.job import GeneratorSource
 from keyshift.runtime.output_log import OutputLogReader
 from keyshift.runtime.protocol import STRATEGIES
 from keyshift.runtime.transport import JsonClient, RequestRefused
 from tests.conftest import BATCHING, running_job, wait_for
 from tests.job_fns import REGIONS, ZONES
 from tests.test_recovery import Run, start_run
-from tests.test_rescale import SERVICE, rescale_via, sum_out, truth
+from tests.test_rescale import SERVICE, rescale_via, sum_out
 
 SOURCE = {"kind": "generator", "keys": 3000, "distribution": "zipf", "seed": 15,
           "profile": {"rate": 3000}}  # fmt: skip
@@ -81,39 +82,49 @@ def keyed_line(out: Path) -> dict[str, Any]:
     }
 
 
-def check_paths(out: Path, emitted: list[int]) -> None:
+def check_paths(out: Path, emitted: list[int], odds: bool = False) -> None:
     """Every stage applied every update once (its counts per key run 1..n and equal the
-    truth), every record arrived once, and the first stage kept each source's order."""
+    truth), every record took each of its ways to the sink exactly once, and the first keyed
+    stages kept each source's order per key. `odds`: the fan-out-and-in job, where odd keys
+    also reach regions through `odds`, and users' updates also go straight to the sink."""
     table = OutputLogReader(out).read_all()
-    stages: dict[str, dict[int, list[int]]] = {"users": {}, "regions": {}, "zones": {}}
-    applied: dict[int, list[tuple[int, int, int]]] = {}  # user -> (count, source, seq)
-    seen: Counter[tuple[int, int]] = Counter()
-    for zone, value in zip(table.column("key").to_pylist(), table.column("value").to_pylist(),
-                           strict=True):  # fmt: skip
-        at_zone, (at_region, (user, (at_user, source, seq))) = json.loads(value)
-        assert zone == user % REGIONS % ZONES, (zone, user)
-        stages["zones"].setdefault(zone, []).append(at_zone)
-        stages["regions"].setdefault(user % REGIONS, []).append(at_region)
-        stages["users"].setdefault(user, []).append(at_user)
-        applied.setdefault(user, []).append((at_user, source, seq))
-        seen[(source, seq)] += 1
-    for name, by_key in stages.items():
-        for key, seen_counts in by_key.items():
-            ordered = sorted(seen_counts)
-            assert ordered == list(range(1, len(ordered) + 1)), (name, key, ordered[:20])
-    for user, updates in applied.items():
+    counts: dict[tuple[str, int], list[int]] = {}
+    applied: dict[tuple[str, int], list[tuple[int, int, int]]] = {}  # (count, source, seq)
+    arrived: Counter[tuple[str, int, int]] = Counter()
+    for key, value in zip(table.column("key").to_pylist(), table.column("value").to_pylist(),
+                          strict=True):  # fmt: skip
+        path = json.loads(value)
+        if len(path) == 3:  # a user's update, straight from users to the sink
+            first, (at_first, source, seq), user = "users-out", path, key
+        else:
+            at_zone, (at_region, (first, user, (at_first, source, seq))) = path
+            assert key == user % REGIONS % ZONES, (key, user)
+            counts.setdefault(("zones", key), []).append(at_zone)
+            counts.setdefault(("regions", user % REGIONS), []).append(at_region)
+        counts.setdefault((first, user), []).append(at_first)
+        applied.setdefault((first, user), []).append((at_first, source, seq))
+        arrived[(first, source, seq)] += 1
+    for (stage, key), seen in counts.items():
+        ordered = sorted(seen)
+        assert ordered == list(range(1, len(ordered) + 1)), (stage, key, ordered[:20])
+    for (stage, user), updates in applied.items():
         last: dict[int, int] = {}
         for _, source, seq in sorted(updates):
-            assert seq > last.get(source, -1), f"user {user}: seq {seq} of {source} out of order"
+            assert seq > last.get(source, -1), f"{stage} {user}: seq {seq} of {source} late"
             last[source] = seq
-    counts, records = truth(SOURCE, emitted)
-    assert not seen or max(seen.values()) == 1, "a record reached the sink twice"
-    assert set(seen) == records, f"{len(records - set(seen))} records lost"
-    assert {u: len(c) for u, c in stages["users"].items()} == dict(counts)
-    per_region: Counter[int] = Counter()
-    for user, n in counts.items():
-        per_region[user % REGIONS] += n
-    assert {r: len(c) for r, c in stages["regions"].items()} == dict(per_region)
+    spec = GeneratorSource.model_validate(SOURCE)
+    ways: Counter[tuple[str, int, int]] = Counter()
+    regions: Counter[int] = Counter()
+    for s, n in enumerate(emitted):
+        keys, _ = KeyGenerator(spec, s).records(0, n)
+        for seq, user in enumerate(keys.tolist()):
+            firsts = ["users", *(["users-out"] if odds else []), *(["odds"] * (odds and user % 2))]
+            for first in firsts:
+                ways[(first, s, seq)] += 1
+            regions[user % REGIONS] += 1 + (odds and user % 2)
+    assert not arrived or max(arrived.values()) == 1, "a record took one way twice"
+    assert set(arrived) == set(ways), f"{len(set(ways) - set(arrived))} ways lost"
+    assert {r: len(c) for (stage, r), c in counts.items() if stage == "regions"} == dict(regions)
 
 
 STEPS = [
@@ -188,6 +199,59 @@ def test_a_second_stage_is_refused_while_another_moves(tmp_path: Path) -> None:
         client.close()
     emitted = [i["stats"]["emitted"] for i in final["stages"][0]["instances"]]
     check_paths(out, emitted)
+
+
+def fan_out_and_in(out: Path) -> dict[str, Any]:
+    """Fan-out at the source and at users, unions into regions and into the sink: clicks ->
+    users, and clicks -> keep (odd keys) -> odds; users and odds -> (their maps) -> regions ->
+    to-zone -> zones; users and zones -> out."""
+    job = keyed_line(out)
+    stages = {stage["name"]: stage for stage in job["graph"]}
+    track = {"kind": "process", "function": "tests.job_fns:track"}
+    fields = {"key": "int", "value": "str"}
+    stages["regions"]["inputs"] = ["to-region", "odd-to-region"]
+    del stages["regions"]["input"]
+    stages["out"]["inputs"] = ["users", "zones"]
+    del stages["out"]["input"]
+    job["graph"] = [
+        *stages.values(),
+        {"name": "keep", "kind": "filter", "input": "clicks", "parallelism": 2,
+         "function": "tests.pipeline_fns:keep"},
+        {"name": "odds", "kind": "keyed", "input": "keep", "key_by": "key", "operator": track},
+        {"name": "odd-to-region", "kind": "map", "input": "odds",
+         "function": "tests.job_fns:odd_to_region", "fields": fields},
+    ]  # fmt: skip
+    return job
+
+
+FAN_STEPS = [
+    ("odds", 2, "hot-first"),
+    ("users", 3, "batched"),
+    ("regions", 1, "lazy"),
+    ("zones", 2, "all-at-once"),
+    ("odds", 1, "all-at-once"),
+    ("regions", 2, "hot-first"),
+]
+
+
+def test_fan_out_and_unions_rescale_live_and_every_way_equals_the_truth(tmp_path: Path) -> None:
+    """Every keyed stage of a graph with fan-out and unions rescaled under load."""
+    out = tmp_path / "out"
+    with running_job(tmp_path, fan_out_and_in(out)) as local:
+        client = JsonClient(local.address, SERVICE)
+        wait_for(lambda: local.status()["phase"] == "running", 30, "the job to run")
+        for stage, parallelism, strategy in FAN_STEPS:
+            flowed = sum_out(local)
+            wait_for(lambda f=flowed: sum_out(local) > f + 3000, 60, "records to flow")  # type: ignore[misc]
+            result = rescale_via(local, client, parallelism, strategy, stage=stage)
+            assert result["groups_moved"] == result["groups_to_move"] > 0, result
+        local.drain()
+        final = wait_for(
+            lambda: (s := local.status())["phase"] == "finished" and s, 120, "the job to drain"
+        )
+        client.close()
+    emitted = [i["stats"]["emitted"] for i in final["stages"][0]["instances"]]
+    check_paths(out, emitted, odds=True)
 
 
 TOTAL = 120_000  # 40 s at 3k records/s: the rescale (a new instance may take 10 s to start

@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from keyshift.operator.autoscaled_job import AutoscaledJob
-from keyshift.runtime.job import JobError, load_job, parse_job, parse_job_as
+from keyshift.runtime.job import JobError, Route, load_job, parse_job, parse_job_as
 from keyshift.runtime.job_graph import Edge, GraphError, Node, build_graph, keyed_output
 from keyshift.runtime.keyed_stage import process_output_schema
 from keyshift.runtime.records import ARROW_TYPES, METADATA_FIELDS
@@ -322,7 +322,7 @@ def test_a_cycle_without_a_way_in_is_still_named() -> None:
 # -- shapes the runtime does not execute yet ----------------------------------------------------
 
 NOT_YET: dict[str, tuple[list[dict[str, Any]], str]] = {
-    "a keyed stage with two inputs": (
+    "two ways from one stage into a keyed stage": (
         [
             stage("clicks", "source"),
             stage("evens", "filter", "clicks", function=KEEP),
@@ -330,7 +330,28 @@ NOT_YET: dict[str, tuple[list[dict[str, Any]], str]] = {
             stage("k", "keyed", ["evens", "odds"], key_by="key"),
             stage("out", "sink", "k"),
         ],
-        "stage 'odds' (filter): fan-out from 'clicks'",
+        "stage 'k' (keyed): two ways from 'clicks' into one keyed stage",
+    ),
+    "fan-out from a map": (
+        [
+            stage("clicks", "source"),
+            stage("keep", "filter", "clicks", function=KEEP),
+            stage("a", "keyed", "keep", key_by="key"),
+            stage("b", "keyed", "keep", key_by="key"),
+            stage("out", "sink", ["a", "b"]),
+        ],
+        "stage 'b' (keyed): fan-out from 'keep'",
+    ),
+    "a union into a map": (
+        [
+            stage("clicks", "source"),
+            stage("a", "keyed", "clicks", key_by="key"),
+            stage("b", "keyed", "clicks", key_by="key"),
+            stage("both", "filter", ["a", "b"], function=KEEP),
+            stage("c", "keyed", "both", key_by="key"),
+            stage("out", "sink", "c"),
+        ],
+        "stage 'both' (filter): a union into a map or filter stage",
     ),
     "a rebalance edge between keyed stages": (
         [
@@ -369,8 +390,7 @@ NOT_YET: dict[str, tuple[list[dict[str, Any]], str]] = {
             stage("tidy", "filter", "per-user", function=KEEP),
             stage("out", "sink", "tidy"),
         ],
-        "stage 'tidy' (filter): a map or filter between the last keyed stage 'per-user' and "
-        "the sink",
+        "stage 'tidy' (filter): a map or filter between the keyed stage 'per-user' and the sink",
     ),
     "a broadcast to the sink": (
         chain(out={"partitioning": "broadcast"}),
@@ -429,24 +449,51 @@ def keyed_line() -> list[dict[str, Any]]:
 
 def test_keyed_stages_in_a_line_run_with_the_maps_between_them_chained() -> None:
     spec = parse_job(graph_job(keyed_line()))
-    steps = spec.keyed_chain()
+    steps = spec.keyed_stages()
     assert [s.stage.name for s in steps] == ["per-user", "per-region", "top"]
-    assert [s.output for s in steps] == ["per-region", "top", "out"]
-    assert [t.map for t in steps[0].transforms] == ["tests.pipeline_fns:region"]
+    assert [[r.target for r in s.outputs] for s in steps] == [["per-region"], ["top"], ["out"]]
+    assert [s.inputs for s in steps] == [("clicks",), ("per-user",), ("per-region",)]
+    assert [t.map for t in steps[0].outputs[0].transforms] == ["tests.pipeline_fns:region"]
     assert steps[1].fields == {"key": "int", "value": "str"}
     assert steps[2].fields == {"key": "int", "value": "int", "n": "int", "version": "int"}
     assert steps[1].stage.parallelism == 3 and steps[2].stage.key_by == "value"
     assert spec.keyed == steps[0].stage
     assert [s.name for s in spec.stages()] == ["clicks", "per-user", "per-region", "top", "out"]
     again = parse_job(spec.model_dump(mode="json"))
-    assert again.keyed_chain() == steps
+    assert again.keyed_stages() == steps
 
 
 def test_an_older_job_is_a_chain_of_one_keyed_stage() -> None:
     spec = load_job(REPO / "examples" / "clicks.yaml")
-    (step,) = spec.keyed_chain()
-    assert step.stage == spec.keyed and step.output == spec.sink.name
-    assert step.fields == spec.fields and step.transforms == ()
+    (step,) = spec.keyed_stages()
+    assert step.stage == spec.keyed and step.inputs == (spec.source.name,)
+    assert step.outputs == (Route(spec.sink.name, ()),) and step.fields == spec.fields
+    assert spec.source_routes() == (Route(spec.keyed.name, tuple(spec.source.transforms)),)
+    assert spec.sink_inputs() == (spec.keyed.name,)
+
+
+def fan_out_and_in() -> list[dict[str, Any]]:
+    """clicks -> per-user, and clicks -> keep (filter) -> per-key; both -> totals (a union)
+    and -> out; totals -> out too."""
+    track = {"kind": "process", "function": TRACK}
+    return [
+        stage("clicks", "source"),
+        stage("per-user", "keyed", "clicks", key_by="key", operator=track),
+        stage("keep", "filter", "clicks", function=KEEP),
+        stage("per-key", "keyed", "keep", key_by="key", operator=track),
+        stage("totals", "keyed", ["per-user", "per-key"], key_by="key", operator=track),
+        stage("out", "sink", ["per-user", "per-key", "totals"]),
+    ]
+
+
+def test_fan_out_and_unions_between_keyed_stages_are_lowered_onto_routes() -> None:
+    spec = parse_job(graph_job(fan_out_and_in()))
+    assert [r.target for r in spec.source_routes()] == ["per-user", "per-key"]
+    assert [t.filter for t in spec.source_routes()[1].transforms] == [KEEP]
+    totals = spec.keyed_step("totals")
+    assert totals.inputs == ("per-user", "per-key")
+    assert [r.target for r in spec.keyed_step("per-user").outputs] == ["totals", "out"]
+    assert set(spec.sink_inputs()) == {"per-user", "per-key", "totals"}
 
 
 def test_a_keyed_stage_wider_than_its_key_groups_is_refused_by_name() -> None:
