@@ -1,6 +1,7 @@
-"""examples/pages.yaml (a job written as a graph) and its Python twin examples/pages_pipeline.py
-build one job, and that job runs through real processes to the output an independent
-computation over the same generated records gives."""
+"""examples/pages.yaml (a job written as a graph) and examples/regions.yaml (two keyed stages)
+and their Python twins examples/pages_pipeline.py and examples/regions_pipeline.py build one
+job each, and each job runs through real processes to the output an independent computation
+over the same generated records gives."""
 
 from __future__ import annotations
 
@@ -13,8 +14,9 @@ from typing import Any
 import pytest
 import yaml
 
-from examples import pages
+from examples import pages, regions
 from examples.pages_pipeline import pages as pages_pipeline
+from examples.regions_pipeline import regions as regions_pipeline
 from keyshift.runtime.job import load_job, parse_job
 from tests.conftest import BATCHING
 from tests.test_end_to_end import final_values, generated, run_to_end
@@ -67,3 +69,30 @@ def test_the_example_graph_equals_independent_truth(tmp_path: Path, origin: str)
     assert got.keys() == truth.keys()
     for page, seconds in truth.items():
         assert got[page] == pytest.approx(seconds, rel=1e-9), page
+
+
+def test_the_two_keyed_stage_twin_builds_its_job_file() -> None:
+    expected = load_job(REPO / "examples" / "regions.yaml")
+    assert regions_pipeline().build() == expected
+    assert [s.stage.name for s in expected.keyed_stages()] == ["per-user", "per-region"]
+
+
+@pytest.mark.parametrize("origin", ["yaml", "python"])
+def test_the_two_keyed_stage_example_equals_independent_truth(tmp_path: Path, origin: str) -> None:
+    """The busiest user's clicks per region, after every click went through both stages."""
+    if origin == "yaml":
+        job = yaml.safe_load((REPO / "examples" / "regions.yaml").read_text())
+    else:
+        job = regions_pipeline().to_dict()
+    out = tmp_path / "out"
+    run_to_end(tmp_path, bounded(job, out))
+
+    source = next(s for s in job["graph"] if s["name"] == "clicks")["config"]
+    clicks: dict[int, int] = defaultdict(int)
+    for _, _, key, _ in generated(source, parallelism=1):
+        clicks[key] += 1
+    truth: dict[int, int] = defaultdict(int)
+    for user, count in clicks.items():
+        region = regions.to_region({"key": user, "value": count})["region"]
+        truth[region] = max(truth[region], count)
+    assert final_values(out) == truth
