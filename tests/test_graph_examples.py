@@ -50,6 +50,7 @@ def bounded(job: dict[str, Any], out: Path) -> dict[str, Any]:
     return job | {"batching": dict(BATCHING)}
 
 
+@pytest.mark.live
 @pytest.mark.parametrize("origin", ["yaml", "python"])
 def test_the_example_graph_equals_independent_truth(tmp_path: Path, origin: str) -> None:
     if origin == "yaml":
@@ -77,6 +78,7 @@ def test_the_two_keyed_stage_twin_builds_its_job_file() -> None:
     assert [s.stage.name for s in expected.keyed_stages()] == ["per-user", "per-region"]
 
 
+@pytest.mark.live
 @pytest.mark.parametrize("origin", ["yaml", "python"])
 def test_the_two_keyed_stage_example_equals_independent_truth(tmp_path: Path, origin: str) -> None:
     """The busiest user's clicks per region, after every click went through both stages."""

@@ -31,6 +31,8 @@ from tests.job_fns import REGIONS, ZONES
 from tests.test_recovery import Run, start_run
 from tests.test_rescale import SERVICE, rescale_via, sum_out
 
+pytestmark = pytest.mark.live
+
 SOURCE = {"kind": "generator", "keys": 3000, "distribution": "zipf", "seed": 15,
           "profile": {"rate": 3000}}  # fmt: skip
 
@@ -258,6 +260,7 @@ TOTAL = 120_000  # 40 s at 3k records/s: the rescale (a new instance may take 10
 # on a busy machine), a checkpoint after it and the crash come before the sources end
 
 
+@pytest.mark.slow
 def test_a_killed_instance_of_a_later_keyed_stage_recovers_every_stage(tmp_path: Path) -> None:
     """With checkpoints every 0.5 s, `keyshift run` of the three-stage line; `regions` is
     rescaled to 3, then one of its instances is killed: the job goes back to its latest

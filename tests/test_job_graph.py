@@ -501,6 +501,7 @@ def test_a_keyed_stage_wider_than_its_key_groups_is_refused_by_name() -> None:
     assert "keyed.parallelism of stage 'per-region' must not exceed max_key_groups" in message
 
 
+@pytest.mark.live
 def test_keyshift_run_refuses_a_bad_graph_with_exit_2_before_starting(tmp_path: Path) -> None:
     path = write_job(tmp_path, graph_job(chain(out={"input": "nowhere"})))
     with cli(["run", str(path)]) as proc:

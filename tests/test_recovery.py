@@ -37,7 +37,7 @@ from tests.prometheus_server import free_port
 from tests.test_autoscaling_live import Output
 from tests.test_rescale import SERVICE, applied_once, check_output, tracked_job
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.live, pytest.mark.slow]
 
 TOTAL = 120_000  # 12 s at 10k records/s: the crashes come within the first few
 SOURCE = {"kind": "generator", "keys": 2000, "distribution": "zipf", "seed": 17,
