@@ -25,6 +25,7 @@ from keyshift.runtime.checkpoint_store import (
     CheckpointMeta,
     CheckpointStore,
     GroupChain,
+    KeyedGroups,
 )
 from keyshift.runtime.state_checkpoint import read_groups, write_groups
 from keyshift.runtime.storage import retrying
@@ -193,6 +194,45 @@ def test_retention_keeps_the_newest_checkpoints_and_the_files_they_name(
     latest = store.latest_valid()
     assert latest is not None
     assert restored(store, latest, new_state("sum")) == state.items()
+
+
+@pytest.mark.usefixtures("backend")
+def test_each_keyed_stage_of_a_graph_restores_its_own_groups(store: CheckpointStore) -> None:
+    """A job of two keyed stages: the first's groups and owners are the checkpoint's `groups`
+    and `assignment`, the second's are under `later`; each stage restores its own, and
+    retention keeps the files of both."""
+    first, second = aggregate(5_000, 500), aggregate(3_000, 300)
+    ours = write_groups(store, 1, "a-0", first, ALL_GROUPS, {}, True, 8)
+    theirs = write_groups(store, 1, "b-0", second, ALL_GROUPS, {}, True, 8)
+    owners = {"epoch": 3, "owners": [0] * G}
+    meta = CheckpointMeta(
+        id=1,
+        created=time.time(),
+        epochs={"a": 1, "b": 3},
+        assignment={"epoch": 1, "owners": [0] * G},
+        groups=ours.chains,
+        later={"b": KeyedGroups(owners, theirs.chains)},
+    )
+    store.commit(meta)
+    loaded = store.load(1)
+    assert loaded == meta
+    assert loaded.of_stage("a") is loaded
+    b = loaded.of_stage("b")
+    assert b.assignment == owners and b.groups == theirs.chains and b.later == {}
+    assert restored(store, loaded.of_stage("a"), new_state("sum")) == first.items()
+    assert restored(store, b, new_state("sum")) == second.items()
+    store.retain(keep=1)
+    assert {f.path for f in theirs.chains[0].files} <= store.load(1).files()
+    assert all(store.fs.exists(f"{store.root}/{path}") for path in store.load(1).files())
+
+
+def test_a_checkpoint_of_the_format_before_graphs_still_loads() -> None:
+    body = CheckpointMeta(7, 1.0, assignment={"epoch": 2, "owners": [0]}).to_json()
+    del body["later"]
+    body["format"] = 2
+    meta = CheckpointMeta.from_json(body)
+    assert meta.later == {} and meta.of_stage("counts") is meta
+    assert meta.assignment == {"epoch": 2, "owners": [0]}
 
 
 def test_unusable_storage_is_a_clear_error(tmp_path: Path) -> None:
