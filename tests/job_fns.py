@@ -94,3 +94,8 @@ def odd_to_region(record: dict[str, Any]) -> dict[str, Any]:
 def to_zone(record: dict[str, Any]) -> dict[str, Any]:
     """A region's update goes on keyed by the region's zone."""
     return {"key": record["key"] % ZONES, "value": record["value"]}
+
+
+def by_user(record: dict[str, Any]) -> dict[str, Any]:
+    """`to_region` that keeps the user as the key: the next stage has as many keys as users."""
+    return {"key": record["key"], "value": to_region(record)["value"]}

@@ -302,3 +302,44 @@ def test_a_killed_instance_of_a_later_keyed_stage_recovers_every_stage(tmp_path:
         assert code == 0, run.output.text()
     assert "recovered from checkpoint" in run.output.text()
     check_paths(out, [instance_total(TOTAL, s, 2) or 0 for s in range(2)])
+
+
+def test_a_new_owner_of_a_later_stage_dying_mid_move_is_recovered_from(tmp_path: Path) -> None:
+    """Without checkpoints: regions' new instance is killed while its move runs; the rescale
+    fails naming it, its groups go back to the old owners, the senders (users' instances)
+    reroute to them, and the job goes on and finishes, no record ever applied twice. (Keyed
+    by user there, so the stage has thousands of keys, most seldom hit: a slow trickle keeps
+    the move running, where 61 regions would all be fetched on demand at once.)"""
+    out = tmp_path / "out"
+    job = keyed_line(out)
+    (to_region,) = [stage for stage in job["graph"] if stage["name"] == "to-region"]
+    to_region["function"] = "tests.job_fns:by_user"
+    with running_job(tmp_path, job) as local:
+        client = JsonClient(local.address, SERVICE)
+        wait_for(lambda: local.status()["phase"] == "running", 30, "the job to run")
+        wait_for(lambda: sum_out(local) > 3000, 60, "records to flow")
+        slow = {"chunk_keys": 1, "trickle_keys_per_s": 1}
+        client.call(
+            "Rescale", {"stage": "regions", "parallelism": 3, "strategy": "lazy", "options": slow}
+        )
+
+        def moving() -> bool:
+            status = local.status()
+            local.ensure_instances(status)
+            return bool(status["rescale"]) and status["rescale"]["phase"] == "moving"
+
+        wait_for(moving, 60, "the rescale to start moving state")
+        local.instances["regions/2"].process.kill()
+        status = wait_for(lambda: (s := local.status())["rescales"] and s, 60, "the rescale")
+        (result,) = status["rescales"]
+        assert result["phase"] == "failed" and "regions/2" in result["error"], result
+        assert "recovered at parallelism 2" in result["error"], result["error"]
+        assert status["phase"] == "running" and status["lost"] == ["regions/2"]
+        flowed = sum_out(local)
+        wait_for(lambda: sum_out(local) > flowed + 3000, 60, "records to flow after it")
+        local.drain()
+        wait_for(lambda: local.status()["phase"] == "finished", 120, "the job to drain")
+        client.close()
+    table = OutputLogReader(out).read_all()
+    arrived = Counter(tuple(json.loads(v)[1][1][2][1:]) for v in table.column("value").to_pylist())
+    assert arrived and max(arrived.values()) == 1, "a record was applied twice"
