@@ -35,6 +35,7 @@ from keyshift.runtime.protocol import (
     OutDone,
     Rescaling,
     Retire,
+    Topology,
     parse,
 )
 from keyshift.runtime.records import (
@@ -246,8 +247,13 @@ class KeyedStage:
     # -- control ---------------------------------------------------------------------------
 
     def command(self, command: Command) -> None:
+        if isinstance(command, Topology):
+            self.outputs.handle(command)
+            # A retired sender's barrier never comes: an alignment waiting for it ends here.
+            self.checkpoint_if_aligned()
+            return
         if self.outputs.handle(command):
-            return  # a rescale of a keyed stage downstream, or a new topology
+            return  # a rescale of a keyed stage downstream
         if isinstance(command, MigrateIn):
             if self.move_in is not None:
                 raise ProtocolError("migrate_in while another move in is running")
