@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from keyshift.runtime.job import FieldType, Route, Transform, resolve_function
+from keyshift.runtime.job import Chained, FieldType, Route, resolve_function
 from keyshift.runtime.keyspace import Assignment, key_groups
 from keyshift.runtime.protocol import Ack, Barrier, Command, Pause, Reroute, Resume, Topology
 from keyshift.runtime.records import (
@@ -42,11 +42,8 @@ log = logging.getLogger("keyshift.routing")
 Function = tuple[str, Callable[..., Any]]
 
 
-def resolve_transforms(transforms: list[Transform] | tuple[Transform, ...]) -> list[Function]:
-    return [
-        ("map", resolve_function(t.map)) if t.map else ("filter", resolve_function(t.filter or ""))
-        for t in transforms
-    ]
+def resolve_transforms(transforms: tuple[Chained, ...]) -> list[Function]:
+    return [(t.kind, resolve_function(t.function)) for t in transforms]
 
 
 def apply_transforms(
@@ -55,28 +52,29 @@ def apply_transforms(
     transforms: list[Function],
     fields: Mapping[str, FieldType],
 ) -> pa.RecordBatch:
-    """Run map/filter per record; reject what fails or does not fit `fields`; keep the rest in
-    order, with each record's metadata."""
-    results: list[dict[str, Any]] = []
+    """Run map/filter/flat_map per record; reject what fails or does not fit `fields`; keep
+    the rest in order, each with the metadata of the record it came from (a flat_map's
+    records share it)."""
+    results: list[Any] = []
     for record in batch.to_pylist():
-        current: Any = record
+        current: list[Any] = [record]
         try:
             for kind, fn in transforms:
-                if kind == "map":
-                    meta = {f: current[f] for f in METADATA_FIELDS}
-                    current = fn(current)
+                if kind == "filter":
+                    current = [r for r in current if fn(r)]
+                    continue
+                made = []
+                for r in current:
+                    meta = {f: r[f] for f in METADATA_FIELDS}
+                    outputs = fn(r) if kind == "flat_map" else [fn(r)]
                     # Any mapping becomes a dict here, inside the try: one whose reads fail
                     # is this record's error, not the stage's.
-                    if isinstance(current, Mapping):
-                        current = {**current, **meta}
-                elif not fn(current):
-                    current = None
-                    break
+                    made += [{**o, **meta} if isinstance(o, Mapping) else o for o in outputs]
+                current = made
         except Exception as exc:
             ctx.reject(f"function_error {type(exc).__name__}: {exc}", record)
             continue
-        if current is not None:
-            results.append(current)
+        results += [r for r in current if r is not None]  # a map's None drops its record
     checked = check_records(results, fields, ctx.spec.allow_non_finite)
     for bad, reason in checked.rejected:
         ctx.reject(f"schema {reason}", bad)

@@ -402,12 +402,27 @@ class SinkStage(Stage):
 
 
 @dataclass(frozen=True)
+class Chained:
+    """A map, filter or flat_map function run in a sending stage's instances."""
+
+    kind: Literal["map", "filter", "flat_map"]
+    function: str
+
+    @classmethod
+    def of(cls, transform: Transform) -> Chained:
+        """A transform of the older shape's source."""
+        if transform.map is not None:
+            return cls("map", transform.map)
+        return cls("filter", transform.filter or "")
+
+
+@dataclass(frozen=True)
 class Route:
-    """Where a sending stage's records go: through `transforms` (map/filter, run in the
-    sender's instances) to `target` (a keyed stage, or the sink)."""
+    """Where a sending stage's records go: through `transforms` (run in the sender's
+    instances, in order) to `target` (a keyed stage, or the sink)."""
 
     target: str
-    transforms: tuple[Transform, ...]
+    transforms: tuple[Chained, ...]
 
 
 @dataclass(frozen=True)
@@ -706,11 +721,12 @@ class JobSpec(_Model):
         context = info.context
 
         def route(hop: Hop) -> Route:
-            transforms = tuple(
-                Transform.model_validate({t.role: t.function}, context=context)
-                for t in hop.transforms
-            )
-            return Route(hop.target, transforms)
+            # The functions were checked as graph stages, with the job's context.
+            chained = []
+            for t in hop.transforms:
+                assert t.role in ("map", "filter", "flat_map") and t.function is not None
+                chained.append(Chained(t.role, t.function))
+            return Route(hop.target, tuple(chained))
 
         steps = []
         for link in chain.keyed:
@@ -735,8 +751,13 @@ class JobSpec(_Model):
                     "name": source.name,
                     "parallelism": source.parallelism,
                     "config": source.config,
-                    # The older shape's one route: its transforms.
-                    "transforms": [{t.role: t.function} for t in chain.outputs[0].transforms],
+                    # The older shape's one route: its map/filter transforms (a flat_map has
+                    # no place there; the runtime reads the routes).
+                    "transforms": [
+                        {t.role: t.function}
+                        for t in chain.outputs[0].transforms
+                        if t.role in ("map", "filter")
+                    ],
                 },
                 context=context,
             ),
@@ -825,7 +846,8 @@ class JobSpec(_Model):
             to_sink = (Route(self.sink.name, ()),)
             source = (self.source.name,)
             self._keyed_stages = (KeyedStep(self.keyed, dict(self.fields), source, to_sink),)
-            self._source_routes = (Route(self.keyed.name, tuple(self.source.transforms)),)
+            transforms = tuple(Chained.of(t) for t in self.source.transforms)
+            self._source_routes = (Route(self.keyed.name, transforms),)
             self._sink_inputs = (self.keyed.name,)
         names = [stage.name for stage in self.stages()]
         if len(set(names)) != len(names):

@@ -322,8 +322,6 @@ def _hop(graph: Graph, edge: Edge, after_keyed: bool) -> tuple[Hop, Edge]:
         after = graph.node(edge.target)
         if after.role in ("keyed", "sink"):
             return Hop(after.name, tuple(transforms)), edge
-        if after.role == "flat_map":
-            raise _not_yet(after, "flat_map stages")
         chains = edge.partitioning == "forward" or (
             after_keyed and edge.partitioning == "key_by" and edge.key_by == KEY_FIELD
         )
@@ -350,8 +348,6 @@ def lower_to_chain(graph: Graph) -> Chain:
     if not graph.of_role("keyed"):
         raise _not_yet(graph.of_role("sink")[0], "a job without a keyed stage")
     sink = _only(graph, "sink", "sink")
-    for node in graph.of_role("flat_map"):
-        raise _not_yet(node, "flat_map stages")
     hops: dict[str, list[Hop]] = {}
     senders: dict[str, list[str]] = {}
     for sender in [source, *graph.of_role("keyed")]:

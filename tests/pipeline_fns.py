@@ -38,3 +38,14 @@ class Enricher:
 def region(record: dict[str, Any]) -> dict[str, Any]:
     """Map after a keyed stage: a user's update goes on keyed by the user's region."""
     return {"key": record["key"] % 7, "value": record["value"]}
+
+
+SHIFT = 1_000_000
+
+
+def twice(record: dict[str, Any]) -> list[dict[str, Any]]:
+    """Flat_map: a record twice (the second under a shifted key), none for keys divisible by 5."""
+    if record["key"] % 5 == 0:
+        return []
+    value = record["value"]
+    return [{"key": record["key"], "value": value}, {"key": record["key"] + SHIFT, "value": value}]

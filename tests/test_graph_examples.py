@@ -18,6 +18,7 @@ from examples import pages, regions
 from examples.pages_pipeline import pages as pages_pipeline
 from examples.regions_pipeline import regions as regions_pipeline
 from keyshift.runtime.job import load_job, parse_job
+from tests import pipeline_fns
 from tests.conftest import BATCHING
 from tests.test_end_to_end import final_values, generated, run_to_end
 
@@ -97,4 +98,30 @@ def test_the_two_keyed_stage_example_equals_independent_truth(tmp_path: Path, or
     for user, count in clicks.items():
         region = regions.to_region({"key": user, "value": count})["region"]
         truth[region] = max(truth[region], count)
+    assert final_values(out) == truth
+
+
+@pytest.mark.live
+def test_a_flat_map_before_a_keyed_stage_runs_chained_in_the_source(tmp_path: Path) -> None:
+    """clicks -> twice (flat_map: none, or two records) -> per-key (count) -> out."""
+    config = {"kind": "generator", "keys": 500, "seed": 9, "total": 20_000}
+    out = tmp_path / "out"
+    job = {
+        "name": "twice",
+        "graph": [
+            {"name": "clicks", "kind": "source", "config": config},
+            {"name": "twice", "kind": "flat_map", "input": "clicks",
+             "function": "tests.pipeline_fns:twice"},
+            {"name": "per-key", "kind": "keyed", "input": "twice", "key_by": "key",
+             "parallelism": 2},
+            {"name": "out", "kind": "sink", "input": "per-key",
+             "config": {"kind": "log", "path": str(out), "format": "jsonl"}},
+        ],
+        "batching": dict(BATCHING),
+    }  # fmt: skip
+    run_to_end(tmp_path, job)
+    truth: dict[int, int] = defaultdict(int)
+    for _, _, key, value in generated(config, parallelism=1):
+        for made in pipeline_fns.twice({"key": key, "value": value}):
+            truth[made["key"]] += 1
     assert final_values(out) == truth

@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from keyshift.operator.autoscaled_job import AutoscaledJob
-from keyshift.runtime.job import JobError, Route, load_job, parse_job, parse_job_as
+from keyshift.runtime.job import Chained, JobError, Route, load_job, parse_job, parse_job_as
 from keyshift.runtime.job_graph import Edge, GraphError, Node, build_graph, keyed_output
 from keyshift.runtime.keyed_stage import process_output_schema
 from keyshift.runtime.records import ARROW_TYPES, METADATA_FIELDS
@@ -376,10 +376,6 @@ NOT_YET: dict[str, tuple[list[dict[str, Any]], str]] = {
         [*chain(), stage("copy", "sink", "per-user")],
         "stage 'copy' (sink): the runtime runs one sink per job so far",
     ),
-    "flat_map": (
-        chain(keep={"kind": "flat_map", "function": MAP}),
-        "stage 'keep' (flat_map): flat_map stages",
-    ),
     "a rebalance edge before the keyed stage": (
         chain(keep={"partitioning": "rebalance"}),
         "stage 'keep' (filter): a rebalance edge from 'clicks'",
@@ -453,7 +449,7 @@ def test_keyed_stages_in_a_line_run_with_the_maps_between_them_chained() -> None
     assert [s.stage.name for s in steps] == ["per-user", "per-region", "top"]
     assert [[r.target for r in s.outputs] for s in steps] == [["per-region"], ["top"], ["out"]]
     assert [s.inputs for s in steps] == [("clicks",), ("per-user",), ("per-region",)]
-    assert [t.map for t in steps[0].outputs[0].transforms] == ["tests.pipeline_fns:region"]
+    assert steps[0].outputs[0].transforms == (Chained("map", "tests.pipeline_fns:region"),)
     assert steps[1].fields == {"key": "int", "value": "str"}
     assert steps[2].fields == {"key": "int", "value": "int", "n": "int", "version": "int"}
     assert steps[1].stage.parallelism == 3 and steps[2].stage.key_by == "value"
@@ -468,7 +464,8 @@ def test_an_older_job_is_a_chain_of_one_keyed_stage() -> None:
     (step,) = spec.keyed_stages()
     assert step.stage == spec.keyed and step.inputs == (spec.source.name,)
     assert step.outputs == (Route(spec.sink.name, ()),) and step.fields == spec.fields
-    assert spec.source_routes() == (Route(spec.keyed.name, tuple(spec.source.transforms)),)
+    chained = tuple(Chained.of(t) for t in spec.source.transforms)
+    assert spec.source_routes() == (Route(spec.keyed.name, chained),)
     assert spec.sink_inputs() == (spec.keyed.name,)
 
 
@@ -489,7 +486,7 @@ def fan_out_and_in() -> list[dict[str, Any]]:
 def test_fan_out_and_unions_between_keyed_stages_are_lowered_onto_routes() -> None:
     spec = parse_job(graph_job(fan_out_and_in()))
     assert [r.target for r in spec.source_routes()] == ["per-user", "per-key"]
-    assert [t.filter for t in spec.source_routes()[1].transforms] == [KEEP]
+    assert spec.source_routes()[1].transforms == (Chained("filter", KEEP),)
     totals = spec.keyed_step("totals")
     assert totals.inputs == ("per-user", "per-key")
     assert [r.target for r in spec.keyed_step("per-user").outputs] == ["totals", "out"]
