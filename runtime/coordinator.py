@@ -55,6 +55,7 @@ from keyshift.runtime.protocol import (
     InstanceCall,
     InstanceStatus,
     OutDone,
+    PeerUnreachable,
     ProtocolError,
     RegisterReply,
     RegisterRequest,
@@ -396,6 +397,16 @@ class Coordinator:
                 self._abort = message
             self._changed.notify_all()
 
+    def _peer_unreachable(self, reporter: InstanceRecord, event: PeerUnreachable) -> None:
+        """A keyed instance could not reach its peer: the peer is lost, and that is the reason
+        recorded (a dead process is mostly noticed first by its command stream breaking; this
+        is the same loss noticed by a peer, never a failure of the one that noticed it)."""
+        peer = self.members[reporter.stage].get(event.peer)
+        if peer is None or peer is reporter:
+            return  # lost and let go already, or retired
+        self._lost(peer, f"{reporter.name} could not reach it: {event.error}")
+        peer.commands.put(None)  # ends its command stream, should it still be open
+
     def report(self, request: ReportRequest) -> Empty:
         with self._changed:
             record = self.members.get(request.stage, {}).get(request.index)
@@ -410,7 +421,9 @@ class Coordinator:
                 self._group_rates.update(record.name, request.group_hits, time.monotonic())
             for event in request.events:
                 reported = Reported(record.stage, record.index, event)
-                if isinstance(event, CHECKPOINT_ACKS):
+                if isinstance(event, PeerUnreachable):
+                    self._peer_unreachable(record, event)
+                elif isinstance(event, CHECKPOINT_ACKS):
                     self._checkpoint_events.append(reported)
                 else:
                     self._events.append(reported)

@@ -27,6 +27,7 @@ import pyarrow as pa
 import pytest
 import yaml
 
+from keyshift.runtime.checkpoint_store import CheckpointStore
 from keyshift.runtime.generator import instance_total
 from keyshift.runtime.ingest_client import IngestClient, IngestError
 from keyshift.runtime.metrics import JOB_LABEL, MetricName
@@ -224,6 +225,11 @@ def test_a_kill_during_a_hot_first_migration_recovers(tmp_path: Path, backend: s
         os.kill(run.pid_of("track", 0), signal.SIGKILL)  # the old owner, mid-move
 
     run_and_crash(tmp_path, crash, backend)
+    # The true reason, however it was noticed: the old owner's command stream breaking, or the
+    # new owner's fetch from it failing (which once failed the new owner instead, and the
+    # recovery was recorded as "the coordinator was lost").
+    (recovery,) = CheckpointStore(str(tmp_path / "checkpoints")).recoveries()
+    assert recovery["reason"].startswith("instance track/0"), recovery
 
 
 def test_a_kill_during_a_native_checkpoint_upload_recovers(tmp_path: Path) -> None:
