@@ -186,19 +186,28 @@ class Coordinator:
         if message not in self.errors:
             log.error("%s", message)
             self.errors.append(message)
+            # A host may restart a failed job from its checkpoint (the operator's restart
+            # strategy): the recovery is then recorded with this reason and timed from now.
+            self._note_failure(message)
         self.phase = "failed"
         for record in self._records():
             record.commands.put(Stop(reason=message))
+
+    def _note_failure(self, message: str) -> None:
+        """Say in the checkpoint storage (a checkpointed job's) why the job stops, for the
+        record of the recovery that may follow."""
+        if self.store is None:
+            return
+        try:
+            self.store.note_failure(message, time.time())
+        except CheckpointError as exc:  # the recovery is only timed from later
+            log.error("cannot note the failure: %s", exc)
 
     def _restart_to_recover(self, message: str) -> None:
         """Stop every instance and exit with RESTART_EXIT_CODE: the host (the local host, or
         Kubernetes restarting the pods) starts the job again from its latest checkpoint."""
         log.error("%s; restarting the job from its latest checkpoint", message)
-        if self.store is not None:
-            try:
-                self.store.note_failure(message, time.time())
-            except CheckpointError as exc:  # the recovery is only timed from later
-                log.error("cannot note the failure: %s", exc)
+        self._note_failure(message)
         self.errors.append(message)
         self.phase = "recovering"
         self.restart = True

@@ -304,6 +304,62 @@ async def test_coordinator_restarts_mid_and_just_after_rescales_lose_nothing(
             client.close()
 
 
+async def test_a_failed_job_is_restarted_as_its_strategy_says_and_then_given_up(
+    emu: Emulator, tmp_path: Path
+) -> None:
+    """A checkpointed job whose coordinator failed (an instance failed: its function raises on
+    one record) is restarted by the operator from its latest checkpoint, at once the first
+    time; the restarted job replays that record and fails again, and with one restart allowed
+    in a row the operator gives up: Failed, with the reason and the restart it made."""
+    out = tmp_path / "out"
+    checkpoints = {"interval": 1, "storage": str(tmp_path / "checkpoints")}
+    body = tracked(out, 1, checkpoints=checkpoints, restart={"max_attempts": 1})
+    body["spec"]["job"]["keyed"]["operator"]["function"] = "tests.job_fns:track_until_seq_3000"
+    body["spec"]["checkpointClaim"] = "checkpoints"  # the kubelet runs on one file system
+    async with kubelet(emu, tmp_path) as runner, running_operator(emu, runner.address):
+        client = JobClient(emu, runner.address("clicks", NS))
+        try:
+            reply = await create(emu, body)
+            assert reply.status in (200, 201), await reply.text()
+            await eventually(lambda: job_object(emu).get("status", {}).get("phase") == "Running",
+                             90, "the job to run")  # fmt: skip
+            failed = await eventually(lambda: _failed(client), 90, "the job to fail")
+            assert "record 3000 of source 0" in failed["errors"][0]
+            restarted = await eventually(
+                lambda: (i := _incarnation(client)) not in (None, failed["incarnation"]) and i,
+                60, "the operator to restart the coordinator",
+            )  # fmt: skip
+            assert any(e["reason"] == "Restarting" for e in events_of(emu))
+            again = await eventually(lambda: _failed(client), 120, "the restarted job to fail")
+            assert again["incarnation"] == restarted and again["restored_from"] is not None
+
+            status = await eventually(
+                lambda: (s := job_object(emu)["status"])["phase"] == "Failed" and s, 30,
+                "the operator to give up",
+            )  # fmt: skip
+            (degraded,) = [c for c in status["conditions"] if c["type"] == "Degraded"]
+            assert degraded["reason"] == "RestartsExhausted", degraded
+            assert "not restarted again: 2 failures in a row" in degraded["message"], degraded
+            assert len(status["restarts"]["failures"]) == 2
+            # The restarted job's recovery, with the failure's reason, timed from it.
+            recoveries = status["recoveries"]
+            assert recoveries["total"] == 1 and recoveries["lastSeconds"] > 0, recoveries
+            assert "record 3000 of source 0" in recoveries["lastReason"], recoveries
+            writes = status_writes(emu)
+            await eventually(lambda: status_writes(emu) >= writes + 3, 30, "status writes")
+            assert _incarnation(client) == restarted  # and it stays given up
+        finally:
+            client.close()
+
+
+def _failed(client: JsonClient) -> dict[str, Any] | None:
+    try:
+        status = coordinator(client)
+    except TransportError:  # not answering while it restarts
+        return None
+    return status if status["phase"] == "failed" else None
+
+
 def _incarnation(client: JsonClient) -> str | None:
     try:
         return str(coordinator(client)["incarnation"])
