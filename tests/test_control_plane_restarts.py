@@ -22,6 +22,7 @@ import pytest_asyncio
 
 from keyshift.operator.k8s_children import SECRET_KEY, job_secret_name
 from keyshift.runtime.auth import Security
+from keyshift.runtime.checkpoint_store import CheckpointStore
 from keyshift.runtime.transport import JsonClient, TransportError
 from tests.conftest import BATCHING
 from tests.kube_emulator import CR_API, Emulator, eventually, register_resources, stored
@@ -47,6 +48,8 @@ pytestmark = [
 SOURCE = {"kind": "generator", "keys": 2000, "distribution": "zipf", "seed": 7,
           "profile": {"rate": 1000}}  # fmt: skip
 PLAN = {"strategy": "batched", "options": {"batch_groups": 64}}
+MANY_KEYS = {"kind": "generator", "keys": 1_000_000, "distribution": "uniform", "seed": 7,
+             "profile": {"rate": 2000}}  # fmt: skip
 
 
 class JobClient:
@@ -158,14 +161,14 @@ async def settled(
     await eventually(check, 120, what)
 
 
-async def drain_and_check(client: JsonClient, out: Path) -> None:
+async def drain_and_check(client: JsonClient, out: Path, source: dict[str, Any] = SOURCE) -> None:
     """Stop the sources, wait for the job to finish, and check its output is exactly once."""
     client.call("Drain", None, 5.0)
     final = await eventually(
         lambda: (s := coordinator(client))["phase"] == "finished" and s, 120, "the job to drain"
     )
     emitted = [i["stats"]["emitted"] for i in final["stages"][0]["instances"]]
-    check_output(out, SOURCE, emitted)
+    check_output(out, source, emitted)
 
 
 def rescales_carried_the_plan(client: JsonClient) -> None:
@@ -300,6 +303,59 @@ async def test_coordinator_restarts_mid_and_just_after_rescales_lose_nothing(
             await eventually(lambda: job_object(emu)["status"]["parallelism"] == 2, 30,
                              "the status to say so")  # fmt: skip
             await drain_and_check(client, out)
+        finally:
+            client.close()
+
+
+async def test_a_keyed_pod_killed_mid_move_recovers_with_that_reason(
+    emu: Emulator, tmp_path: Path
+) -> None:
+    """`kill -9` of an old owner's pod in the middle of a hot-first scale-out: the job
+    recovers from its checkpoint (never Failed), the recovery's reason names the killed
+    instance however it was noticed (its command stream, or the new owner's fetch from it),
+    and the output is exactly once."""
+    out = tmp_path / "out"
+    checkpoints = {"interval": 1, "storage": str(tmp_path / "checkpoints")}
+    body = tracked(out, 2, checkpoints=checkpoints)
+    # Over a million keys a record seldom meets a key with state again, so fetches on demand
+    # cannot finish the move early, and a trickle of 20 keys/s makes the push of the thousands
+    # of moving keys last: the kill lands in the middle of the move.
+    body["spec"]["job"]["source"]["config"] = MANY_KEYS
+    body["spec"]["migration"] = {
+        "strategy": "hot-first", "options": {"chunk_keys": 8, "trickle_keys_per_s": 20}
+    }  # fmt: skip
+    body["spec"]["checkpointClaim"] = "checkpoints"  # the kubelet runs on one file system
+    async with kubelet(emu, tmp_path) as runner, running_operator(emu, runner.address):
+        client = JobClient(emu, runner.address("clicks", NS))
+        try:
+            reply = await create(emu, body)
+            assert reply.status in (200, 201), await reply.text()
+            await eventually(lambda: job_object(emu).get("status", {}).get("phase") == "Running",
+                             90, "the job to run")  # fmt: skip
+            await eventually(lambda: coordinator(client)["checkpoints"]["completed"] >= 2, 60,
+                             "two checkpoints")  # fmt: skip
+            first = coordinator(client)["incarnation"]
+            await scale(emu, 3)
+
+            def moving() -> bool:
+                rescale = coordinator(client)["rescale"]
+                return bool(rescale) and rescale["phase"] == "moving"
+
+            await eventually(moving, 60, "the scale-out to move state")
+            runner.pods["clicks-track-0"].stop(grace=0)  # SIGTERM: it dies at once, mid-move
+            await eventually(lambda: _incarnation(client) not in (None, first), 90,
+                             "the coordinator to restart")  # fmt: skip
+            await settled(emu, runner, client, 2, "the job restored at the checkpoint's width")
+            status = await eventually(
+                lambda: (s := job_object(emu)["status"])["recoveries"]["total"] and s, 30,
+                "the recovery in the StreamingJob's status",
+            )  # fmt: skip
+            assert status["recoveries"]["lastReason"] and status["recoveries"]["lastSeconds"] > 0
+            # The recovery from the kill (on a loaded machine a later one may follow).
+            recovery = CheckpointStore(checkpoints["storage"]).recoveries()[0]
+            assert recovery["reason"].startswith("instance track/0"), recovery
+            assert not any(e["reason"] == "Restarting" for e in events_of(emu))  # never Failed
+            await drain_and_check(client, out, MANY_KEYS)
         finally:
             client.close()
 
