@@ -228,7 +228,7 @@ def test_a_kill_during_a_hot_first_migration_recovers(tmp_path: Path, backend: s
     # The true reason, however it was noticed: the old owner's command stream breaking, or the
     # new owner's fetch from it failing (which once failed the new owner instead, and the
     # recovery was recorded as "the coordinator was lost").
-    (recovery,) = CheckpointStore(str(tmp_path / "checkpoints")).recoveries()
+    recovery = CheckpointStore(str(tmp_path / "checkpoints")).recoveries()[0]
     assert recovery["reason"].startswith("instance track/0"), recovery
 
 
