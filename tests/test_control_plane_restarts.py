@@ -131,13 +131,13 @@ def replicas(emu: Emulator, stage: str) -> int | None:
     return sts.get("spec", {}).get("replicas")
 
 
-def coordinator(client: JsonClient) -> dict[str, Any]:
+def coordinator(client: JobClient) -> dict[str, Any]:
     status: dict[str, Any] = client.call("Status", None, 3.0)
     return status
 
 
 async def settled(
-    emu: Emulator, runner: PodRunner, client: JsonClient, keyed: int, what: str
+    emu: Emulator, runner: PodRunner, client: JobClient, keyed: int, what: str
 ) -> None:
     """Wait until the running coordinator's keyed stage is at `keyed`, every StatefulSet runs
     what the coordinator wants, and no pod above that is left (a retired one would crash-loop
@@ -161,7 +161,7 @@ async def settled(
     await eventually(check, 120, what)
 
 
-async def drain_and_check(client: JsonClient, out: Path, source: dict[str, Any] = SOURCE) -> None:
+async def drain_and_check(client: JobClient, out: Path, source: dict[str, Any] = SOURCE) -> None:
     """Stop the sources, wait for the job to finish, and check its output is exactly once."""
     client.call("Drain", None, 5.0)
     final = await eventually(
@@ -171,7 +171,7 @@ async def drain_and_check(client: JsonClient, out: Path, source: dict[str, Any] 
     check_output(out, source, emitted)
 
 
-def rescales_carried_the_plan(client: JsonClient) -> None:
+def rescales_carried_the_plan(client: JobClient) -> None:
     for rescale in coordinator(client)["rescales"]:
         assert rescale["strategy"] == "batched", rescale
         assert rescale["options"]["batch_groups"] == 64.0, rescale
@@ -315,8 +315,8 @@ async def test_a_keyed_pod_killed_mid_move_recovers_with_that_reason(
     instance however it was noticed (its command stream, or the new owner's fetch from it),
     and the output is exactly once."""
     out = tmp_path / "out"
-    checkpoints = {"interval": 1, "storage": str(tmp_path / "checkpoints")}
-    body = tracked(out, 2, checkpoints=checkpoints)
+    storage = str(tmp_path / "checkpoints")
+    body = tracked(out, 2, checkpoints={"interval": 1, "storage": storage})
     # Over a million keys a record seldom meets a key with state again, so fetches on demand
     # cannot finish the move early, and a trickle of 20 keys/s makes the push of the thousands
     # of moving keys last: the kill lands in the middle of the move.
@@ -352,7 +352,7 @@ async def test_a_keyed_pod_killed_mid_move_recovers_with_that_reason(
             )  # fmt: skip
             assert status["recoveries"]["lastReason"] and status["recoveries"]["lastSeconds"] > 0
             # The recovery from the kill (on a loaded machine a later one may follow).
-            recovery = CheckpointStore(checkpoints["storage"]).recoveries()[0]
+            recovery = CheckpointStore(storage).recoveries()[0]
             assert recovery["reason"].startswith("instance track/0"), recovery
             assert not any(e["reason"] == "Restarting" for e in events_of(emu))  # never Failed
             await drain_and_check(client, out, MANY_KEYS)
@@ -408,7 +408,7 @@ async def test_a_failed_job_is_restarted_as_its_strategy_says_and_then_given_up(
             client.close()
 
 
-def _failed(client: JsonClient) -> dict[str, Any] | None:
+def _failed(client: JobClient) -> dict[str, Any] | None:
     try:
         status = coordinator(client)
     except TransportError:  # not answering while it restarts
@@ -416,7 +416,7 @@ def _failed(client: JsonClient) -> dict[str, Any] | None:
     return status if status["phase"] == "failed" else None
 
 
-def _incarnation(client: JsonClient) -> str | None:
+def _incarnation(client: JobClient) -> str | None:
     try:
         return str(coordinator(client)["incarnation"])
     except TransportError:  # not answering while it restarts
