@@ -310,7 +310,7 @@ async def test_coordinator_restarts_mid_and_just_after_rescales_lose_nothing(
 async def test_a_keyed_pod_killed_mid_move_recovers_with_that_reason(
     emu: Emulator, tmp_path: Path
 ) -> None:
-    """`kill -9` of an old owner's pod in the middle of a hot-first scale-out: the job
+    """An old owner's pod killed (no grace) in the middle of a hot-first scale-out: the job
     recovers from its checkpoint (never Failed), the recovery's reason names the killed
     instance however it was noticed (its command stream, or the new owner's fetch from it),
     and the output is exactly once."""
@@ -342,7 +342,7 @@ async def test_a_keyed_pod_killed_mid_move_recovers_with_that_reason(
                 return bool(rescale) and rescale["phase"] == "moving"
 
             await eventually(moving, 60, "the scale-out to move state")
-            runner.pods["clicks-track-0"].stop(grace=0)  # SIGTERM: it dies at once, mid-move
+            runner.pods["clicks-track-0"].stop(grace=0)  # no grace: SIGKILL right after SIGTERM
             await eventually(lambda: _incarnation(client) not in (None, first), 90,
                              "the coordinator to restart")  # fmt: skip
             await settled(emu, runner, client, 2, "the job restored at the checkpoint's width")
