@@ -99,3 +99,11 @@ def to_zone(record: dict[str, Any]) -> dict[str, Any]:
 def by_user(record: dict[str, Any]) -> dict[str, Any]:
     """`to_region` that keeps the user as the key: the next stage has as many keys as users."""
     return {"key": record["key"], "value": to_region(record)["value"]}
+
+
+def track_until_seq_3000(state: Any, record: dict[str, Any]) -> tuple[Any, Any]:
+    """`track`, but fails on record 3000 of source 0: every run of the job fails there, a
+    restart from a checkpoint included (it replays the record)."""
+    if record["source"] == 0 and record["seq"] == 3000:
+        raise RuntimeError("record 3000 of source 0 cannot be taken")
+    return track(state, record)
