@@ -17,10 +17,19 @@ import grpc
 import numpy as np
 import pyarrow as pa
 
+from keyshift.runtime import nexmark
 from keyshift.runtime.generator import KeyGenerator, Pacer, instance_total, rate_at
 from keyshift.runtime.ingest import REMEMBERED_BATCH_IDS, IngestLimits, IngestService
 from keyshift.runtime.ingest_log import IngestLog, ingest_log_url
-from keyshift.runtime.job import GeneratorSource, IngestSource, JobSpec, resolve_function
+from keyshift.runtime.job import (
+    GENERATED_FIELDS,
+    NEXMARK_FIELDS,
+    GeneratorSource,
+    IngestSource,
+    JobSpec,
+    NexmarkSource,
+    resolve_function,
+)
 from keyshift.runtime.keyspace import Assignment, key_groups
 from keyshift.runtime.metrics import MetricName
 from keyshift.runtime.protocol import (
@@ -242,10 +251,10 @@ def run(ctx: InstanceContext) -> None:
     config = ctx.spec.source.config
     router = Router(ctx)
     emitter = Emitter(ctx, router)
-    if isinstance(config, GeneratorSource):
-        run_generator(ctx, config, emitter)
-    else:
+    if isinstance(config, IngestSource):
         run_ingest(ctx, config, emitter)
+    else:
+        run_generator(ctx, config, emitter)
     router.finish()
 
 
@@ -333,14 +342,66 @@ def _listen(
     return server, port
 
 
-def run_generator(ctx: InstanceContext, config: GeneratorSource, emitter: Emitter) -> None:
+BatchMaker = Callable[[int, int, np.ndarray], pa.RecordBatch]
+"""(first sequence number, count, due times in epoch µs) -> the records of a built-in source."""
+
+
+def key_value_batches(ctx: InstanceContext, config: GeneratorSource) -> BatchMaker:
+    """The generator's records: a key and a value, their event time the time they fell due."""
+    generator = KeyGenerator(config, source_id=ctx.index)
+    schema = record_schema(GENERATED_FIELDS)
+
+    def make(seq: int, n: int, times: np.ndarray) -> pa.RecordBatch:
+        keys, values = generator.records(seq, n)
+        return pa.RecordBatch.from_arrays(
+            [pa.array(keys), pa.array(values), pa.array(times), *_record_ids(ctx, seq, n, times)],
+            schema=schema,
+        )
+
+    return make
+
+
+def nexmark_batches(ctx: InstanceContext, config: NexmarkSource) -> BatchMaker:
+    """NEXMark's events (keyshift.runtime.nexmark): this instance's share of the event numbers,
+    each with the model's event time."""
+    model = config.model()
+    parallelism = ctx.spec.source.parallelism
+    schema = record_schema(NEXMARK_FIELDS)
+
+    def make(seq: int, n: int, times: np.ndarray) -> pa.RecordBatch:
+        made = nexmark.events(model, nexmark.event_numbers(ctx.index, parallelism, seq, n))
+        return pa.RecordBatch.from_arrays(
+            [*made.columns, *_record_ids(ctx, seq, n, times)], schema=schema
+        )
+
+    return make
+
+
+def _record_ids(ctx: InstanceContext, seq: int, n: int, times: np.ndarray) -> list[pa.Array]:
+    """Ingest time, source, sequence number and (not yet computed) key group of new records."""
+    return [
+        pa.array(times),
+        pa.array(np.full(n, ctx.index, dtype=np.int32)),
+        pa.array(np.arange(seq, seq + n, dtype=np.int64)),
+        pa.array(np.zeros(n, dtype=np.int32)),
+    ]
+
+
+def run_generator(
+    ctx: InstanceContext, config: GeneratorSource | NexmarkSource, emitter: Emitter
+) -> None:
+    """A built-in source: records made by a pure function of their sequence number, as due by
+    the load profile."""
     spec = ctx.spec
     parallelism = spec.source.parallelism
-    generator = KeyGenerator(config, source_id=ctx.index)
+    make = (
+        key_value_batches(ctx, config)
+        if isinstance(config, GeneratorSource)
+        else nexmark_batches(ctx, config)
+    )
     pacer = Pacer(
         config.profile, 1.0 / parallelism, instance_total(config.total, ctx.index, parallelism)
     )
-    schema = record_schema({"key": "int", "value": "float"})
     max_records = spec.batching.max_records
     linger = spec.batching.linger_ms / 1000.0
     metrics = ctx.metrics
@@ -378,22 +439,10 @@ def run_generator(ctx: InstanceContext, config: GeneratorSource, emitter: Emitte
             metrics.count(MetricName.IDLE_SECONDS, wait)
             continue
         t0 = time.perf_counter()
-        keys, values = generator.records(seq, n)
         # Each record carries the time it fell due, not the time it could be sent.
         first, last = pacer.arrival(seq + 1, elapsed), pacer.arrival(seq + n, elapsed)
         times = started_us + (np.linspace(first, last, n) * 1e6).astype(np.int64)
-        batch = pa.RecordBatch.from_arrays(
-            [
-                pa.array(keys),
-                pa.array(values),
-                pa.array(times),
-                pa.array(times),
-                pa.array(np.full(n, ctx.index, dtype=np.int32)),
-                pa.array(np.arange(seq, seq + n, dtype=np.int64)),
-                pa.array(np.zeros(n, dtype=np.int32)),
-            ],
-            schema=schema,
-        )
+        batch = make(seq, n, times)
         seq += n
         emitter.emit(batch, t0)
         last_emit = now
