@@ -405,10 +405,38 @@ class Stage(_Model):
     parallelism: int = Field(default=1, ge=1, le=MAX_PARALLELISM)
 
 
+class EventTimeSettings(_Model):
+    """Where a source's records take their event time from, and how its watermark follows
+    them (keyshift.runtime.watermarks)."""
+
+    field: str | None = Field(
+        default=None,
+        description="an int field of the source's records holding their event time (epoch µs); "
+        "none: the source's own (the generator's due time, NEXMark's model, an ingest row's "
+        "event_time or its arrival)",
+    )
+    max_out_of_orderness_ms: float = Field(
+        default=0.0,
+        ge=0,
+        le=86_400_000,
+        description="the watermark trails the highest event time seen by this much",
+    )
+    idle_timeout_ms: float | None = Field(
+        default=None,
+        gt=0,
+        le=86_400_000,
+        description="a source instance that emits nothing for this long stops holding the "
+        "watermark back until it emits again; none: it always holds it",
+    )
+
+
 class SourceStage(Stage):
     name: str = Field(default="source", pattern=STAGE_NAME_PATTERN)
     config: SourceConfig = Field(default_factory=GeneratorSource)
     transforms: list[Transform] = Field(default_factory=list)
+    event_time: EventTimeSettings | None = Field(
+        default=None, description="event time and watermarks; none: the source sends none"
+    )
 
 
 class StateSettings(_Model):
@@ -477,6 +505,9 @@ class SourceNode(Stage):
 
     kind: Literal["source"]
     config: SourceConfig = Field(default_factory=GeneratorSource)
+    event_time: EventTimeSettings | None = Field(
+        default=None, description="event time and watermarks; none: the source sends none"
+    )
     fields: dict[str, FieldType] | None = Field(
         default=None,
         description="the schema of its records: the generator's are {key: int, value: float}; "
@@ -739,6 +770,7 @@ class JobSpec(_Model):
                     "parallelism": source.parallelism,
                     "config": source.config,
                     "transforms": transforms,
+                    "event_time": source.event_time,
                 },
                 context=context,
             ),
@@ -835,6 +867,7 @@ class JobSpec(_Model):
                 f"the {maker} makes records {made}; with no transforms to reshape "
                 f"them, fields must be exactly that (got {self.fields})"
             )
+        self._check_event_time()
         not_floats = [f for f in self.allow_non_finite if self.fields.get(f) != "float"]
         if not_floats:
             raise ValueError(f"allow_non_finite names {not_floats}, which are not float fields")
@@ -846,6 +879,24 @@ class JobSpec(_Model):
             except GraphError as exc:
                 raise ValueError(str(exc)) from None
         return self
+
+    def _check_event_time(self) -> None:
+        """An event-time field names an int field of the records the source emits (after its
+        chained transforms: the job's fields)."""
+        settings = self.source.event_time
+        if settings is None or settings.field is None:
+            return
+        kind = self.fields.get(settings.field)
+        if kind is None:
+            raise ValueError(
+                f"source.event_time.field {settings.field!r} is not one of the source's "
+                f"fields {list(self.fields)}"
+            )
+        if kind != "int":
+            raise ValueError(
+                f"source.event_time.field {settings.field!r} is a {kind!r} field; an event "
+                "time is an 'int' field of epoch microseconds"
+            )
 
     _no_reserved = field_validator("fields")(_record_fields)
 

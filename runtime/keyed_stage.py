@@ -32,6 +32,7 @@ from keyshift.runtime.protocol import (
     OutDone,
     Rescaling,
     Retire,
+    Watermark,
     parse,
 )
 from keyshift.runtime.records import (
@@ -69,7 +70,9 @@ from keyshift.runtime.transport import (
     LEAVE,
     MARKER,
     STATE,
+    WATERMARK,
 )
+from keyshift.runtime.watermarks import WatermarkTracker
 
 IDLE_WAIT = 0.05
 PUSH_SLICE = 0.05  # seconds of state pushing between two batches of records, at most
@@ -151,6 +154,7 @@ class KeyedStage:
         self.retire = False
         self.rescaling = False
         self.aligner = BarrierAligner()
+        self.watermark = WatermarkTracker(set(self.sources))
         settings = spec.checkpoints
         self.checkpointer = (
             KeyedCheckpointer(settings, f"{ctx.stage}-{ctx.index}") if settings else None
@@ -320,11 +324,21 @@ class KeyedStage:
         elif kind == BARRIER:
             self.aligner.arrive(sender, parse(Barrier, json.loads(payload)))
             self.checkpoint_if_aligned()
+        elif kind == WATERMARK:
+            mark = parse(Watermark, json.loads(payload))
+            self.watermark_moved(self.watermark.advance(sender, mark.watermark, mark.idle))
         elif kind == END and sender in self.sources:
             self.ended.add(sender)
+            self.watermark_moved(self.watermark.end(sender))
             if self.move_out is not None:
                 self.move_out.marker(sender, None)
             self.checkpoint_if_aligned()
+
+    def watermark_moved(self, moved: bool) -> None:
+        """The instance's watermark, the minimum over its live sources', went forward."""
+        current = self.watermark.current
+        if moved and current is not None and current < WatermarkTracker.FINAL:
+            self.ctx.watermark_us = current
 
     def checkpoint_if_aligned(self) -> None:
         """Once every live source's barrier is in: write the owned groups, ack, pass the

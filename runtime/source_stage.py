@@ -16,6 +16,7 @@ from typing import Any
 import grpc
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from keyshift.runtime import nexmark
 from keyshift.runtime.generator import KeyGenerator, Pacer, instance_total, rate_at
@@ -43,6 +44,7 @@ from keyshift.runtime.protocol import (
     Resume,
     SourceCheckpointAck,
     Topology,
+    Watermark,
 )
 from keyshift.runtime.records import (
     EVENT_TIME,
@@ -63,10 +65,12 @@ from keyshift.runtime.storage import StorageError
 from keyshift.runtime.transport import (
     BARRIER,
     MARKER,
+    WATERMARK,
     PortInUseError,
     TransportError,
     start_server,
 )
+from keyshift.runtime.watermarks import WatermarkGenerator
 
 log = logging.getLogger("keyshift.source")
 Transform = tuple[str, Callable[..., Any]]
@@ -197,13 +201,15 @@ class Router:
 
 
 class Emitter:
-    """Turns a batch of new records into routed sends: transforms, key groups, routing."""
+    """Turns a batch of new records into routed sends: transforms, event times, key groups,
+    routing; and the watermark after them."""
 
     def __init__(self, ctx: InstanceContext, router: Router) -> None:
         self.ctx = ctx
         self.router = router
         self.transforms = _transforms(ctx.spec)
         self.emitted = 0
+        self.watermarks = Watermarks(ctx, router)
         # A source that keeps what it emitted until a checkpoint covers it lets go of it here.
         self.on_complete: Callable[[int], None] = lambda position: None
 
@@ -219,6 +225,7 @@ class Emitter:
         made = batch.num_rows
         if self.transforms:
             batch = apply_transforms(self.ctx, batch, self.transforms)
+        batch = self.watermarks.stamp(batch)
         groups = key_groups(batch.column(spec.keyed.key_by), spec.max_key_groups)
         batch = batch.set_column(batch.schema.get_field_index(GROUP), GROUP, pa.array(groups))
         parts = self.router.route(batch, groups)
@@ -228,8 +235,10 @@ class Emitter:
         metrics.count(MetricName.RECORDS_IN, made)
         self.emitted += made
         self.ctx.extra_stats["emitted"] = self.emitted
+        self.watermarks.emitted(batch)
 
     def follow_commands(self) -> None:
+        self.watermarks.tick()
         while (command := self.ctx.next_command()) is not None:
             if isinstance(command, Checkpoint):
                 self.barrier(command)
@@ -245,6 +254,63 @@ class Emitter:
             if index not in self.router.dead:
                 self.ctx.send(outlet, barrier, kind=BARRIER)
         self.ctx.emit(SourceCheckpointAck(id=command.id, position=self.emitted))
+
+
+class Watermarks:
+    """A source instance's event time and watermark (keyshift.runtime.watermarks), when its
+    stage has `event_time` settings: records take their event time from the named field, and
+    every keyed instance hears the watermark after the records it covers (a new one at once),
+    and that the instance is idle when it has emitted nothing for the idle timeout."""
+
+    def __init__(self, ctx: InstanceContext, router: Router) -> None:
+        self.ctx = ctx
+        self.router = router
+        settings = ctx.spec.source.event_time
+        self.field = settings.field if settings is not None else None
+        self.generator = (
+            None
+            if settings is None
+            else WatermarkGenerator(
+                bound_us=round(settings.max_out_of_orderness_ms * 1000),
+                idle_timeout=(
+                    None if settings.idle_timeout_ms is None else settings.idle_timeout_ms / 1000
+                ),
+                last_active=time.monotonic(),
+            )
+        )
+        self.sent: dict[int, bytes] = {}  # the last watermark message each keyed instance got
+
+    def stamp(self, batch: pa.RecordBatch) -> pa.RecordBatch:
+        """Records whose event time is a field of theirs carry it as their event time."""
+        if self.field is None:
+            return batch
+        index = batch.schema.get_field_index(EVENT_TIME)
+        return batch.set_column(index, EVENT_TIME, batch.column(self.field))
+
+    def emitted(self, batch: pa.RecordBatch) -> None:
+        if self.generator is None or batch.num_rows == 0:
+            return
+        highest = pc.max(batch.column(EVENT_TIME)).as_py()
+        self.generator.observe(int(highest), time.monotonic())
+        self.send()
+
+    def tick(self) -> None:
+        """Between batches: note an idle spell, and tell new keyed instances the watermark."""
+        if self.generator is None:
+            return
+        self.generator.check_idle(time.monotonic())
+        self.send()
+
+    def send(self) -> None:
+        assert self.generator is not None
+        message = Watermark(watermark=self.generator.watermark, idle=self.generator.idle)
+        payload = json.dumps(message.wire()).encode()
+        for index, outlet in self.router.outlets.items():
+            if index not in self.router.dead and self.sent.get(index) != payload:
+                self.ctx.send(outlet, payload, kind=WATERMARK)
+                self.sent[index] = payload
+        if self.generator.watermark is not None:
+            self.ctx.watermark_us = self.generator.watermark
 
 
 def run(ctx: InstanceContext) -> None:
