@@ -264,6 +264,7 @@ class CheckpointDriver:
         databases: dict[str, dict[str, ShardFile]] = {}
         sources: dict[str, Any] = {}
         outputs: dict[str, int] = {}
+        keyed_marks: list[int | None] = []
         written = 0
         for reported in events:
             event = reported.event
@@ -272,11 +273,15 @@ class CheckpointDriver:
             elif isinstance(event, KeyedCheckpointAck):
                 groups.update(chains_from_json(event.chains))
                 written += event.written
+                keyed_marks.append(event.watermark)
                 if event.writer is not None and event.database is not None:
                     databases[event.writer] = database_from_json(event.database)
             elif isinstance(event, SinkCheckpointAck) and event.offset is not None:
                 outputs[str(reported.index)] = event.offset
         assignment = self.host.checkpoint_assignment()
+        # The stage's watermark is its slowest instance's; none while one has none.
+        marks = [m for m in keyed_marks if m is not None]
+        has_mark = bool(marks) and len(marks) == len(keyed_marks)
         return CheckpointMeta(
             id=checkpoint,
             created=started,
@@ -287,6 +292,7 @@ class CheckpointDriver:
             groups=groups,
             written=written,
             databases=databases,
+            watermarks={self.keyed_stage: min(marks)} if has_mark else {},
         )
 
 

@@ -161,7 +161,15 @@ class KeyedStage:
         )
         if ctx.restore is not None and self.checkpointer is not None:
             keys = self.checkpointer.restore(ctx.restore, self.state, self.owned)
-            log.info("restored %d keys from checkpoint %d", keys, ctx.restore.id)
+            # Event time goes on from the checkpoint's, not from the replay's first records.
+            self.watermark.current = ctx.restore.watermarks.get(ctx.stage)
+            self.ctx.watermark_us = self.watermark.current
+            log.info(
+                "restored %d keys from checkpoint %d, at watermark %s",
+                keys,
+                ctx.restore.id,
+                self.watermark.current,
+            )
         ctx.fetch_served.set()
 
     # -- records ---------------------------------------------------------------------------
@@ -350,6 +358,9 @@ class KeyedStage:
         if self.checkpointer is None:
             raise ProtocolError("a checkpoint barrier arrived, but the job takes no checkpoints")
         ack = self.checkpointer.take(barrier, self.state, self.owned)
+        current = self.watermark.current
+        if current is not None and current < WatermarkTracker.FINAL:
+            ack = ack.model_copy(update={"watermark": current})
         if ack.error:
             self.ctx.metrics.storage_failed("checkpoint")
         self.ctx.emit(ack)

@@ -235,6 +235,8 @@ class KeyedCheckpointAck(Message):
     writer: str | None = None
     database: dict[str, Any] | None = None
     reused: int = 0
+    # The instance's event-time watermark when it aligned (none: it has none yet).
+    watermark: int | None = None
 
 
 class SinkCheckpointAck(Message):

@@ -279,6 +279,7 @@ class Watermarks:
             )
         )
         self.sent: dict[int, bytes] = {}  # the last watermark message each keyed instance got
+        self._owners: tuple[Assignment, list[int]] | None = None
 
     def stamp(self, batch: pa.RecordBatch) -> pa.RecordBatch:
         """Records whose event time is a field of theirs carry it as their event time."""
@@ -301,12 +302,25 @@ class Watermarks:
         self.generator.check_idle(time.monotonic())
         self.send()
 
+    def owners(self) -> list[int]:
+        """The keyed instances that own key groups now: one that is leaving owns none, and may
+        have stopped reading (a watermark for it would wait for credit forever)."""
+        assignment = self.router.assignment
+        if self._owners is None or self._owners[0] is not assignment:
+            self._owners = (assignment, np.unique(assignment.owners).tolist())
+        return self._owners[1]
+
     def send(self) -> None:
         assert self.generator is not None
         message = Watermark(watermark=self.generator.watermark, idle=self.generator.idle)
         payload = json.dumps(message.wire()).encode()
-        for index, outlet in self.router.outlets.items():
-            if index not in self.router.dead and self.sent.get(index) != payload:
+        for index in self.owners():
+            outlet = self.router.outlets.get(index)
+            if (
+                outlet is not None
+                and index not in self.router.dead
+                and self.sent.get(index) != payload
+            ):
                 self.ctx.send(outlet, payload, kind=WATERMARK)
                 self.sent[index] = payload
         if self.generator.watermark is not None:
