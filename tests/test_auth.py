@@ -82,7 +82,7 @@ def unary(security: Security, address: str, method: str, body: bytes = b"{}") ->
         try:
             channel.unary_unary(method, None, None)(body, timeout=10)
         except grpc.RpcError as exc:
-            return exc.code()  # type: ignore[no-any-return]
+            return exc.code()
     return grpc.StatusCode.OK
 
 
@@ -94,7 +94,7 @@ def push_stream(security: Security, address: str, messages: list[bytes]) -> grpc
             for _credit in call(iter(messages), timeout=10):
                 pass
         except grpc.RpcError as exc:
-            return exc.code()  # type: ignore[no-any-return]
+            return exc.code()
     return grpc.StatusCode.OK
 
 
@@ -395,7 +395,7 @@ def test_bad_tls_settings_get_a_clear_error(tmp_path: Path) -> None:
 
 def scrape(port: int) -> str:
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as reply:
-        return reply.read().decode()  # type: ignore[no-any-return]
+        return reply.read().decode()
 
 
 @pytest.mark.slow

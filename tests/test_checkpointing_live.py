@@ -46,7 +46,7 @@ def checkpointed_job(
 
 
 def checkpoints_of(local: Any) -> dict[str, Any]:
-    return local.status()["checkpoints"]  # type: ignore[no-any-return]
+    return local.status()["checkpoints"]
 
 
 def test_every_checkpoint_is_a_consistent_cut_through_a_rescale(tmp_path: Path) -> None:

@@ -406,7 +406,7 @@ def test_example_is_valid_for_the_schema_and_the_models() -> None:
     obj = example()
     assert schema_errors(obj) == []
     parsed = StreamingJob.model_validate(obj)
-    assert parsed.metadata == {"name": "clicks"} and parsed.spec.image.endswith(":0.1.0")
+    assert parsed.metadata == {"name": "clicks"} and (parsed.spec.image or "").endswith(":0.1.0")
     job = parsed.spec.job_spec()
     assert job.keyed.name == "enrich" and job.autoscaler is not None
     assert job.source.config.kind == "generator"

@@ -462,9 +462,9 @@ def render_overview(prometheus: PrometheusServer, start: float, end: float, path
         axes.grid(color=grid, linewidth=0.6)
         for spine in axes.spines.values():
             spine.set_color(grid)
-        legend = axes.legend(fontsize=7, facecolor=background, edgecolor=grid, labelcolor=text,
+        shown = axes.legend(fontsize=7, facecolor=background, edgecolor=grid, labelcolor=text,
                              loc="best", ncol=2)  # fmt: skip
-        legend.get_frame().set_alpha(0.8)
+        shown.get_frame().set_alpha(0.8)
     figure.suptitle(
         f"keyshift / Job overview: job {JOB!r}, 5k then 18k records/s, DS2 scales {KEYED!r} out "
         "(lazy state moves); dashed lines are the dashboard's annotations",

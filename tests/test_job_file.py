@@ -8,6 +8,7 @@ from __future__ import annotations
 import re
 import resource
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -89,7 +90,7 @@ def test_merge_keys_may_override_and_limits_leave_real_jobs_alone(tmp_path: Path
 def test_functions_with_the_wrong_signature_are_refused(
     where: str, function: str, message: str
 ) -> None:
-    places = {
+    places: dict[str, dict[str, Any]] = {
         "map": {"source": {"transforms": [{"map": function}]}},
         "filter": {"source": {"transforms": [{"filter": function}]}},
         "process": {"keyed": {"operator": {"kind": "process", "function": function}}},

@@ -807,7 +807,7 @@ def test_a_keyed_stage_on_rocksdb_requests_the_memory_its_cache_and_write_buffer
     }
     assert resources[f"{NAME}-sink"]["requests"]["memory"] == "128Mi"
     # A job that asks for more keeps what it asks for.
-    small = {"backend": "rocksdb", "block_cache_mb": 8, "write_buffer_mb": 1}
+    small: dict[str, Any] = {"backend": "rocksdb", "block_cache_mb": 8, "write_buffer_mb": 1}
     job["keyed"]["state"] = small
     _, manifests = build(job=job)
     (counts,) = [t for name, t in pod_templates(manifests) if name == f"{NAME}-counts"]
