@@ -20,7 +20,7 @@ N = 50_000
 
 
 def table(model: nexmark.NexmarkModel, numbers: np.ndarray) -> dict[str, list[Any]]:
-    return nexmark.events(model, numbers).to_pydict()  # type: ignore[no-any-return]
+    return nexmark.events(model, numbers).to_pydict()
 
 
 def test_fifty_events_are_one_person_three_auctions_and_46_bids() -> None:

@@ -121,7 +121,11 @@ def test_the_windowed_query_under_live_rescales_answers_what_duckdb_answers(
     def rescales(local: Any, client: JsonClient) -> None:
         for parallelism in (3, 1):
             flowed = sum_out(local)
-            wait_for(lambda f=flowed: sum_out(local) > f + 5000, 30, "events to flow")
+
+            def more(f: int = flowed) -> bool:
+                return sum_out(local) > f + 5000
+
+            wait_for(more, 30, "events to flow")
             result = rescale_via(local, client, parallelism, strategy, stage="q7")
             assert result["groups_moved"] == result["groups_to_move"] > 0, result
 
