@@ -11,12 +11,15 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
+from examples.nexmark import q3_pipeline
 from keyshift.runtime import nexmark
-from keyshift.runtime.job import NEXMARK_FIELDS, JobError, parse_job
+from keyshift.runtime.job import NEXMARK_FIELDS, JobError, load_job, parse_job
+from keyshift.runtime.pipeline import Dataflow, source
 from keyshift.runtime.records import EVENT_TIME
 from tests.nexmark_reference import QUERIES, run_query, source_events, write_events
 
 N = 50_000
+REPO = Path(__file__).resolve().parent.parent
 
 
 def table(model: nexmark.NexmarkModel, numbers: np.ndarray) -> dict[str, list[Any]]:
@@ -176,3 +179,23 @@ def test_the_reference_sql_answers_every_query(tmp_path: Path) -> None:
     assert len({row[0] for row in answers["q7"]}) == 2  # 20 s of events: two 10 s windows
     for query in QUERIES:
         assert answers[query], f"{query} found nothing in 100k events"
+
+
+def test_the_python_twin_of_q3_builds_its_job_file() -> None:
+    assert q3_pipeline.q3().build() == load_job(REPO / "examples" / "nexmark" / "q3.yaml")
+    for query in ("q0", "q1", "q2", "q3", "q7", "q8"):
+        load_job(REPO / "examples" / "nexmark" / f"{query}.yaml")  # every example loads
+
+
+def test_the_python_api_takes_event_time_settings_and_refuses_bad_ones() -> None:
+    def job(event_time: dict[str, Any]) -> Dataflow:
+        events = source("events", {"kind": "nexmark", "total": 10}, event_time=event_time)
+        return Dataflow("nx", events.key_by("auction").count(name="k").sink_log(name="out"))
+
+    built = job({"max_out_of_orderness_ms": 30, "idle_timeout_ms": 500}).build()
+    assert built.source.event_time is not None
+    assert built.source.event_time.max_out_of_orderness_ms == 30
+    with pytest.raises(JobError, match="'city' is a 'str' field; an event time is an 'int'"):
+        job({"field": "city"}).build()
+    with pytest.raises(JobError, match="idle_timeout_ms: Input should be greater than 0"):
+        job({"idle_timeout_ms": -5}).build()
