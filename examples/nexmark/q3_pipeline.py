@@ -38,7 +38,7 @@ def q3() -> Dataflow:
                 "state": "str",
             },
             name="by-person",
-        )  # fmt: skip
+        )
         .key_by("person")
         .process(queries.q3, name="q3", parallelism=2)
     )
