@@ -48,6 +48,7 @@ from keyshift.runtime.job_graph import (
 from keyshift.runtime.nexmark import FIELDS as NEXMARK_SCHEMA
 from keyshift.runtime.nexmark import START_TIME_US, NexmarkModel
 from keyshift.runtime.records import READER_NAME, RESERVED_FIELDS
+from keyshift.runtime.restart_strategy import RestartStrategy
 from keyshift.runtime.transport import MAX_MESSAGE
 
 AggregateFunction = Literal["count", "sum", "min", "max", "mean"]
@@ -705,6 +706,11 @@ class JobSpec(_Model):
     )
     checkpoints: CheckpointSettings | None = Field(
         default=None, description="periodic checkpoints of the keyed state; none takes none"
+    )
+    restart: RestartStrategy = Field(
+        default_factory=RestartStrategy,
+        description="how a job with checkpoints is restarted after a failure: exponential "
+        "delay, a bounded number of restarts in a row",
     )
     heartbeat_timeout: float = Field(
         default=15.0,

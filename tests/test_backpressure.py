@@ -7,9 +7,12 @@ from pathlib import Path
 
 import psutil
 import pyarrow as pa
+import pytest
 
 from keyshift.runtime.output_log import OutputLogReader, commit_reader
 from tests.conftest import count_job, running_job, wait_for
+
+pytestmark = pytest.mark.live
 
 TARGET_RATE = 200_000
 

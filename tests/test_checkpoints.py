@@ -48,7 +48,7 @@ from tests.test_state import (  # noqa: F401 (backend is a fixture)
 ALL_GROUPS = list(range(G))
 
 
-@pytest.fixture(params=["local", "s3"])
+@pytest.fixture(params=["local", pytest.param("s3", marks=pytest.mark.live)])
 def store(request: pytest.FixtureRequest, tmp_path: Path) -> CheckpointStore:
     if request.param == "local":
         return CheckpointStore(str(tmp_path / "checkpoints"))
@@ -210,6 +210,7 @@ def test_unusable_storage_is_a_clear_error(tmp_path: Path) -> None:
     assert GroupChain(()).size == 0
 
 
+@pytest.mark.live
 def test_an_unreachable_s3_is_a_retryable_error_that_retrying_waits_out(
     caplog: pytest.LogCaptureFixture,
 ) -> None:

@@ -100,6 +100,7 @@ def test_crd_text_is_the_manifest_with_the_header() -> None:
     assert crd_yaml() == text
 
 
+@pytest.mark.live
 def test_cli_writes_the_files_and_check_finds_them_stale(tmp_path: Path) -> None:
     def keyshift(*args: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run(

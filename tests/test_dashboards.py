@@ -111,6 +111,7 @@ def test_generation_is_deterministic() -> None:
     assert first == [dashboard_json(board) for board in dashboards()]
 
 
+@pytest.mark.live
 def test_cli_writes_the_files_and_check_finds_them_stale(tmp_path: Path) -> None:
     def keyshift(*args: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run(
@@ -325,6 +326,7 @@ def empty_ones(counts: dict[tuple[str, str, str], int]) -> list[str]:
     ]
 
 
+@pytest.mark.live
 def test_every_query_runs_against_a_real_prometheus_scraping_a_running_job(
     tmp_path: Path, prometheus: PrometheusServer
 ) -> None:

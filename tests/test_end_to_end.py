@@ -19,6 +19,8 @@ from keyshift.runtime.job import GeneratorSource
 from keyshift.runtime.output_log import OutputLogReader
 from tests.conftest import cli, count_job, write_job
 
+pytestmark = pytest.mark.live
+
 TIMEOUT = 120
 
 

@@ -389,6 +389,7 @@ def test_a_shape_the_runtime_cannot_run_yet_is_refused_naming_the_stage(case: st
     assert "not supported yet: " + reason in message, message
 
 
+@pytest.mark.live
 def test_keyshift_run_refuses_a_bad_graph_with_exit_2_before_starting(tmp_path: Path) -> None:
     path = write_job(tmp_path, graph_job(chain(out={"input": "nowhere"})))
     with cli(["run", str(path)]) as proc:

@@ -730,6 +730,7 @@ def test_bad_options_are_refused_naming_the_field(raw: str, message: str) -> Non
     assert str(failed.value).startswith(f"{CHILD_OPTIONS_ENV}: ")
 
 
+@pytest.mark.live
 def test_keyshift_operator_refuses_bad_options_before_it_starts(tmp_path: Path) -> None:
     """The entry point: a bad KEYSHIFT_CHILD_OPTIONS stops `keyshift operator` at once, naming
     the field (before it looks for cluster credentials, which this machine has none of)."""

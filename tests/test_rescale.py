@@ -33,6 +33,8 @@ from tests.conftest import (
 )
 from tests.test_metrics import scrape
 
+pytestmark = pytest.mark.live
+
 SERVICE = "keyshift.Coordinator"
 
 
