@@ -24,7 +24,7 @@ from tests.nexmark_reference import run_query, source_events, write_events
 from tests.test_recovery import Run, start_run
 from tests.test_rescale import SERVICE, rescale_via, sum_out
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.live]
 
 REPO = Path(__file__).resolve().parent.parent
 TOTAL = 60_000

@@ -147,6 +147,7 @@ def push_to_first_source(local: Any, rows: int, last_at: int) -> None:
         assert client.push(table, batch_id="b0").accepted == rows
 
 
+@pytest.mark.live
 def test_an_idle_source_does_not_stall_the_watermark(tmp_path: Path) -> None:
     """Two ingest sources, rows pushed to one: with an idle timeout the keyed instances'
     watermark is that source's (highest event time less the bound), exported as a metric with
@@ -178,6 +179,7 @@ def test_an_idle_source_does_not_stall_the_watermark(tmp_path: Path) -> None:
         wait_for(lambda: local.status()["phase"] == "finished", 30, "the job to drain")
 
 
+@pytest.mark.live
 def test_without_an_idle_timeout_a_quiet_source_holds_the_watermark(tmp_path: Path) -> None:
     job = event_time_job(tmp_path / "out", {"field": "at"})
     with running_job(tmp_path, job) as local:
@@ -217,6 +219,7 @@ def keyed_marks(local: Any) -> list[int | None]:
 
 
 @pytest.mark.slow
+@pytest.mark.live
 def test_a_rescale_never_moves_the_watermark_backwards(tmp_path: Path) -> None:
     """While the keyed stage goes 1 -> 3 -> 2, no instance ever reports a watermark below one
     reported before (a new instance reports none until every source has told it theirs)."""
@@ -243,6 +246,7 @@ def test_a_rescale_never_moves_the_watermark_backwards(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.live
 def test_a_checkpoint_stores_the_watermark_and_a_recovery_resumes_from_it(
     tmp_path: Path,
 ) -> None:
