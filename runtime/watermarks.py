@@ -90,11 +90,6 @@ class WatermarkTracker:
         self._ended.add(sender)
         return self._recompute()
 
-    def add_input(self, sender: str) -> None:
-        """An input that will send from now on (a new instance upstream): it holds the
-        watermark until it sends one, which it does at once."""
-        self.inputs.add(sender)
-
     def _recompute(self) -> bool:
         live = self.inputs - self._ended
         if not live:

@@ -68,9 +68,8 @@ def test_the_tracker_takes_the_minimum_of_its_inputs_and_never_goes_back() -> No
     assert tracker.advance("b", 300) and tracker.current == 100
     assert not tracker.advance("a", 90)  # an input's watermark never goes back either
     assert tracker.current == 100
-    tracker.add_input("c")  # a new input holds it where it is until it speaks
+    assert not tracker.advance("c", 20)  # a new input, behind: the current one stays
     assert not tracker.advance("a", 400) and tracker.current == 100
-    assert not tracker.advance("c", 20)  # below the current one: it stays
     assert tracker.current == 100
     assert tracker.advance("c", 350) and tracker.current == 300
 
