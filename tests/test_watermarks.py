@@ -164,7 +164,11 @@ def test_an_idle_source_does_not_stall_the_watermark(tmp_path: Path) -> None:
             30,
             "both keyed instances' watermark",
         )
-        assert stats(local, 0)[0]["watermark_us"] == expected
+        wait_for(
+            lambda: stats(local, 0)[0].get("watermark_us") == expected,
+            30,
+            "source 0's watermark in its report",
+        )
         members = local.status()["stages"][1]["instances"]
         text = urllib.request.urlopen(f"http://{members[0]['metrics']}/metrics").read().decode()
         samples = dict(line.rsplit(" ", 1) for line in text.splitlines() if line[:1] != "#")
@@ -189,7 +193,11 @@ def test_without_an_idle_timeout_a_quiet_source_holds_the_watermark(tmp_path: Pa
             30,
             "the rows at the keyed instances",
         )
-        assert stats(local, 0)[0]["watermark_us"] == 1_700_000_000_000_000
+        wait_for(
+            lambda: stats(local, 0)[0].get("watermark_us") == 1_700_000_000_000_000,
+            30,
+            "source 0's watermark in its report",
+        )
         assert all("watermark_us" not in s for s in stats(local, 1))
         local.drain()
         wait_for(lambda: local.status()["phase"] == "finished", 30, "the job to drain")
