@@ -110,6 +110,8 @@ class CheckpointMeta:
     assignment: dict[str, Any] = field(default_factory=dict)  # the keyed stage's owners
     # Native RocksDB checkpoints: per writer, its database's files by their local names.
     databases: dict[str, dict[str, ShardFile]] = field(default_factory=dict)
+    # Per stage, its event-time watermark: the lowest of its instances' when they aligned.
+    watermarks: dict[str, int] = field(default_factory=dict)
     # The keyed stages after the first in a job of several (the first's are `assignment` and
     # `groups`, as in a job of one), by stage.
     later: dict[str, KeyedGroups] = field(default_factory=dict)
@@ -162,6 +164,7 @@ class CheckpointMeta:
                 str(stage): KeyedGroups(dict(part["assignment"]), chains_from_json(part))
                 for stage, part in data.get("later", {}).items()
             },
+            watermarks={str(k): int(v) for k, v in data.get("watermarks", {}).items()},
         )
 
 

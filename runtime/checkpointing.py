@@ -279,6 +279,7 @@ class CheckpointDriver:
         databases: dict[str, dict[str, ShardFile]] = {}
         sources: dict[str, Any] = {}
         outputs: dict[str, int] = {}
+        keyed_marks: dict[str, list[int | None]] = {}
         written = 0
         for reported in events:
             event = reported.event
@@ -287,12 +288,19 @@ class CheckpointDriver:
             elif isinstance(event, KeyedCheckpointAck):
                 groups.setdefault(reported.stage, {}).update(chains_from_json(event.chains))
                 written += event.written
+                keyed_marks.setdefault(reported.stage, []).append(event.watermark)
                 if event.writer is not None and event.database is not None:
                     databases[event.writer] = database_from_json(event.database)
             elif isinstance(event, SinkCheckpointAck) and event.offset is not None:
                 outputs[str(reported.index)] = event.offset
         assignments = self.host.checkpoint_assignments()
         first = self.keyed_stage
+        # A stage's watermark is its slowest instance's; none while one has none.
+        watermarks = {
+            stage: min(m for m in marks if m is not None)
+            for stage, marks in keyed_marks.items()
+            if None not in marks
+        }
         return CheckpointMeta(
             id=checkpoint,
             created=started,
@@ -308,6 +316,7 @@ class CheckpointDriver:
                 for stage, a in assignments.items()
                 if stage != first
             },
+            watermarks=watermarks,
         )
 
 

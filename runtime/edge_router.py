@@ -40,6 +40,7 @@ from keyshift.runtime.transport import BARRIER, END, MARKER, TransportError
 
 log = logging.getLogger("keyshift.routing")
 Function = tuple[str, Callable[..., Any]]
+Stamp = Callable[[pa.RecordBatch], pa.RecordBatch]  # sets each record's event time
 
 
 def resolve_transforms(transforms: tuple[Chained, ...]) -> list[Function]:
@@ -115,11 +116,14 @@ class EdgeRouter:
         self.dead: set[int] = set()
         self.stranded: list[bytes] = []
 
-    def prepare(self, batch: pa.RecordBatch) -> tuple[pa.RecordBatch, list[tuple[int, bytes]]]:
-        """The records as the keyed stage reads them (transformed, checked, with their key
-        groups), and their parts by owner."""
+    def prepare(
+        self, batch: pa.RecordBatch, stamp: Stamp = lambda batch: batch
+    ) -> tuple[pa.RecordBatch, list[tuple[int, bytes]]]:
+        """The records as the keyed stage reads them (transformed, checked, `stamp`ed with
+        their event times, with their key groups), and their parts by owner."""
         if self.transforms:
             batch = apply_transforms(self.ctx, batch, self.transforms, self.fields)
+        batch = stamp(batch)
         groups = key_groups(batch.column(self.key_by), self.ctx.spec.max_key_groups)
         batch = batch.set_column(batch.schema.get_field_index(GROUP), GROUP, pa.array(groups))
         return batch, self.route(batch, groups)
@@ -195,13 +199,15 @@ class Outputs:
         self.routers = {route.target: EdgeRouter(ctx, route) for route in routes}
         self.paused = False
 
-    def prepare(self, batch: pa.RecordBatch) -> tuple[int, list[Routed]]:
+    def prepare(
+        self, batch: pa.RecordBatch, stamp: Stamp = lambda batch: batch
+    ) -> tuple[int, list[Routed]]:
         """`batch` as every route sends it: the records out (after each route's filters), and
         each router's parts by owner."""
         out = 0
         routed = []
         for router in self.routers.values():
-            records, parts = router.prepare(batch)
+            records, parts = router.prepare(batch, stamp)
             out += records.num_rows
             routed.append((router, parts))
         return out, routed

@@ -36,6 +36,7 @@ from keyshift.runtime.protocol import (
     Rescaling,
     Retire,
     Topology,
+    Watermark,
     parse,
 )
 from keyshift.runtime.records import (
@@ -73,8 +74,10 @@ from keyshift.runtime.transport import (
     LEAVE,
     MARKER,
     STATE,
+    WATERMARK,
     Outlet,
 )
+from keyshift.runtime.watermarks import WatermarkTracker
 
 IDLE_WAIT = 0.05
 PUSH_SLICE = 0.05  # seconds of state pushing between two batches of records, at most
@@ -175,6 +178,7 @@ class KeyedStage:
         self.retire = False
         self.rescaling = False
         self.aligner = BarrierAligner()
+        self.watermark = WatermarkTracker(self.senders())
         settings = spec.checkpoints
         self.checkpointer = (
             KeyedCheckpointer(settings, f"{ctx.stage}-{ctx.index}") if settings else None
@@ -182,7 +186,15 @@ class KeyedStage:
         if ctx.restore is not None and self.checkpointer is not None:
             restore = ctx.restore.of_stage(ctx.stage)
             keys = self.checkpointer.restore(restore, self.state, self.owned)
-            log.info("restored %d keys from checkpoint %d", keys, ctx.restore.id)
+            # Event time goes on from the checkpoint's, not from the replay's first records.
+            self.watermark.current = ctx.restore.watermarks.get(ctx.stage)
+            self.ctx.watermark_us = self.watermark.current
+            log.info(
+                "restored %d keys from checkpoint %d, at watermark %s",
+                keys,
+                ctx.restore.id,
+                self.watermark.current,
+            )
         ctx.fetch_served.set()
 
     # -- records ---------------------------------------------------------------------------
@@ -363,11 +375,21 @@ class KeyedStage:
         elif kind == BARRIER:
             self.aligner.arrive(sender, parse(Barrier, json.loads(payload)))
             self.checkpoint_if_aligned()
+        elif kind == WATERMARK:
+            mark = parse(Watermark, json.loads(payload))
+            self.watermark_moved(self.watermark.advance(sender, mark.watermark, mark.idle))
         elif kind == END and sender in self.senders():
             self.ended.add(sender)
+            self.watermark_moved(self.watermark.end(sender))
             if self.move_out is not None:
                 self.move_out.marker(sender, None)
             self.checkpoint_if_aligned()
+
+    def watermark_moved(self, moved: bool) -> None:
+        """The instance's watermark, the minimum over its live sources', went forward."""
+        current = self.watermark.current
+        if moved and current is not None and current < WatermarkTracker.FINAL:
+            self.ctx.watermark_us = current
 
     def checkpoint_if_aligned(self) -> None:
         """Once every live sender's barrier is in: write the owned groups, ack, pass the
@@ -379,6 +401,9 @@ class KeyedStage:
         if self.checkpointer is None:
             raise ProtocolError("a checkpoint barrier arrived, but the job takes no checkpoints")
         ack = self.checkpointer.take(barrier, self.state, self.owned)
+        current = self.watermark.current
+        if current is not None and current < WatermarkTracker.FINAL:
+            ack = ack.model_copy(update={"watermark": current})
         if ack.error:
             self.ctx.metrics.storage_failed("checkpoint")
         self.ctx.emit(ack)
