@@ -27,6 +27,7 @@ from keyshift.runtime.protocol import (
     Barrier,
     Command,
     InDone,
+    KeyedCheckpointAck,
     MigrateIn,
     MigrateOut,
     OutDone,
@@ -327,24 +328,33 @@ class KeyedStage:
             self.checkpoint_if_aligned()
 
     def checkpoint_if_aligned(self) -> None:
-        """Once every live source's barrier is in: write the owned groups, ack, pass the
-        barrier on to the sinks, and go on with what the aligned sources sent meanwhile."""
+        """Once every live source's barrier is in: snapshot the owned groups (their upload
+        runs beside the loop and acks when it ends), pass the barrier on to the sinks, and go
+        on with what the aligned sources sent meanwhile."""
         if not self.aligner.aligned(self.sources - self.ended):
             return
         barrier = self.aligner.barrier
         assert barrier is not None
         if self.checkpointer is None:
             raise ProtocolError("a checkpoint barrier arrived, but the job takes no checkpoints")
-        ack = self.checkpointer.take(barrier, self.state, self.owned)
-        if ack.error:
-            self.ctx.metrics.storage_failed("checkpoint")
-        self.ctx.emit(ack)
+        # An upload still running belongs to a checkpoint the coordinator gave up on: this
+        # one needs to know whether that one's files were stored before it can build on them.
+        self.acknowledge(self.checkpointer.wait())
+        self.checkpointer.start(barrier, self.state, self.owned)
         encoded = json.dumps(barrier.wire()).encode()
         for outlet in self.sinks.values():
             self.ctx.send(outlet, encoded, kind=BARRIER)
         for delivery in self.aligner.finish():
             self.backlog.append((delivery.sender, delivery.kind, delivery.payload))
             delivery.release()
+
+    def acknowledge(self, ack: KeyedCheckpointAck | None) -> None:
+        """Tell the coordinator how a checkpoint's upload ended."""
+        if ack is None:
+            return
+        if ack.error:
+            self.ctx.metrics.storage_failed("checkpoint")
+        self.ctx.emit(ack)
 
     def run(self) -> None:
         ctx = self.ctx
@@ -364,6 +374,8 @@ class KeyedStage:
                 self.move_out.flush()
                 self.move_out.push_for(PUSH_SLICE)
             self.finish_moves()
+            if self.checkpointer is not None:
+                self.acknowledge(self.checkpointer.finished())
             if self.retire and self.move_out is None and self.move_in is None:
                 break
             if self.backlog:
@@ -383,6 +395,8 @@ class KeyedStage:
             payload = delivery.payload
             delivery.release()
             self.deliver(delivery.sender, delivery.kind, payload)
+        if self.checkpointer is not None:
+            self.acknowledge(self.checkpointer.wait())
         for outlet in self.sinks.values():
             outlet.finish(kind=LEAVE if self.retire else END)
 
