@@ -19,7 +19,8 @@ from keyshift.runtime.job import StateSettings
 # Measured (bench/state_memory.py, bench/README.md): a keyed instance's peak RSS less its
 # block cache and write buffers, with 65,536-record batches, was 248 MiB.
 PROCESS_BASE_MIB = 256
-# RocksDB's SST files are at most 64 MiB (its default target file size) plus slack.
+# A file moved whole through memory (compaction's SST files are cut at 8 MiB, a flushed one is a
+# write buffer's size) and RocksDB's table readers and iterators, with slack.
 HEADROOM_MIB = 128
 _UNITS = {
     "": 1,
