@@ -11,7 +11,7 @@ JAVA := /usr/bin/java
 SUDO := $(shell [ "$$(id -u)" -eq 0 ] || command -v sudo)
 APT_INSTALL := $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends
 
-.PHONY: demo demo-autoscale test lint typecheck prometheus java bench bench-rescale bench-autoscaling bench-spark bench-checkpoints clean
+.PHONY: demo demo-autoscale test test-fast lint typecheck prometheus java bench bench-rescale bench-autoscaling bench-spark bench-checkpoints clean
 
 # `python -m` puts the working directory first on sys.path, where our operator/ folder would
 # shadow the standard library's `operator`; so venv and pip run from / and by their scripts.
@@ -67,6 +67,11 @@ typecheck: $(STAMP)
 test: lint typecheck prometheus java
 	$(VENV)/bin/pytest -n 2 --dist worksteal -m "not alone" --durations=25
 	$(VENV)/bin/pytest -m alone --durations=10
+
+# The tests that start no process and no server (`-m "not live"`; a test that does and is not
+# marked `live` fails at once, see tests/conftest.py): minutes, for the edit-test loop.
+test-fast: lint typecheck
+	$(VENV)/bin/pytest -n 2 --dist worksteal -m "not live and not alone" --durations=10
 
 bench: $(STAMP)
 	$(PY) bench/throughput.py

@@ -17,6 +17,7 @@ import json
 import math
 import sys
 from pathlib import Path
+from typing import Literal
 
 from keyshift.policies.settings import AutoscalerSettings
 from keyshift.policies.simulation import (
@@ -29,7 +30,7 @@ from keyshift.policies.simulation import (
     target_problems,
 )
 
-POLICIES = ("ds2", "threshold")
+POLICIES: tuple[Literal["ds2", "threshold"], ...] = ("ds2", "threshold")
 
 
 def converge_cell(changes: tuple[ChangeResult, ...]) -> str:

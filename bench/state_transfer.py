@@ -61,7 +61,9 @@ def fill(state: RocksAggregateState, keys: int) -> None:
     state._db.flush()
 
 
-def move_all(old: RocksAggregateState, new: RocksAggregateState, bulk: bool, per: int) -> dict:
+def move_all(
+    old: RocksAggregateState, new: RocksAggregateState, bulk: bool, per: int
+) -> dict[str, float]:
     export_s = import_s = 0.0
     wire = moved = 0
     for start in range(0, GROUPS, per):

@@ -7,6 +7,7 @@ whose whole process group is killed at the end), and the `prometheus` fixture st
 
 from __future__ import annotations
 
+import itertools
 import os
 import signal
 import subprocess
@@ -152,6 +153,63 @@ def one_keyed_coordinator() -> Iterator[tuple[Coordinator, str]]:
     finally:
         coordinator.shutdown(Empty())
         server.stop(None)
+
+
+# A test is `live` when it starts one of these: a keyshift process (the CLI, a coordinator or an
+# instance), a Prometheus or S3 server, Spark's JVM. `make test-fast` runs the tests that are
+# not; `_live_tests_are_marked` keeps the marks honest.
+LIVE_PROGRAMS = frozenset({"keyshift", "prometheus", "moto_server", "java", "spark-submit"})
+
+
+def live_program(args: Any) -> str | None:
+    """What in a Popen's `args` makes the test live, if anything."""
+    argv = [str(a) for a in args] if isinstance(args, list | tuple) else [str(args)]
+    if not argv:
+        return None
+    if Path(argv[0]).name in LIVE_PROGRAMS:
+        return Path(argv[0]).name
+    for flag, module in itertools.pairwise(argv):
+        if flag == "-m" and module.startswith("keyshift."):
+            return module
+    return None
+
+
+@contextmanager
+def _refusing_live_programs(item: pytest.Item) -> Iterator[None]:
+    """While a test not marked `live` (or `alone`) sets up and runs, starting a live program
+    fails it at once, naming the program: `make test-fast` never hides a multi-process test
+    and never waits on one. (Around the test's phases, not in a fixture, so that fixtures of a
+    wider scope, such as the module's S3 server, are caught too.)"""
+    if item.get_closest_marker("live") or item.get_closest_marker("alone"):
+        yield
+        return
+    start = subprocess.Popen.__init__
+
+    def guarded(self: subprocess.Popen[Any], args: Any, *rest: Any, **kwargs: Any) -> None:
+        program = live_program(args)
+        if program is not None:
+            pytest.fail(
+                f"{item.nodeid} starts {program}: mark it live (pytest.mark.live)", pytrace=False
+            )
+        start(self, args, *rest, **kwargs)
+
+    subprocess.Popen.__init__ = guarded  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        subprocess.Popen.__init__ = start  # type: ignore[method-assign]
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_setup(item: pytest.Item) -> Iterator[None]:
+    with _refusing_live_programs(item):
+        return (yield)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item: pytest.Item) -> Iterator[None]:
+    with _refusing_live_programs(item):
+        return (yield)
 
 
 @pytest.fixture(autouse=True)

@@ -79,7 +79,7 @@ def _now() -> str:
     return datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
 
 
-class Emulator(kmock.KubernetesEmulator):  # type: ignore[misc]
+class Emulator(kmock.KubernetesEmulator):
     _versions = itertools.count(1)
 
     def _has_status(self, resource: kmock.resource) -> bool:
@@ -100,13 +100,17 @@ class Emulator(kmock.KubernetesEmulator):  # type: ignore[misc]
         if request.resource is not None and request.action == kmock.action.CREATE:
             if isinstance(request.data, dict):
                 self._amend_create(request.resource, request.namespace, request.data)
-        elif request.resource is not None and request.action == kmock.action.UPDATE:
+        elif (
+            request.resource is not None and request.name and request.action == kmock.action.UPDATE
+        ):
             key = (request.resource, request.namespace, request.name)
-            if request.name and key in self.objects and not self.objects[key].deleted:
+            if key in self.objects and not self.objects[key].deleted:
                 self._amend_patch(request, self.objects[key].raw)
         return await super()._handle(request)
 
-    def _amend_create(self, resource: kmock.resource, namespace: str | None, body: dict) -> None:
+    def _amend_create(
+        self, resource: kmock.resource, namespace: str | None, body: dict[str, Any]
+    ) -> None:
         meta = body.setdefault("metadata", {})
         if not meta.get("name") and meta.get("generateName"):
             meta["name"] = meta["generateName"] + uuid.uuid4().hex[:5]
@@ -128,7 +132,12 @@ class Emulator(kmock.KubernetesEmulator):  # type: ignore[misc]
                 status=422, reason="Invalid", message="fieldManager is required for apply patch"
             )
         config = request.data if isinstance(request.data, dict) else yaml.safe_load(request.text)
-        if not isinstance(config, dict) or config.get("metadata", {}).get("name") != request.name:
+        if (
+            request.resource is None
+            or not request.name
+            or not isinstance(config, dict)
+            or config.get("metadata", {}).get("name") != request.name
+        ):
             raise kmock.KubernetesError(
                 status=400, reason="BadRequest", message="an applied object names itself"
             )
@@ -146,14 +155,15 @@ class Emulator(kmock.KubernetesEmulator):  # type: ignore[misc]
             object.__setattr__(request, "data", jsonpatch.make_patch(live, new).patch)
 
     def _amend_patch(self, request: kmock.Request, old: dict[str, Any]) -> None:
-        data, sub = request.data, request.subresource
+        data, sub, resource = request.data, request.subresource, request.resource
+        assert resource is not None  # the caller patches named resources only
         if sub == "scale" and isinstance(data, dict):
             # The scale subresource of our CRD maps .spec.replicas to the keyed parallelism.
             replicas = data.get("spec", {}).get("replicas")
             data.clear()
             data["spec"] = {"job": {"keyed": {"parallelism": replicas}}}
             sub = None
-        if self._has_status(request.resource) and sub in (None, "status"):
+        if self._has_status(resource) and sub in (None, "status"):
             if isinstance(data, dict):
                 kept = {k: v for k, v in data.items() if (k == "status") == (sub == "status")}
                 data.clear()
@@ -183,7 +193,7 @@ class Emulator(kmock.KubernetesEmulator):  # type: ignore[misc]
             new.patch(data)
         except jsonpatch.JsonPatchException as exc:
             raise kmock.KubernetesError(status=422, reason="Invalid", message=str(exc)) from exc
-        self._validate(request.resource, new.raw)
+        self._validate(resource, new.raw)
         if "managedFields" in old.get("metadata", {}) and _content_type(request) != APPLY_PATCH:
             manager = request.params.get("fieldManager") or _user_agent(request)
             fields = ssa.updated(old, new.raw, manager)
@@ -239,7 +249,7 @@ def _scale_of(emu: Emulator, namespace: str, name: str) -> dict[str, Any]:
     }
 
 
-def stored(emu: Emulator, resource: str, namespace: str | None, name: str) -> dict | None:
+def stored(emu: Emulator, resource: str, namespace: str | None, name: str) -> dict[str, Any] | None:
     key = (kmock.resource(resource), namespace, name)
     if key not in emu.objects or emu.objects[key].deleted:
         return None

@@ -82,7 +82,7 @@ def unary(security: Security, address: str, method: str, body: bytes = b"{}") ->
         try:
             channel.unary_unary(method, None, None)(body, timeout=10)
         except grpc.RpcError as exc:
-            return exc.code()  # type: ignore[no-any-return]
+            return exc.code()
     return grpc.StatusCode.OK
 
 
@@ -94,7 +94,7 @@ def push_stream(security: Security, address: str, messages: list[bytes]) -> grpc
             for _credit in call(iter(messages), timeout=10):
                 pass
         except grpc.RpcError as exc:
-            return exc.code()  # type: ignore[no-any-return]
+            return exc.code()
     return grpc.StatusCode.OK
 
 
@@ -268,6 +268,7 @@ def test_the_ingest_service_refuses_pushes_without_the_token(job_security: Secur
         server.stop(None)
 
 
+@pytest.mark.live
 def test_a_process_without_a_secret_refuses_to_start(tmp_path: Path) -> None:
     job = tmp_path / "job.yaml"
     job.write_text(json.dumps(count_job()))
@@ -395,9 +396,10 @@ def test_bad_tls_settings_get_a_clear_error(tmp_path: Path) -> None:
 
 def scrape(port: int) -> str:
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as reply:
-        return reply.read().decode()  # type: ignore[no-any-return]
+        return reply.read().decode()
 
 
+@pytest.mark.live
 @pytest.mark.slow
 def test_peers_without_the_token_or_an_identity_cannot_end_or_stop_a_running_job(
     tmp_path: Path,
@@ -515,6 +517,7 @@ def keyshift(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str
     )  # fmt: skip
 
 
+@pytest.mark.live
 @pytest.mark.slow
 def test_keyshift_run_makes_a_secret_that_status_finds_and_others_lack(tmp_path: Path) -> None:
     """Without KEYSHIFT_JOB_SECRET, `keyshift run` generates one and records it for
@@ -543,6 +546,7 @@ def test_keyshift_run_makes_a_secret_that_status_finds_and_others_lack(tmp_path:
     assert run.returncode == 0, output
 
 
+@pytest.mark.live
 def test_keyshift_run_refuses_a_secret_too_short(tmp_path: Path) -> None:
     job = write_job(tmp_path, count_job())
     out = keyshift({**os.environ, SECRET_ENV: "short"}, "run", str(job), "--no-view")

@@ -98,6 +98,7 @@ def keyshift_status(name: str) -> dict[str, Any]:
     return json.loads(out.stdout) if out.returncode == 0 else {}
 
 
+@pytest.mark.live
 def test_load_step_scales_out_then_in_with_default_settings_and_real_prometheus(
     tmp_path: Path, prometheus: PrometheusServer
 ) -> None:
@@ -151,6 +152,7 @@ def test_load_step_scales_out_then_in_with_default_settings_and_real_prometheus(
     check_output(out, job["source"]["config"], [max(seq for _, seq in seen) + 1])
 
 
+@pytest.mark.live
 def test_dry_run_reports_decisions_and_never_rescales(tmp_path: Path) -> None:
     """The embedded default (direct scraping); 10k/s against one ~6k/s instance."""
     job = slow_job(tmp_path / "out", {"kind": "constant", "rate": 10_000},
@@ -160,6 +162,7 @@ def test_dry_run_reports_decisions_and_never_rescales(tmp_path: Path) -> None:
     assert "rescale 1" not in text and "track      x1" in text, text
 
 
+@pytest.mark.live
 def test_prometheus_down_means_no_decision_and_the_job_runs_on(tmp_path: Path) -> None:
     nobody = f"http://127.0.0.1:{free_port()}"
     job = slow_job(
@@ -171,6 +174,7 @@ def test_prometheus_down_means_no_decision_and_the_job_runs_on(tmp_path: Path) -
     assert "job auto finished" in text
 
 
+@pytest.mark.live
 @pytest.mark.parametrize(
     ("settings", "message"),
     [
@@ -192,6 +196,7 @@ def test_invalid_settings_are_refused_before_anything_starts(
     assert "invalid job" in out.stdout and message in out.stdout, out.stdout
 
 
+@pytest.mark.live
 def test_both_metrics_sources_read_the_same_rates_from_a_running_job(
     tmp_path: Path, prometheus: PrometheusServer
 ) -> None:
@@ -243,6 +248,7 @@ def _collects(source: ScrapeSource | PrometheusSource) -> bool:
     return True
 
 
+@pytest.mark.live
 def test_a_query_that_finds_nothing_is_a_reason_not_a_crash(
     prometheus: PrometheusServer,
 ) -> None:
@@ -294,6 +300,7 @@ def pushing_behind(endpoint: str) -> Iterator[None]:
         thread.join(timeout=30)
 
 
+@pytest.mark.live
 def test_both_metrics_sources_read_the_backlog_an_ingest_client_reports(
     tmp_path: Path, prometheus: PrometheusServer
 ) -> None:
@@ -319,6 +326,7 @@ def test_both_metrics_sources_read_the_backlog_an_ingest_client_reports(
             scrape.close()
 
 
+@pytest.mark.live
 def test_a_job_whose_ingest_client_is_behind_is_scaled_for_the_backlog(tmp_path: Path) -> None:
     # The client pushes ~1,000 rows/s, which one instance takes at under 20 % busy, and reports
     # 60,000 rows due but not pushed: over client_catch_up = 10 s, 6,000/s more. Sized for

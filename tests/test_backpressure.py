@@ -7,9 +7,12 @@ from pathlib import Path
 
 import psutil
 import pyarrow as pa
+import pytest
 
 from keyshift.runtime.output_log import OutputLogReader, commit_reader
 from tests.conftest import count_job, running_job, wait_for
+
+pytestmark = pytest.mark.live
 
 TARGET_RATE = 200_000
 
@@ -101,8 +104,8 @@ def test_a_lagging_log_reader_backpressures_the_job_and_nothing_is_dropped(
                 tables.append(OutputLogReader(out).read(0, read, end))
                 commit_reader(out, "r", {0: end})
                 read = end
-            wait_for(
-                lambda r=read: (
+            wait_for(  # mypy cannot type a lambda's default argument, which binds read's value
+                lambda r=read: (  # type: ignore[misc]
                     OutputLogReader(out).end_offset(0) > r or local.status()["phase"] == "finished"
                 ),
                 60,

@@ -10,12 +10,15 @@ from collections import Counter
 from pathlib import Path
 
 import psutil
+import pytest
 
 from keyshift.runtime.generator import KeyGenerator
 from keyshift.runtime.job import GeneratorSource
 from keyshift.runtime.output_log import OutputLogReader
 from keyshift.runtime.transport import JsonClient
 from tests.conftest import children_of, cli, count_job, running_job, wait_for, write_job
+
+pytestmark = pytest.mark.live
 
 
 def test_invalid_job_file_names_the_field_before_starting_anything(tmp_path: Path) -> None:

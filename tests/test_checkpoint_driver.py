@@ -14,7 +14,9 @@ from __future__ import annotations
 import queue
 import threading
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
+
+import grpc
 
 from keyshift.runtime.checkpoint_store import CheckpointStore
 from keyshift.runtime.checkpointing import CheckpointDriver, CheckpointOutcome
@@ -37,10 +39,15 @@ STAGES = {"source": 2, "counts": 1, "sink": 1}
 
 
 class Gone:
-    """The gRPC context of a command stream whose instance died."""
+    """The gRPC context of a command stream whose instance died (the one method `watch` asks
+    of its context; `gone()` gives it the context's type)."""
 
     def is_active(self) -> bool:
         return False
+
+
+def gone() -> grpc.ServicerContext:
+    return cast(grpc.ServicerContext, Gone())
 
 
 class Job:
@@ -57,12 +64,13 @@ class Job:
         )
         self.store = store or CheckpointStore(str(tmp_path / "checkpoints"))
         self.coordinator = Coordinator(spec, 30.0, store=self.store, **kw)
+        assert spec.checkpoints is not None
         self.driver = CheckpointDriver(
             self.coordinator,
             spec.checkpoints,
             self.store,
             "counts",
-            threading.Event(),  # type: ignore[arg-type]
+            threading.Event(),
         )
         self.identities = {
             (stage, index): self.coordinator.register(
@@ -95,12 +103,13 @@ class Job:
         outcome: list[CheckpointOutcome] = []
         thread = threading.Thread(target=lambda: outcome.append(self.driver.take(members)))
         thread.start()
+        assert self.driver.next_id is not None
         answer(self.driver.next_id - 1)
         thread.join(timeout=10)
         return outcome[0]
 
     def ack_keyed_and_sink(self, checkpoint: int, offset: int) -> None:
-        chains = {"shards": [], "groups": {}}
+        chains: dict[str, Any] = {"shards": [], "groups": {}}
         self.report("counts", 0, events=[KeyedCheckpointAck(id=checkpoint, chains=chains)])
         self.report("sink", 0, events=[SinkCheckpointAck(id=checkpoint, offset=offset)])
 
@@ -172,7 +181,7 @@ def test_a_restarted_coordinator_records_its_recovery(tmp_path: Path) -> None:
         first.ack_keyed_and_sink(checkpoint, 5)
 
     assert first.take(answer).ok
-    list(first.coordinator.watch(first.whoami("counts", 0), Gone()))
+    list(first.coordinator.watch(first.whoami("counts", 0), gone()))
     assert first.coordinator.restart and first.coordinator.phase == "recovering"
 
     meta = store.latest_valid()
@@ -212,7 +221,7 @@ def test_an_instance_silent_past_the_heartbeat_timeout_is_lost(tmp_path: Path) -
     (error,) = coordinator.errors
     assert error.startswith("instance counts/0") and "sent no report for 15 s" in error
     assert None in job.commands("counts", 0)  # its command stream is ended
-    list(coordinator.watch(job.whoami("counts", 0), Gone()))  # and once it ends...
+    list(coordinator.watch(job.whoami("counts", 0), gone()))  # and once it ends...
     assert coordinator.errors == [error]  # ...it is not lost a second time
 
     spec = parse_job(count_job(keyed={"parallelism": 1}, sink={"parallelism": 1}))

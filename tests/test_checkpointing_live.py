@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
+import pytest
 
 from keyshift.runtime.checkpoint_store import CheckpointStore
 from keyshift.runtime.output_log import OutputLogReader
@@ -23,6 +24,8 @@ from keyshift.runtime.state_checkpoint import read_groups
 from keyshift.runtime.transport import JsonClient
 from tests.conftest import count_job, running_job, wait_for
 from tests.test_rescale import SERVICE, rescale_via, truth
+
+pytestmark = pytest.mark.live
 
 SOURCE = {"kind": "generator", "keys": 3000, "distribution": "zipf", "seed": 9,
           "profile": {"rate": 10000}, "total": 100_000}  # fmt: skip
@@ -46,7 +49,7 @@ def checkpointed_job(
 
 
 def checkpoints_of(local: Any) -> dict[str, Any]:
-    return local.status()["checkpoints"]  # type: ignore[no-any-return]
+    return local.status()["checkpoints"]
 
 
 def test_every_checkpoint_is_a_consistent_cut_through_a_rescale(tmp_path: Path) -> None:

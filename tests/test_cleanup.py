@@ -9,8 +9,11 @@ import subprocess
 from pathlib import Path
 
 import psutil
+import pytest
 
 from tests.conftest import children_of, cli, count_job, wait_for, write_job
+
+pytestmark = pytest.mark.live
 
 STEADY = {"kind": "generator", "keys": 1000, "profile": {"rate": 5000}}
 

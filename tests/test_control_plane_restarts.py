@@ -128,13 +128,13 @@ def replicas(emu: Emulator, stage: str) -> int | None:
     return sts.get("spec", {}).get("replicas")
 
 
-def coordinator(client: JsonClient) -> dict[str, Any]:
+def coordinator(client: JobClient) -> dict[str, Any]:
     status: dict[str, Any] = client.call("Status", None, 3.0)
     return status
 
 
 async def settled(
-    emu: Emulator, runner: PodRunner, client: JsonClient, keyed: int, what: str
+    emu: Emulator, runner: PodRunner, client: JobClient, keyed: int, what: str
 ) -> None:
     """Wait until the running coordinator's keyed stage is at `keyed`, every StatefulSet runs
     what the coordinator wants, and no pod above that is left (a retired one would crash-loop
@@ -158,7 +158,7 @@ async def settled(
     await eventually(check, 120, what)
 
 
-async def drain_and_check(client: JsonClient, out: Path) -> None:
+async def drain_and_check(client: JobClient, out: Path) -> None:
     """Stop the sources, wait for the job to finish, and check its output is exactly once."""
     client.call("Drain", None, 5.0)
     final = await eventually(
@@ -168,7 +168,7 @@ async def drain_and_check(client: JsonClient, out: Path) -> None:
     check_output(out, SOURCE, emitted)
 
 
-def rescales_carried_the_plan(client: JsonClient) -> None:
+def rescales_carried_the_plan(client: JobClient) -> None:
     for rescale in coordinator(client)["rescales"]:
         assert rescale["strategy"] == "batched", rescale
         assert rescale["options"]["batch_groups"] == 64.0, rescale
@@ -304,7 +304,7 @@ async def test_coordinator_restarts_mid_and_just_after_rescales_lose_nothing(
             client.close()
 
 
-def _incarnation(client: JsonClient) -> str | None:
+def _incarnation(client: JobClient) -> str | None:
     try:
         return str(coordinator(client)["incarnation"])
     except TransportError:  # not answering while it restarts

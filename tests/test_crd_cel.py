@@ -18,6 +18,7 @@ from typing import Any
 import celpy
 import pytest
 import yaml
+from celpy.adapter import json_to_cel
 
 from keyshift.operator.crd import VALIDATIONS, crd_manifest
 from keyshift.operator.pod_hardening import template_problems
@@ -68,9 +69,9 @@ ENV = celpy.Environment()
 
 
 def evaluate(rule: str, value: Any, old: Any = None) -> bool:
-    activation = {"self": celpy.json_to_cel(value)}
+    activation = {"self": json_to_cel(value)}
     if "oldSelf" in rule:
-        activation["oldSelf"] = celpy.json_to_cel(old)
+        activation["oldSelf"] = json_to_cel(old)
     result = ENV.program(ENV.compile(rule)).evaluate(activation)
     if isinstance(result, Exception):  # celpy returns evaluation errors as values
         raise AssertionError(f"{rule!r} failed on {value!r}: {result}")

@@ -111,6 +111,7 @@ def test_generation_is_deterministic() -> None:
     assert first == [dashboard_json(board) for board in dashboards()]
 
 
+@pytest.mark.live
 def test_cli_writes_the_files_and_check_finds_them_stale(tmp_path: Path) -> None:
     def keyshift(*args: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run(
@@ -325,6 +326,7 @@ def empty_ones(counts: dict[tuple[str, str, str], int]) -> list[str]:
     ]
 
 
+@pytest.mark.live
 def test_every_query_runs_against_a_real_prometheus_scraping_a_running_job(
     tmp_path: Path, prometheus: PrometheusServer
 ) -> None:
@@ -462,9 +464,9 @@ def render_overview(prometheus: PrometheusServer, start: float, end: float, path
         axes.grid(color=grid, linewidth=0.6)
         for spine in axes.spines.values():
             spine.set_color(grid)
-        legend = axes.legend(fontsize=7, facecolor=background, edgecolor=grid, labelcolor=text,
+        shown = axes.legend(fontsize=7, facecolor=background, edgecolor=grid, labelcolor=text,
                              loc="best", ncol=2)  # fmt: skip
-        legend.get_frame().set_alpha(0.8)
+        shown.get_frame().set_alpha(0.8)
     figure.suptitle(
         f"keyshift / Job overview: job {JOB!r}, 5k then 18k records/s, DS2 scales {KEYED!r} out "
         "(lazy state moves); dashed lines are the dashboard's annotations",

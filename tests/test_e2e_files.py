@@ -739,6 +739,7 @@ def test_output_check_accepts_exactly_once_and_finds_every_kind_of_fault(tmp_pat
     assert any("no column" in p for p in problems(table.drop_columns(["seq"])))
 
 
+@pytest.mark.live
 def test_output_check_on_a_real_run_of_the_e2e_pipeline(tmp_path: Path) -> None:
     """The e2e job's pipeline (generator, examples.lookups:enrich over two instances, JSON
     lines), run locally and briefly: the check takes the output the runtime really writes."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 from collections import Counter, defaultdict
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +18,8 @@ from keyshift.runtime.generator import KeyGenerator, instance_total
 from keyshift.runtime.job import GeneratorSource
 from keyshift.runtime.output_log import OutputLogReader
 from tests.conftest import cli, count_job, write_job
+
+pytestmark = pytest.mark.live
 
 TIMEOUT = 120
 
@@ -87,8 +90,13 @@ def test_aggregates_equal_independent_truth(
     truth_values: dict[int, list[float]] = defaultdict(list)
     for _, _, key, value in generated(source, sources):
         truth_values[key].append(value)
-    reduce = {"count": len, "sum": sum, "max": max, "mean": lambda v: sum(v) / len(v)}[function]
-    truth = {key: reduce(values) for key, values in truth_values.items()}
+    reducers: dict[str, Callable[[list[float]], float]] = {
+        "count": len,
+        "sum": sum,
+        "max": max,
+        "mean": lambda v: sum(v) / len(v),
+    }
+    truth = {key: reducers[function](values) for key, values in truth_values.items()}
     got = final_values(out)
     assert got.keys() == truth.keys()
     for key, expected in truth.items():

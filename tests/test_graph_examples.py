@@ -48,6 +48,7 @@ def bounded(job: dict[str, Any], out: Path) -> dict[str, Any]:
     return job | {"batching": dict(BATCHING)}
 
 
+@pytest.mark.live
 @pytest.mark.parametrize("origin", ["yaml", "python"])
 def test_the_example_graph_equals_independent_truth(tmp_path: Path, origin: str) -> None:
     if origin == "yaml":

@@ -163,7 +163,7 @@ def chart() -> Iterator[Chart]:
 
 def documents(rendered: dict[str, str]) -> list[dict[str, Any]]:
     """The manifests of a render (NOTES.txt left out), in a stable order."""
-    docs = []
+    docs: list[dict[str, Any]] = []
     for path in sorted(rendered):
         if path.endswith("NOTES.txt"):
             continue
@@ -930,7 +930,7 @@ def test_operator_waits_for_its_start_before_liveness_counts() -> None:
 
 def test_by_default_jobs_get_the_operators_image_and_no_isolation() -> None:
     docs = render("default")
-    assert chart_child_options("default") == ChildOptions(job_image=f"{IMAGE}:0.1.0")
+    assert chart_child_options("default") == ChildOptions(jobImage=f"{IMAGE}:0.1.0")
     assert not of_kind(docs, "NetworkPolicy")
     assert not ISOLATION_RULES.keys() & rules(one(docs, "ClusterRole")).keys()
 

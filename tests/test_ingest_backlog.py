@@ -58,7 +58,7 @@ def test_the_latest_report_per_client_counts_and_ages_until_it_expires() -> None
     # (8 s now), b's 1 s old 10 s ago (11 s now).
     assert total.oldest_seconds == pytest.approx(11.0)
     # b has not reported for more than 30 s: its client is gone, its backlog with it.
-    assert backlogs.total(131.0) == BacklogTotal(4000, pytest.approx(29.0))
+    assert backlogs.total(131.0) == BacklogTotal(4000, pytest.approx(29.0))  # type: ignore[arg-type]
     assert backlogs.total(136.0) == BacklogTotal(0, 0.0)
 
 

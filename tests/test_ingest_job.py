@@ -7,9 +7,12 @@ from collections import Counter
 from pathlib import Path
 
 import pyarrow as pa
+import pytest
 
 from keyshift.runtime.ingest_client import IngestClient
 from tests.conftest import count_job, latest_by_version, running_job, wait_for
+
+pytestmark = pytest.mark.live
 
 
 def test_pushed_rows_are_counted_once_and_bad_rows_rejected(tmp_path: Path) -> None:

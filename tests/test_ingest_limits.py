@@ -213,6 +213,7 @@ def test_the_spark_writer_stages_parts_under_the_caps(endpoint: Endpoint) -> Non
             WriterOptions.parse({"endpoint": address, name: value})
 
 
+@pytest.mark.live
 @pytest.mark.slow
 def test_a_job_with_tight_limits_keeps_running_and_counts_every_row_once(
     tmp_path: Path,

@@ -77,7 +77,7 @@ class Storage:
         )
 
 
-@pytest.fixture(params=["local", "s3"])
+@pytest.fixture(params=["local", pytest.param("s3", marks=pytest.mark.live)])
 def storage(request: pytest.FixtureRequest, tmp_path: Path) -> Storage:
     if request.param == "local":
         return Storage(str(tmp_path / "ingest"), {})
@@ -184,6 +184,7 @@ def accepted(service: IngestService, table: pa.Table, batch_id: str) -> bool:
     return True
 
 
+@pytest.mark.live
 def test_an_s3_outage_refuses_rows_retryably_and_accepts_them_after(tmp_path: Path) -> None:
     with MotoServer() as server:
         bucket = s3_bucket(server.url, "outage")

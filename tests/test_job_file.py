@@ -8,6 +8,7 @@ from __future__ import annotations
 import re
 import resource
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -89,7 +90,7 @@ def test_merge_keys_may_override_and_limits_leave_real_jobs_alone(tmp_path: Path
 def test_functions_with_the_wrong_signature_are_refused(
     where: str, function: str, message: str
 ) -> None:
-    places = {
+    places: dict[str, dict[str, Any]] = {
         "map": {"source": {"transforms": [{"map": function}]}},
         "filter": {"source": {"transforms": [{"filter": function}]}},
         "process": {"keyed": {"operator": {"kind": "process", "function": function}}},
@@ -101,6 +102,7 @@ def test_functions_with_the_wrong_signature_are_refused(
     parse_job(job, resolve_functions=False)  # the operator checks the form only
 
 
+@pytest.mark.live
 @pytest.mark.slow
 def test_keyshift_run_refuses_hostile_files_with_exit_2(tmp_path: Path) -> None:
     cases = {**HOSTILE, "system": ("name: x\nsource: {transforms: [{map: 'os:system'}]}\n", "")}
@@ -114,6 +116,7 @@ def test_keyshift_run_refuses_hostile_files_with_exit_2(tmp_path: Path) -> None:
         assert "Traceback" not in output and message.split(" (")[0] in " ".join(output.split())
 
 
+@pytest.mark.live
 @pytest.mark.slow
 def test_rescale_exit_codes_match_the_readme(tmp_path: Path) -> None:
     with cli(["rescale", "127.0.0.1:1", "counts", "0"]) as proc:

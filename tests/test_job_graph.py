@@ -26,7 +26,9 @@ KEEP = "tests.pipeline_fns:keep"
 TRACK = "tests.job_fns:track"
 
 
-def stage(name: str, kind: str, input: str | list[str] | None = None, **rest: Any) -> dict:
+def stage(
+    name: str, kind: str, input: str | list[str] | None = None, **rest: Any
+) -> dict[str, Any]:
     data: dict[str, Any] = {"name": name, "kind": kind}
     if isinstance(input, str):
         data["input"] = input
@@ -37,7 +39,7 @@ def stage(name: str, kind: str, input: str | list[str] | None = None, **rest: An
     return data | rest
 
 
-def chain(**changes: dict) -> list[dict]:
+def chain(**changes: dict[str, Any]) -> list[dict[str, Any]]:
     """clicks -> keep (filter) -> per-user (count) -> out, each stage changeable by name."""
     stages = {
         "clicks": stage("clicks", "source", parallelism=2),
@@ -52,11 +54,11 @@ def chain(**changes: dict) -> list[dict]:
     return list(stages.values())
 
 
-def graph_job(stages: list[dict], **top: Any) -> dict:
+def graph_job(stages: list[dict[str, Any]], **top: Any) -> dict[str, Any]:
     return {"name": "g", "graph": stages} | top
 
 
-def refused(data: dict) -> str:
+def refused(data: dict[str, Any]) -> str:
     with pytest.raises(JobError) as err:
         parse_job(data)
     return str(err.value)
@@ -158,7 +160,7 @@ def test_keyed_output_fields_are_the_columns_the_keyed_stage_emits(function: str
 
 # -- bad graphs: refused before anything starts, naming the stage -------------------------------
 
-BAD_GRAPHS: dict[str, tuple[list[dict], str]] = {
+BAD_GRAPHS: dict[str, tuple[list[dict[str, Any]], str]] = {
     "cycle": (
         [
             stage("clicks", "source"),
@@ -259,7 +261,7 @@ def test_a_bad_graph_is_refused_naming_the_stage(case: str) -> None:
     assert reason in refused(graph_job(stages))
 
 
-BAD_STAGES: dict[str, tuple[dict, str]] = {
+BAD_STAGES: dict[str, tuple[dict[str, Any], str]] = {
     "input and inputs": (
         {"out": {"inputs": ["per-user"]}},
         "graph.3: Value error, give `input` or `inputs`, not both",
@@ -319,7 +321,7 @@ def test_a_cycle_without_a_way_in_is_still_named() -> None:
 
 # -- shapes the runtime does not execute yet ----------------------------------------------------
 
-NOT_YET: dict[str, tuple[list[dict], str]] = {
+NOT_YET: dict[str, tuple[list[dict[str, Any]], str]] = {
     "two keyed stages": (
         [
             stage("clicks", "source"),
@@ -387,6 +389,7 @@ def test_a_shape_the_runtime_cannot_run_yet_is_refused_naming_the_stage(case: st
     assert "not supported yet: " + reason in message, message
 
 
+@pytest.mark.live
 def test_keyshift_run_refuses_a_bad_graph_with_exit_2_before_starting(tmp_path: Path) -> None:
     path = write_job(tmp_path, graph_job(chain(out={"input": "nowhere"})))
     with cli(["run", str(path)]) as proc:

@@ -730,6 +730,7 @@ def test_bad_options_are_refused_naming_the_field(raw: str, message: str) -> Non
     assert str(failed.value).startswith(f"{CHILD_OPTIONS_ENV}: ")
 
 
+@pytest.mark.live
 def test_keyshift_operator_refuses_bad_options_before_it_starts(tmp_path: Path) -> None:
     """The entry point: a bad KEYSHIFT_CHILD_OPTIONS stops `keyshift operator` at once, naming
     the field (before it looks for cluster credentials, which this machine has none of)."""
@@ -807,7 +808,7 @@ def test_a_keyed_stage_on_rocksdb_requests_the_memory_its_cache_and_write_buffer
     }
     assert resources[f"{NAME}-sink"]["requests"]["memory"] == "128Mi"
     # A job that asks for more keeps what it asks for.
-    small = {"backend": "rocksdb", "block_cache_mb": 8, "write_buffer_mb": 1}
+    small: dict[str, Any] = {"backend": "rocksdb", "block_cache_mb": 8, "write_buffer_mb": 1}
     job["keyed"]["state"] = small
     _, manifests = build(job=job)
     (counts,) = [t for name, t in pod_templates(manifests) if name == f"{NAME}-counts"]

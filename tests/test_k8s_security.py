@@ -45,10 +45,10 @@ pytestmark = [
 ]
 
 # A Spark sink reads the output log on a shared claim (the operator refuses one without it).
-SPARK = {"sources": [{"name": "bids", "script": "/app/bids.py"}],
+SPARK: dict[str, Any] = {"sources": [{"name": "bids", "script": "/app/bids.py"}],
          "sinks": [{"name": "report", "script": "/app/report.py"}],
          "output": {"claim": "clicks-out"}}  # fmt: skip
-CREDENTIALS = {"secretName": "s3-creds"}
+CREDENTIALS: dict[str, Any] = {"secretName": "s3-creds"}
 
 
 @pytest_asyncio.fixture

@@ -57,7 +57,7 @@ def imports_of(path: Path, module: str | None = None) -> list[str]:
             elif isinstance(name, ast.JoinedStr):
                 start = name.values[0] if name.values else None
                 prefix = start.value if isinstance(start, ast.Constant) else ""
-                names.append(f"{prefix}*")
+                names.append(f"{prefix!s}*")
     return names
 
 

@@ -40,6 +40,7 @@ def one(samples: dict[str, dict[tuple[tuple[str, str], ...], float]], name: str)
     return next(iter(values.values()))
 
 
+@pytest.mark.live
 def test_every_instance_exports_its_metrics(tmp_path: Path) -> None:
     job = count_job(
         source={"config": {"kind": "generator", "keys": 1000, "profile": {"rate": 20000}}},

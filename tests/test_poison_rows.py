@@ -58,6 +58,7 @@ def ingest_address(local: Any) -> str | None:
     return instances[0]["stats"].get("ingest_address") if instances else None
 
 
+@pytest.mark.live
 @pytest.mark.slow
 def test_poison_rows_at_the_endpoint_are_rejected_alone_and_the_job_goes_on(
     tmp_path: Path,
@@ -101,6 +102,7 @@ def test_poison_rows_at_the_endpoint_are_rejected_alone_and_the_job_goes_on(
     assert {u: n for u, (n, _) in latest.items()} == {"ann": 3, "bob": 2, "cid": 2}
 
 
+@pytest.mark.live
 @pytest.mark.slow
 def test_poison_records_made_by_a_transform_are_rejected_alone(tmp_path: Path) -> None:
     total = 3000

@@ -29,6 +29,7 @@ def exporter() -> Iterator[tuple[str, Gauge]]:
         thread.join(timeout=5)
 
 
+@pytest.mark.live
 def test_scrapes_file_sd_targets_and_keeps_their_labels(
     prometheus: PrometheusServer, exporter: tuple[str, Gauge]
 ) -> None:
@@ -68,6 +69,7 @@ def test_exit_at_start_is_reported_with_the_log(tmp_path: Path) -> None:
     assert not server.running
 
 
+@pytest.mark.live
 def test_stopped_when_the_block_raises(tmp_path: Path) -> None:
     process: subprocess.Popen[bytes] | None = None
     with pytest.raises(RuntimeError, match="test failed"):  # noqa: SIM117 - the raise is the point

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import re
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +32,8 @@ from tests.conftest import (
     wait_for,
 )
 from tests.test_metrics import scrape
+
+pytestmark = pytest.mark.live
 
 SERVICE = "keyshift.Coordinator"
 
@@ -111,7 +113,7 @@ def run_with_rescales(
     steps: list[tuple[int, str]],
     job: dict[str, Any] | None = None,
     after: Callable[[LocalJob], None] = lambda local: None,
-    options: dict[str, float] | None = None,
+    options: Mapping[str, float] | None = None,
 ) -> list[dict[str, Any]]:
     out = tmp_path / "out"
     results = []
@@ -122,7 +124,8 @@ def run_with_rescales(
         for parallelism, strategy in steps:
             # Let records flow between rescales.
             flowed = sum_out(local)
-            wait_for(lambda f=flowed: sum_out(local) > f + 5000, 30, "records to flow")
+            # mypy cannot type a lambda's default argument, which binds the loop's value.
+            wait_for(lambda f=flowed: sum_out(local) > f + 5000, 30, "records to flow")  # type: ignore[misc]
             results.append(rescale_via(local, client, parallelism, strategy, options=options))
         after(local)
         local.drain()
@@ -157,7 +160,7 @@ def rescale_via(
     parallelism: int,
     strategy: str,
     stage: str = "track",
-    options: dict[str, float] | None = None,
+    options: Mapping[str, float] | None = None,
 ) -> dict[str, Any]:
     """Rescale while the test plays the host: it starts the instances the coordinator wants."""
     request = {"stage": stage, "parallelism": parallelism, "strategy": strategy}
@@ -267,7 +270,7 @@ def test_bad_rescale_requests_are_refused_and_change_nothing(tmp_path: Path) -> 
     with running_job(tmp_path, tracked_job(tmp_path / "out", source, 2)) as local:
         client = JsonClient(local.address, SERVICE)
         wait_for(lambda: local.status()["phase"] == "running", 30, "the job to run")
-        cases = [
+        cases: list[tuple[dict[str, Any], str]] = [
             ({"stage": "track", "parallelism": 0}, "from 1 to 256 (the maximum parallelism"),
             ({"stage": "track", "parallelism": 257}, "from 1 to 256 (the maximum parallelism"),
             ({"stage": "track", "parallelism": 5000}, "its max_key_groups, 4096), got 5000"),

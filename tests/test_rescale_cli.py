@@ -15,6 +15,8 @@ import pytest
 
 from tests.conftest import KEYSHIFT, REPO, children_of, cli, count_job, wait_for, write_job
 
+pytestmark = pytest.mark.live
+
 
 def keyshift(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(

@@ -179,6 +179,7 @@ def test_an_unreadable_memory_in_the_status_starts_that_part_afresh() -> None:
     assert remembered({}) == (type(memory)(), [])
 
 
+@pytest.mark.live
 @pytest.mark.slow
 def test_the_plan_travels_with_every_rescale_to_the_coordinator(tmp_path: Path) -> None:
     """A real coordinator gets the strategy and options; a plan it refuses changes nothing."""

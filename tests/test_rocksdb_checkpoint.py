@@ -42,7 +42,7 @@ from tests.test_state import G, make_batch
 EVERY = np.ones(G, dtype=bool)
 
 
-@pytest.fixture(params=["local", "s3"])
+@pytest.fixture(params=["local", pytest.param("s3", marks=pytest.mark.live)])
 def settings(request: pytest.FixtureRequest, tmp_path: Path) -> CheckpointSettings:
     if request.param == "local":
         return CheckpointSettings(storage=str(tmp_path / "checkpoints"))

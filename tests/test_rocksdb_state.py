@@ -75,6 +75,7 @@ def test_state_settings_are_checked_with_the_job(tmp_path: Path) -> None:
     assert parse_job({"name": "j"}).keyed.state.backend == "memory"
 
 
+@pytest.mark.live
 def test_a_job_whose_state_path_cannot_be_used_fails_at_start_naming_it(tmp_path: Path) -> None:
     (tmp_path / "a-file").write_text("")
     job = {

@@ -8,6 +8,7 @@ import dataclasses
 import functools
 import itertools
 import math
+from typing import Literal
 
 import pytest
 
@@ -39,7 +40,7 @@ CHECKED_RUNS = [(name, "ds2") for name in SUITE] + [
 
 
 @functools.cache
-def run(name: str, policy: str) -> RunResult:
+def run(name: str, policy: Literal["ds2", "threshold"]) -> RunResult:
     """A scenario of the suite at the default settings, simulated once per test session."""
     return simulate(SUITE[name], AutoscalerSettings(policy=policy))
 

@@ -24,7 +24,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from pyspark.errors import AnalysisException, PythonException, StreamingQueryException
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
-from pyspark.sql.streaming import StreamingQuery
+from pyspark.sql.streaming.query import StreamingQuery
 
 from keyshift.operator.local_host import LocalJob
 from keyshift.operator.scaling_metrics import members_of
@@ -91,7 +91,7 @@ def endpoint_of(local: LocalJob) -> str:
         instances = local.status()["stages"][0]["instances"]
         return instances[0]["stats"].get("ingest_address") if instances else None
 
-    return wait_for(address, 30, "the ingest endpoint")  # type: ignore[no-any-return]
+    return wait_for(address, 30, "the ingest endpoint")
 
 
 def ingested(local: LocalJob) -> int:

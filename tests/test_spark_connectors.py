@@ -128,7 +128,8 @@ def test_the_writer_estimates_what_is_due_and_not_pushed_from_due_times() -> Non
     assert waiting == pytest.approx(2400, abs=5)
     assert oldest == pytest.approx(12.0 - 9.601, abs=1e-3)
     # All pushed: what fell due since the last row, as old as that row.
-    assert due_backlog(rows, "due", 1000, now=12.0) == (pytest.approx(1998, abs=5), 2.0)
+    waiting, oldest = due_backlog(rows, "due", 1000, now=12.0)
+    assert waiting == pytest.approx(1998, abs=5) and oldest == 2.0
     # Timestamps do as well as microseconds; rows without a due time count as due.
     stamps = pa.table({"due": pa.array(due_us, pa.timestamp("us", "UTC"))})
     assert due_backlog(stamps, "due", 600, now=12.0) == due_backlog(rows, "due", 600, 12.0)

@@ -149,6 +149,7 @@ def test_a_job_with_a_secret_refuses_a_checkpoint_written_without_one(tmp_path: 
     assert CheckpointStore(str(tmp_path), seal=StateSeal(KEY)).latest_valid() is None
 
 
+@pytest.mark.live
 @pytest.mark.slow
 def test_pickled_state_moves_sealed_between_instances_exactly_once(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch

@@ -34,7 +34,7 @@ from tests.small_disk import fill, small_disk
 from tests.test_recovery import Run, coordinator_metrics
 from tests.test_rescale import applied_once, check_output, tracked_job
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.live, pytest.mark.slow]
 
 SOURCE = {"kind": "generator", "keys": 2000, "distribution": "zipf", "seed": 23,
           "profile": {"rate": 3000}}  # fmt: skip

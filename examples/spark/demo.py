@@ -159,7 +159,10 @@ def main() -> int:
         if job.wait(timeout=300) != 0:
             raise DemoError(f"keyshift run failed ({job.returncode})")
         records = log_records(log)
-        parquet = lambda: spark.read.parquet(str(OUT / "auctions")).count()  # noqa: E731
+
+        def parquet() -> int:
+            return int(spark.read.parquet(str(OUT / "auctions")).count())
+
         deadline = time.monotonic() + 120
         while parquet() < records:
             if time.monotonic() > deadline or sink.exception() is not None:

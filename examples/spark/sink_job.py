@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 from pyspark.sql import DataFrame, SparkSession
-from pyspark.sql.streaming import StreamingQuery
+from pyspark.sql.streaming.query import StreamingQuery
 
 from keyshift.spark.session import local_session, run_to_the_end
 

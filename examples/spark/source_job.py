@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 
 from pyspark.sql import DataFrame, SparkSession
-from pyspark.sql.streaming import StreamingQuery
+from pyspark.sql.streaming.query import StreamingQuery
 
 from keyshift.spark.bids import DUE_COLUMN
 from keyshift.spark.session import local_session, run_to_the_end
