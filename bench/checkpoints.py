@@ -74,7 +74,8 @@ def measure(interval: float | None, warmup: float, window: float, backend: str) 
             time.sleep(window)
             after = snapshot(local)
             checkpoints = local.status().get("checkpoints")
-            last = after["counts"].get("checkpoint") or {}
+            # The keyed instance's stats hold this mapping beside its counters.
+            last: dict[str, Any] = after["counts"].get("checkpoint") or {}  # type: ignore[assignment]
         result: dict[str, Any] = {
             "records_per_s": ratio(before["counts"], after["counts"], "records_in"),
             "state_keys": after["counts"].get("state_keys", 0),
