@@ -414,7 +414,7 @@ class KeyedCheckpointer:
         """Snapshot the owned groups for the barrier's checkpoint, here in the keyed loop, and
         store the snapshot on a thread of its own; `finished` or `wait` give the ack (with
         `error` when the storage failed: the job goes on, and the next checkpoint writes
-        everything again). One upload at a time: an upload still running is waited for."""
+        everything again). One upload at a time: the caller waits for a running one first."""
         if self._upload is not None:
             raise CheckpointProtocolError(
                 f"checkpoint {barrier.id} started while {self._upload.checkpoint}'s upload runs"

@@ -25,7 +25,7 @@ from keyshift.runtime.checkpoint_store import (
     chains_from_json,
     database_from_json,
 )
-from keyshift.runtime.checkpointing import KeyedCheckpointer
+from keyshift.runtime.checkpointing import CheckpointProtocolError, KeyedCheckpointer
 from keyshift.runtime.job import CheckpointSettings
 from keyshift.runtime.protocol import Barrier, KeyedCheckpointAck
 from keyshift.runtime.records import GROUP
@@ -296,6 +296,8 @@ def test_the_upload_runs_beside_the_loop_and_stores_the_state_at_the_barrier(
     try:
         wait_for(writing.is_set, 30, "the upload to start writing")
         assert checkpointer.finished() is None  # still uploading
+        with pytest.raises(CheckpointProtocolError, match="while 1's upload runs"):
+            checkpointer.start(Barrier(id=2, previous=1), state, EVERY)
         feed(state, range(4_000, 6_000))  # the loop goes on meanwhile
     finally:
         go_on.set()
