@@ -203,6 +203,9 @@ def test_state_beyond_memory_rescales_and_recovers_exactly_in_bounded_memory(
         },
         batching={"max_records": 16384, "linger_ms": 20, "credits": 4},
         checkpoints={"interval": 20, "storage": str(tmp_path / "checkpoints")},
+        # At 22 M keys on a loaded machine an instance receiving state sent no report for over
+        # 15 s (the default), and was taken as lost; this test is about the state.
+        heartbeat_timeout=60,
     )
     with running_job(tmp_path, job) as local:
         host = Host(local)
