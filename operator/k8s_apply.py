@@ -13,7 +13,9 @@ such as the HPA changes: two appliers of one field fight (each apply sets its ow
 and an applier that simply stops giving a field it owned removes it (the StatefulSet would drop
 to one replica). So the first apply, which creates the StatefulSet, gives the stage's initial
 parallelism, and the operator then hands the field over by applying it, same value, as the
-scaler (`apply_replicas`): from then on the scaler alone owns it. Used by
+scaler (`apply_replicas`): from then on the scaler alone owns it. A third manager,
+`keyshift-restarter`, owns one annotation of the coordinator's pod template, which it changes
+to restart a failed job (`restart_deployment`, as `kubectl rollout restart`). Used by
 `keyshift.operator.k8s_operator` and `keyshift.operator.k8s_scaling`.
 """
 
@@ -28,6 +30,8 @@ from keyshift.operator.k8s_children import MANAGER
 
 APPLY_PATCH = "application/apply-patch+yaml"
 SCALER = "keyshift-scaler"
+RESTARTER = "keyshift-restarter"
+RESTARTED_AT = "keyshift.io/restartedAt"
 
 
 async def apply(api: k8s.ApiClient, manifest: Mapping[str, Any], manager: str = MANAGER) -> None:
@@ -73,3 +77,16 @@ async def apply_replicas(api: k8s.ApiClient, name: str, namespace: str, replicas
         "spec": {"replicas": replicas},
     }
     await apply(api, config, SCALER)
+
+
+async def restart_deployment(api: k8s.ApiClient, name: str, namespace: str, at: str) -> None:
+    """Roll the Deployment `name`'s pods, as `kubectl rollout restart` does: a new annotation
+    on its pod template (`at`, a time), owned by the restarter alone so the operator's own
+    applies keep it."""
+    config = {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {"name": name, "namespace": namespace},
+        "spec": {"template": {"metadata": {"annotations": {RESTARTED_AT: at}}}},
+    }
+    await apply(api, config, RESTARTER)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import datetime
 import logging
 import os
 import time
@@ -31,7 +32,12 @@ from kubernetes_asyncio.client.exceptions import ApiException
 from pydantic import ValidationError
 
 from keyshift.operator.conditions import condition, upsert_conditions
-from keyshift.operator.k8s_apply import apply, apply_replicas, scaler_owns_replicas
+from keyshift.operator.k8s_apply import (
+    apply,
+    apply_replicas,
+    restart_deployment,
+    scaler_owns_replicas,
+)
 from keyshift.operator.k8s_children import (
     SECRET_KEY,
     ChildOptions,
@@ -40,11 +46,13 @@ from keyshift.operator.k8s_children import (
     child_problems,
     children,
     coordinator_address,
+    coordinator_service_name,
     job_secret,
     job_secret_name,
     stage_selector,
     stage_set_name,
 )
+from keyshift.operator.k8s_restarts import Restarts
 from keyshift.operator.k8s_scaling import KubeJob, Memory, kube_job, remembered
 from keyshift.operator.rescale_executor import MigrationPlan
 from keyshift.operator.streamingjob import GROUP, PLURAL, VERSION, StreamingJobSpec
@@ -207,6 +215,7 @@ def build_registry(config: OperatorConfig) -> kopf.OperatorRegistry:
                 old.loop.state if old.loop else None,
                 old.executor.handled,
                 tuple(old.events.kept),
+                old.restarts,
             )
             old.close()
         else:
@@ -275,6 +284,9 @@ def build_registry(config: OperatorConfig) -> kopf.OperatorRegistry:
             patch.status["message"] = f"coordinator not reachable yet: {exc}"
             return
         kube.latest.value = current
+        restart = job.checkpoints is not None and kube.restarts.observe(
+            job.restart, current, time.time()
+        )
         if current.get("phase") == "finished" and not kube.finished:
             # A finite job is done: its workers exit, and a StatefulSet would restart them.
             kube.finished = True
@@ -286,6 +298,12 @@ def build_registry(config: OperatorConfig) -> kopf.OperatorRegistry:
             # Without a loop the executor still reports finished rescales (manual ones).
             await asyncio.to_thread(kube.executor.finished)
         async with await config.api_client() as api:
+            if restart:
+                at = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
+                await restart_deployment(api, coordinator_service_name(name), namespace, at)
+                errors = "; ".join(current.get("errors") or [])
+                message = f"restarting from the latest checkpoint after: {errors}"
+                kopf.warn(body, reason="Restarting", message=message)
             changed = await kube.pool.flush(api)
             ready = await _ready(api, name, namespace, job)
         for stage_name, replicas in changed:
@@ -318,15 +336,23 @@ def _keyed_parallelism(status: Mapping[str, Any], keyed: str) -> int | None:
     return None
 
 
-def observed_phase(current: Mapping[str, Any]) -> tuple[str, str | None, str]:
-    """The CR's phase from the coordinator's status, the Degraded condition's reason (None when
-    not degraded) and the message."""
+def observed_phase(
+    current: Mapping[str, Any], restarts: Restarts | None = None
+) -> tuple[str, str | None, str]:
+    """The CR's phase from the coordinator's status and, for a job the operator restarts when
+    it fails (one with checkpoints), the restart strategy's memory; the Degraded condition's
+    reason (None when not degraded) and the message."""
     phase = PHASES.get(str(current.get("phase")), "Pending")
     if current.get("rescale") and phase == "Running":
         phase = "Rescaling"
     if phase == "Pending" and current.get("restored_from") is not None:
         phase = "Recovering"  # a restarted coordinator waits for the restarted pods
     errors = "; ".join(current.get("errors") or [])
+    if phase == "Failed" and restarts is not None:
+        if restarts.gave_up is not None:
+            return phase, "RestartsExhausted", f"{errors}; not restarted again: {restarts.gave_up}"
+        if restarts.handled == current.get("incarnation"):
+            return "Recovering", None, f"restarting from the latest checkpoint after: {errors}"
     if phase == "Failed":
         return phase, "JobFailed", errors
     checkpoints = current.get("checkpoints") or {}
@@ -339,6 +365,18 @@ def observed_phase(current: Mapping[str, Any]) -> tuple[str, str | None, str]:
         )
         return "Degraded", "CheckpointsFailing", message
     return phase, None, errors
+
+
+def recovery_status(current: Mapping[str, Any]) -> dict[str, Any]:
+    """The StreamingJob's `recoveries` from the coordinator's record of them."""
+    recoveries = current.get("recoveries") or {}
+    last = recoveries.get("last") or {}
+    return {
+        "total": int(recoveries.get("total") or 0),
+        "lastCheckpoint": last.get("checkpoint"),
+        "lastReason": str(last.get("reason") or ""),
+        "lastSeconds": last.get("seconds"),
+    }
 
 
 def _write_status(
@@ -359,7 +397,8 @@ def _write_status(
         for s in current.get("stages", [])
     ]
     rescaling = current.get("rescale")
-    phase, problem, errors = observed_phase(current)
+    restarts = kube.restarts if job.checkpoints is not None else None
+    phase, problem, errors = observed_phase(current, restarts)
     settled = all(s["current"] == s["target"] == s["ready"] for s in stages)
     conditions = [
         condition("Ready", phase == "Running" and settled, "Running" if settled else "NotSettled"),
@@ -392,6 +431,7 @@ def _write_status(
         }
         for r in current.get("rescales", [])[-10:]
     ]
+    patch.status["recoveries"] = recovery_status(current)
     # The children reflect the generation the last reconcile saw, not one it has yet to see.
     generation = int(status.get("observedGeneration") or 0)
     patch.status["conditions"] = upsert_conditions(

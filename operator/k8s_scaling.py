@@ -23,6 +23,7 @@ from keyshift.operator.autoscaled_job import AutoscaledJob
 from keyshift.operator.autoscaler import AutoscalingLoop
 from keyshift.operator.k8s_apply import apply_replicas
 from keyshift.operator.k8s_children import stage_set_name
+from keyshift.operator.k8s_restarts import Restarts
 from keyshift.operator.local_scaling import WallClock
 from keyshift.operator.rescale_executor import (
     CoordinatorExecutor,
@@ -138,6 +139,7 @@ class KubeJob:
     loop: AutoscalingLoop | None
     scrape: ScrapeSource | None
     finished: bool = False  # the job has ended and its workers were scaled to zero
+    restarts: Restarts = field(default_factory=Restarts)
 
     def close(self) -> None:
         if self.scrape is not None:
@@ -151,6 +153,7 @@ class KubeJob:
         return {
             "guards": self.loop.state.to_json() if self.loop is not None else {},
             "handledRescale": handled.to_json() if handled is not None else None,
+            "restarts": self.restarts.to_json(),
         }
 
 
@@ -161,6 +164,7 @@ class Memory:
     guards: GuardState | None = None
     handled: RescaleMark | None = None
     decisions: tuple[dict[str, Any], ...] = ()  # the latest, as the status lists them
+    restarts: Restarts | None = None
 
 
 def remembered(status: Mapping[str, Any]) -> tuple[Memory, list[str]]:
@@ -187,7 +191,13 @@ def remembered(status: Mapping[str, Any]) -> tuple[Memory, list[str]]:
             )
         except (ValidationError, TypeError) as exc:
             problems.append(f"status.decisions ignored: {exc}")
-    return Memory(guards, handled, decisions), problems
+    restarts = None
+    if status.get("restarts"):
+        try:
+            restarts = Restarts.from_json(status["restarts"])
+        except ValueError as exc:
+            problems.append(f"status.restarts ignored: {exc}")
+    return Memory(guards, handled, decisions, restarts), problems
 
 
 def kube_job(
@@ -209,12 +219,13 @@ def kube_job(
     executor = CoordinatorExecutor(client, pool, latest, scalable, plan, memory.handled)
     kept = deque(memory.decisions, maxlen=KEPT_DECISIONS)
     events = KubeEvents(kept=kept, scalable=scalable)
+    restarts = memory.restarts or Restarts()
     settings = job.autoscaler
     if settings is None:
-        return KubeJob(client, latest, pool, executor, events, None, None)
+        return KubeJob(client, latest, pool, executor, events, None, None, restarts=restarts)
     clock = WallClock()
     source, scrape = metrics_source(job, settings.prometheus_url, latest, clock, namespace)
     loop = AutoscalingLoop(
         settings, source, make_policy(settings), executor, events, clock, exported, memory.guards
     )
-    return KubeJob(client, latest, pool, executor, events, loop, scrape)
+    return KubeJob(client, latest, pool, executor, events, loop, scrape, restarts=restarts)

@@ -82,6 +82,7 @@ class LocalJob:
         self.security = Security.from_env({**os.environ, **self.env})
         self._dead_since: dict[str, float] = {}
         self.recoveries: list[dict[str, Any]] = []  # {"reason", "checkpoint", "seconds"}
+        self.failures: list[float] = []  # when each failure the restart strategy saw happened
 
     def __enter__(self) -> LocalJob:
         return self
@@ -109,7 +110,7 @@ class LocalJob:
                 *(["--restore"] if restore else []),
             ],
             self.log_dir / ("coordinator.log" if not restore else
-                            f"coordinator-recovery-{len(self.recoveries)}.log"),
+                            f"coordinator-recovery-{len(self.failures)}.log"),
             self.env,
         )  # fmt: skip
         deadline = time.monotonic() + self.start_timeout
@@ -155,17 +156,50 @@ class LocalJob:
         for child in self.children():
             child.stop(grace=0)
 
-    def recover(self, reason: str, checkpoint: CheckpointMeta) -> None:
+    def recover(self, reason: str, checkpoint: CheckpointMeta, failed: float) -> None:
         """Stop every process and start the job again from `checkpoint`: each keyed instance
         reloads its groups, each sink rewinds its output log, each source replays from its
-        position. Whatever was in flight is made again from the sources."""
-        started = time.monotonic()
+        position. Whatever was in flight is made again from the sources. The recovery is
+        timed from `failed` (monotonic), the failure that started it."""
         self.halt()
         self.instances.clear()
         self._dead_since.clear()
         self.recoveries.append({"reason": reason, "checkpoint": checkpoint.id, "seconds": None})
         self.start(restore=True)
-        self.recoveries[-1]["started"] = started
+        self.recoveries[-1]["started"] = failed
+
+    def restart(self, failure: RunError, interrupted: threading.Event) -> None:
+        """Restart the job from its latest checkpoint after `failure`, as its restart strategy
+        says: after a growing delay, and a restart that fails in turn (the restarted
+        coordinator lost while it starts) is a failure like any other. RunError when the job
+        cannot go on: no checkpoints, no valid one, the strategy gives up, or Ctrl-C."""
+        if self.spec.checkpoints is None:
+            raise failure
+        reason = str(failure)
+        first = time.monotonic()
+        while True:
+            now = time.monotonic()
+            decision = self.spec.restart.decide(self.failures, now)
+            self.failures.append(now)
+            # Nothing may write checkpoints (or delete old ones) while we pick one.
+            self.halt()
+            if decision.delay is None:
+                raise RunError(f"{reason}\n  not restarted again: {decision.why}")
+            if decision.delay:
+                log.warning("restarting in %.1f s (%s)", decision.delay, decision.why)
+            if interrupted.wait(decision.delay):
+                raise failure
+            checkpoint = self.recoverable(interrupted)
+            if checkpoint is None:
+                raise failure
+            log.warning("recovering from checkpoint %d: %s", checkpoint.id, reason)
+            try:
+                self.recover(reason, checkpoint, first)
+                return
+            except (RunError, TransportError) as exc:
+                log.warning("the restart failed: %s", exc)
+                self.recoveries.pop()  # not recovered: the next attempt is the recovery
+                reason = f"{reason}\n  and the restart failed: {exc}"
 
     def ensure_instances(self, status: dict[str, Any]) -> None:
         """Start the instances the coordinator wants and nobody runs (a scale-out)."""
@@ -281,11 +315,10 @@ def run_job(
     interrupted: threading.Event,
     on_status: Callable[[dict[str, Any]], None] = lambda status: None,
     drain_timeout: float = 60.0,
-    max_recoveries: int = 5,
 ) -> RunResult:
     """Run a started job until it finishes, its duration ends or `interrupted`; then drain it.
-    A job with checkpoints that loses a process is restarted from its latest checkpoint (at
-    most `max_recoveries` times)."""
+    A job with checkpoints that loses a process is restarted from its latest checkpoint, as
+    its restart strategy (`JobSpec.restart`) allows."""
     history: list[dict[str, Any]] = []
     started = time.monotonic()
     drain_deadline: float | None = None
@@ -294,15 +327,7 @@ def run_job(
         try:
             status = _observe(job, let_go)
         except RunError as exc:
-            if job.spec.checkpoints is None or len(job.recoveries) >= max_recoveries:
-                raise
-            # Nothing may write checkpoints (or delete old ones) while we pick one.
-            job.halt()
-            checkpoint = job.recoverable(interrupted)
-            if checkpoint is None:
-                raise
-            log.warning("recovering from checkpoint %d: %s", checkpoint.id, exc)
-            job.recover(str(exc), checkpoint)
+            job.restart(exc, interrupted)
             continue
         pending = job.recoveries[-1] if job.recoveries else None
         if pending is not None and pending["seconds"] is None and status["phase"] == "running":

@@ -323,6 +323,36 @@ class GuardStatus(_Model):
     )
 
 
+class RecoveryStatus(_Model):
+    """The job's recoveries from its checkpoints, as its coordinator keeps them (with the
+    checkpoints, so over the job's life)."""
+
+    total: int = Field(default=0, ge=0, description="recoveries so far")
+    last_checkpoint: int | None = Field(
+        default=None, alias="lastCheckpoint", description="the checkpoint the last one went on from"
+    )
+    last_reason: str = Field(default="", alias="lastReason", description="why it was needed")
+    last_seconds: float | None = Field(
+        default=None,
+        alias="lastSeconds",
+        description="seconds from the failure noticed to the job running again",
+    )
+
+
+class RestartMemoryStatus(_Model):
+    """The restart strategy's memory (keyshift.operator.k8s_restarts), read back on start; times
+    in seconds since the epoch."""
+
+    failures: list[float] = Field(
+        default_factory=list, description="when the failures the operator restarted after came"
+    )
+    handled: str | None = Field(default=None, description="the failed coordinator taken in")
+    due: float | None = Field(default=None, description="when it is to be restarted")
+    gave_up: str | None = Field(
+        default=None, alias="gaveUp", description="why the job is not restarted again"
+    )
+
+
 class RescaleMarkStatus(_Model):
     """The last rescale whose outcome the operator has taken: the coordinator process
     (incarnation) and the rescale's id in it."""
@@ -379,6 +409,13 @@ class StreamingJobStatus(_Model):
         default=None,
         alias="handledRescale",
         description="the last rescale the operator took the outcome of, read back on start",
+    )
+    recoveries: RecoveryStatus = Field(
+        default_factory=RecoveryStatus, description="recoveries from checkpoints"
+    )
+    restarts: RestartMemoryStatus | None = Field(
+        default=None,
+        description="the restart strategy's memory: restarts of a failed job, read back on start",
     )
 
 

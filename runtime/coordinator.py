@@ -55,6 +55,7 @@ from keyshift.runtime.protocol import (
     InstanceCall,
     InstanceStatus,
     OutDone,
+    PeerUnreachable,
     ProtocolError,
     RegisterReply,
     RegisterRequest,
@@ -185,19 +186,28 @@ class Coordinator:
         if message not in self.errors:
             log.error("%s", message)
             self.errors.append(message)
+            # A host may restart a failed job from its checkpoint (the operator's restart
+            # strategy): the recovery is then recorded with this reason and timed from now.
+            self._note_failure(message)
         self.phase = "failed"
         for record in self._records():
             record.commands.put(Stop(reason=message))
+
+    def _note_failure(self, message: str) -> None:
+        """Say in the checkpoint storage (a checkpointed job's) why the job stops, for the
+        record of the recovery that may follow."""
+        if self.store is None:
+            return
+        try:
+            self.store.note_failure(message, time.time())
+        except CheckpointError as exc:  # the recovery is only timed from later
+            log.error("cannot note the failure: %s", exc)
 
     def _restart_to_recover(self, message: str) -> None:
         """Stop every instance and exit with RESTART_EXIT_CODE: the host (the local host, or
         Kubernetes restarting the pods) starts the job again from its latest checkpoint."""
         log.error("%s; restarting the job from its latest checkpoint", message)
-        if self.store is not None:
-            try:
-                self.store.note_failure(message, time.time())
-            except CheckpointError as exc:  # the recovery is only timed from later
-                log.error("cannot note the failure: %s", exc)
+        self._note_failure(message)
         self.errors.append(message)
         self.phase = "recovering"
         self.restart = True
@@ -396,6 +406,16 @@ class Coordinator:
                 self._abort = message
             self._changed.notify_all()
 
+    def _peer_unreachable(self, reporter: InstanceRecord, event: PeerUnreachable) -> None:
+        """A keyed instance could not reach its peer: the peer is lost, and that is the reason
+        recorded (a dead process is mostly noticed first by its command stream breaking; this
+        is the same loss noticed by a peer, never a failure of the one that noticed it)."""
+        peer = self.members[reporter.stage].get(event.peer)
+        if peer is None or peer is reporter:
+            return  # lost and let go already, or retired
+        self._lost(peer, f"{reporter.name} could not reach it: {event.error}")
+        peer.commands.put(None)  # ends its command stream, should it still be open
+
     def report(self, request: ReportRequest) -> Empty:
         with self._changed:
             record = self.members.get(request.stage, {}).get(request.index)
@@ -410,7 +430,9 @@ class Coordinator:
                 self._group_rates.update(record.name, request.group_hits, time.monotonic())
             for event in request.events:
                 reported = Reported(record.stage, record.index, event)
-                if isinstance(event, CHECKPOINT_ACKS):
+                if isinstance(event, PeerUnreachable):
+                    self._peer_unreachable(record, event)
+                elif isinstance(event, CHECKPOINT_ACKS):
                     self._checkpoint_events.append(reported)
                 else:
                     self._events.append(reported)

@@ -46,6 +46,7 @@ from keyshift.runtime.job_graph import (
     lower_to_chain,
 )
 from keyshift.runtime.records import READER_NAME, RESERVED_FIELDS
+from keyshift.runtime.restart_strategy import RestartStrategy
 from keyshift.runtime.transport import MAX_MESSAGE
 
 AggregateFunction = Literal["count", "sum", "min", "max", "mean"]
@@ -618,6 +619,11 @@ class JobSpec(_Model):
     )
     checkpoints: CheckpointSettings | None = Field(
         default=None, description="periodic checkpoints of the keyed state; none takes none"
+    )
+    restart: RestartStrategy = Field(
+        default_factory=RestartStrategy,
+        description="how a job with checkpoints is restarted after a failure: exponential "
+        "delay, a bounded number of restarts in a row",
     )
     heartbeat_timeout: float = Field(
         default=15.0,

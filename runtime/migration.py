@@ -28,7 +28,14 @@ import grpc
 import numpy as np
 import pyarrow as pa
 
-from keyshift.runtime.protocol import FetchBody, FetchReplyHeader, MigrateIn, MigrateOut, parse
+from keyshift.runtime.protocol import (
+    FetchBody,
+    FetchReplyHeader,
+    MigrateIn,
+    MigrateOut,
+    PeerUnreachable,
+    parse,
+)
 from keyshift.runtime.records import GROUP, encode, pack, unpack
 from keyshift.runtime.stage_context import MIGRATE_SERVICE, FetchRequest, InstanceContext
 from keyshift.runtime.state import KEY_COL, KeyedState
@@ -248,6 +255,7 @@ class MoveIn:
         self.awaiting: set[Any] = set()  # fetched, reply not yet here
         self.awaiting_from: dict[int, set[Any]] = {}
         self.lost: set[int] = set()
+        self.unreachable: set[int] = set()  # old owners a fetch found gone, reported once
         # Parked records by whether they were forwarded (they go first), by arrival number; which
         # parked batches hold records of each group, so that what arrives for some groups looks
         # at their records only; and the parked keys.
@@ -355,9 +363,8 @@ class MoveIn:
             except queue.Empty:
                 break
             if isinstance(reply, Exception):
-                raise ProtocolError(
-                    f"fetch from {self.ctx.spec.keyed.name}/{owner} failed: {reply}"
-                )
+                self._fetch_failed(owner, reply)
+                continue
             what = f"fetch reply from {self.ctx.spec.keyed.name}/{owner}"
             body, snapshot = unpack(self.seal.open(reply, what))
             header = parse(FetchReplyHeader, body)
@@ -374,6 +381,21 @@ class MoveIn:
                 changed.add(self.requested[key])
         if changed:
             self.release(changed)
+
+    def _fetch_failed(self, owner: int, error: Exception) -> None:
+        """An old owner that cannot be reached is gone (or going): that is for the coordinator
+        to act on, with that instance lost as the reason; its keys stay parked until the
+        coordinator aborts the move or stops the job. Any other failure is this move's."""
+        peer = f"{self.ctx.spec.keyed.name}/{owner}"
+        code = error.code() if isinstance(error, grpc.Call) else None
+        if code != grpc.StatusCode.UNAVAILABLE:
+            raise ProtocolError(f"fetch from {peer} failed: {error}")
+        if owner in self.unreachable or owner in self.lost:
+            return
+        self.unreachable.add(owner)
+        details = error.details() if isinstance(error, grpc.Call) else str(error)
+        log.warning("fetch from %s failed, it is unreachable: %s", peer, details)
+        self.ctx.emit(PeerUnreachable(peer=owner, error=f"a state fetch failed: {details}"))
 
     def state_chunk(self, body: bytes, sender: str) -> None:
         opened = self.seal.open(body, f"state chunk from {sender}")

@@ -211,6 +211,15 @@ class InDone(Message):
     stats: dict[str, float]
 
 
+class PeerUnreachable(Message):
+    """A keyed instance could not reach keyed instance `peer` (a migration fetch found it gone
+    or silent): the coordinator takes the peer as lost, which is the failure's true reason."""
+
+    type: Literal["peer_unreachable"] = "peer_unreachable"
+    peer: int
+    error: str
+
+
 class SourceCheckpointAck(Message):
     type: Literal["checkpoint_source"] = "checkpoint_source"
     id: int
@@ -250,7 +259,13 @@ class SinkCheckpointAck(Message):
 CheckpointAck = SourceCheckpointAck | KeyedCheckpointAck | SinkCheckpointAck
 CHECKPOINT_ACKS = (SourceCheckpointAck, KeyedCheckpointAck, SinkCheckpointAck)
 Event = Annotated[
-    Ack | OutDone | InDone | SourceCheckpointAck | KeyedCheckpointAck | SinkCheckpointAck,
+    Ack
+    | OutDone
+    | InDone
+    | PeerUnreachable
+    | SourceCheckpointAck
+    | KeyedCheckpointAck
+    | SinkCheckpointAck,
     Field(discriminator="type"),
 ]
 

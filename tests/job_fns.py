@@ -62,3 +62,11 @@ def tally(state: Tally | None, record: dict[str, Any]) -> tuple[Any, Any]:
     tally = state or Tally(0)
     tally.count += 1
     return tally, [tally.count, record["source"], record["seq"]]
+
+
+def track_until_seq_3000(state: Any, record: dict[str, Any]) -> tuple[Any, Any]:
+    """`track`, but fails on record 3000 of source 0: every run of the job fails there, a
+    restart from a checkpoint included (it replays the record)."""
+    if record["source"] == 0 and record["seq"] == 3000:
+        raise RuntimeError("record 3000 of source 0 cannot be taken")
+    return track(state, record)

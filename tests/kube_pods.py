@@ -4,8 +4,10 @@ and stage StatefulSets it finds in the API emulator, and reports their replicas 
 What a cluster gives and loopback cannot, it translates: each pod's fixed ports become free
 ports, `$(POD_IP)` becomes 127.0.0.1, a coordinator Service's DNS name becomes the loopback
 address its pod listens on (`address`, which the operator's config uses too), a StatefulSet
-pod's hostname is set for `--index hostname`, ConfigMap volumes are written to a directory, and
-variables from Secrets (`secretKeyRef`: the job's secret) are read from the stored Secrets.
+pod's hostname is set for `--index hostname`, a Deployment's pod is replaced when its template
+changes (a rollout, as `kubectl rollout restart` makes one), ConfigMap volumes are written to a
+directory, and variables from Secrets (`secretKeyRef`: the job's secret) are read from the
+stored Secrets.
 Spark source/sink Deployments are not run (they need the PySpark issue). Every process it starts
 is stopped by `stop`. Used by tests/test_k8s_operator.py.
 """
@@ -13,6 +15,7 @@ is stopped by `stop`. Used by tests/test_k8s_operator.py.
 from __future__ import annotations
 
 import base64
+import json
 import re
 import time
 from pathlib import Path
@@ -36,6 +39,7 @@ class PodRunner:
         self.pods: dict[str, Child] = {}
         self._service_ports: dict[str, int] = {}
         self._exited: dict[str, float] = {}
+        self._templates: dict[str, str] = {}  # each pod's template, as it was started
 
     def address(self, name: str, namespace: str) -> str:
         """Where the job's coordinator listens: fixed before its pod starts."""
@@ -60,10 +64,15 @@ class PodRunner:
         name = workload["metadata"]["name"]
         replicas = int(workload["spec"].get("replicas", 1))
         pod_names = [f"{name}-{i}" for i in range(replicas)]
+        template = json.dumps(workload["spec"]["template"], sort_keys=True)
         for pod in pod_names:
             child = self.pods.get(pod)
+            if child is not None and kind == "deployment" and self._templates[pod] != template:
+                child.stop(grace=3.0)  # a rollout (strategy Recreate): the old pod goes first
+                child = None
             if child is None or self._restart_due(pod, child):
                 self.pods[pod] = self._start(pod, workload)
+                self._templates[pod] = template
         prefix = f"{name}-"
         for pod in [p for p in self.pods if p.startswith(prefix) and p not in pod_names]:
             if pod[len(prefix) :].isdigit():

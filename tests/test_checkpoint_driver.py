@@ -28,6 +28,7 @@ from keyshift.runtime.protocol import (
     Command,
     Empty,
     KeyedCheckpointAck,
+    PeerUnreachable,
     RegisterRequest,
     ReportRequest,
     SinkCheckpointAck,
@@ -53,11 +54,13 @@ def gone() -> grpc.ServicerContext:
 class Job:
     """A coordinator whose instances are played by the test."""
 
-    def __init__(self, tmp_path: Path, store: CheckpointStore | None = None, **kw: Any) -> None:
+    def __init__(
+        self, tmp_path: Path, store: CheckpointStore | None = None, keyed: int = 1, **kw: Any
+    ) -> None:
         spec = parse_job(
             count_job(
                 source={"parallelism": 2},
-                keyed={"parallelism": 1},
+                keyed={"parallelism": keyed},
                 sink={"parallelism": 1},
                 checkpoints={"storage": str(tmp_path / "checkpoints"), "timeout": 5},
             )
@@ -76,7 +79,7 @@ class Job:
             (stage, index): self.coordinator.register(
                 RegisterRequest(stage=stage, index=index, data_address="-")
             ).identity
-            for stage, n in STAGES.items()
+            for stage, n in {**STAGES, "counts": keyed}.items()
             for index in range(n)
         }
 
@@ -231,3 +234,23 @@ def test_an_instance_silent_past_the_heartbeat_timeout_is_lost(tmp_path: Path) -
     plain.members["sink"][0].last_report -= spec.heartbeat_timeout + 1
     plain.check_heartbeats()
     assert plain.phase == "failed" and "instance sink/0" in plain.errors[0]
+
+
+def test_a_peer_a_keyed_instance_cannot_reach_is_lost_with_that_reason(tmp_path: Path) -> None:
+    """A survivor's failed state fetch mid-move names the instance that is gone: the
+    coordinator takes that one as lost and restarts the job from its checkpoint, the failure
+    noted with the true reason (not the survivor's, and not "the coordinator was lost")."""
+    job = Job(tmp_path, keyed=2)
+    coordinator = job.coordinator
+    unreachable = PeerUnreachable(peer=0, error="a state fetch failed: Connection refused")
+    job.report("counts", 1, events=[unreachable])
+    assert coordinator.restart and coordinator.phase == "recovering"
+    (error,) = coordinator.errors
+    assert error.startswith("instance counts/0") and "counts/1 could not reach it" in error
+    assert "Connection refused" in error
+    assert None in job.commands("counts", 0)  # its command stream is ended
+    job.report("counts", 1, events=[unreachable])  # noticed again, or by its stream breaking
+    list(coordinator.watch(job.whoami("counts", 0), gone()))
+    assert coordinator.errors == [error]
+    entry = job.store.record_recovery(1, 0.0, 1.0)
+    assert entry["reason"] == error

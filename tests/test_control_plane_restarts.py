@@ -22,6 +22,7 @@ import pytest_asyncio
 
 from keyshift.operator.k8s_children import SECRET_KEY, job_secret_name
 from keyshift.runtime.auth import Security
+from keyshift.runtime.checkpoint_store import CheckpointStore
 from keyshift.runtime.transport import JsonClient, TransportError
 from tests.conftest import BATCHING
 from tests.kube_emulator import CR_API, Emulator, eventually, register_resources, stored
@@ -47,6 +48,8 @@ pytestmark = [
 SOURCE = {"kind": "generator", "keys": 2000, "distribution": "zipf", "seed": 7,
           "profile": {"rate": 1000}}  # fmt: skip
 PLAN = {"strategy": "batched", "options": {"batch_groups": 64}}
+MANY_KEYS = {"kind": "generator", "keys": 1_000_000, "distribution": "uniform", "seed": 7,
+             "profile": {"rate": 2000}}  # fmt: skip
 
 
 class JobClient:
@@ -158,14 +161,14 @@ async def settled(
     await eventually(check, 120, what)
 
 
-async def drain_and_check(client: JobClient, out: Path) -> None:
+async def drain_and_check(client: JobClient, out: Path, source: dict[str, Any] = SOURCE) -> None:
     """Stop the sources, wait for the job to finish, and check its output is exactly once."""
     client.call("Drain", None, 5.0)
     final = await eventually(
         lambda: (s := coordinator(client))["phase"] == "finished" and s, 120, "the job to drain"
     )
     emitted = [i["stats"]["emitted"] for i in final["stages"][0]["instances"]]
-    check_output(out, SOURCE, emitted)
+    check_output(out, source, emitted)
 
 
 def rescales_carried_the_plan(client: JobClient) -> None:
@@ -302,6 +305,115 @@ async def test_coordinator_restarts_mid_and_just_after_rescales_lose_nothing(
             await drain_and_check(client, out)
         finally:
             client.close()
+
+
+async def test_a_keyed_pod_killed_mid_move_recovers_with_that_reason(
+    emu: Emulator, tmp_path: Path
+) -> None:
+    """An old owner's pod killed (no grace) in the middle of a hot-first scale-out: the job
+    recovers from its checkpoint (never Failed), the recovery's reason names the killed
+    instance however it was noticed (its command stream, or the new owner's fetch from it),
+    and the output is exactly once."""
+    out = tmp_path / "out"
+    storage = str(tmp_path / "checkpoints")
+    body = tracked(out, 2, checkpoints={"interval": 1, "storage": storage})
+    # Over a million keys a record seldom meets a key with state again, so fetches on demand
+    # cannot finish the move early, and a trickle of 20 keys/s makes the push of the thousands
+    # of moving keys last: the kill lands in the middle of the move.
+    body["spec"]["job"]["source"]["config"] = MANY_KEYS
+    body["spec"]["migration"] = {
+        "strategy": "hot-first", "options": {"chunk_keys": 8, "trickle_keys_per_s": 20}
+    }  # fmt: skip
+    body["spec"]["checkpointClaim"] = "checkpoints"  # the kubelet runs on one file system
+    async with kubelet(emu, tmp_path) as runner, running_operator(emu, runner.address):
+        client = JobClient(emu, runner.address("clicks", NS))
+        try:
+            reply = await create(emu, body)
+            assert reply.status in (200, 201), await reply.text()
+            await eventually(lambda: job_object(emu).get("status", {}).get("phase") == "Running",
+                             90, "the job to run")  # fmt: skip
+            await eventually(lambda: coordinator(client)["checkpoints"]["completed"] >= 2, 60,
+                             "two checkpoints")  # fmt: skip
+            first = coordinator(client)["incarnation"]
+            await scale(emu, 3)
+
+            def moving() -> bool:
+                rescale = coordinator(client)["rescale"]
+                return bool(rescale) and rescale["phase"] == "moving"
+
+            await eventually(moving, 60, "the scale-out to move state")
+            runner.pods["clicks-track-0"].stop(grace=0)  # no grace: SIGKILL right after SIGTERM
+            await eventually(lambda: _incarnation(client) not in (None, first), 90,
+                             "the coordinator to restart")  # fmt: skip
+            await settled(emu, runner, client, 2, "the job restored at the checkpoint's width")
+            status = await eventually(
+                lambda: (s := job_object(emu)["status"])["recoveries"]["total"] and s, 30,
+                "the recovery in the StreamingJob's status",
+            )  # fmt: skip
+            assert status["recoveries"]["lastReason"] and status["recoveries"]["lastSeconds"] > 0
+            # The recovery from the kill (on a loaded machine a later one may follow).
+            recovery = CheckpointStore(storage).recoveries()[0]
+            assert recovery["reason"].startswith("instance track/0"), recovery
+            assert not any(e["reason"] == "Restarting" for e in events_of(emu))  # never Failed
+            await drain_and_check(client, out, MANY_KEYS)
+        finally:
+            client.close()
+
+
+async def test_a_failed_job_is_restarted_as_its_strategy_says_and_then_given_up(
+    emu: Emulator, tmp_path: Path
+) -> None:
+    """A checkpointed job whose coordinator failed (an instance failed: its function raises on
+    one record) is restarted by the operator from its latest checkpoint, at once the first
+    time; the restarted job replays that record and fails again, and with one restart allowed
+    in a row the operator gives up: Failed, with the reason and the restart it made."""
+    out = tmp_path / "out"
+    checkpoints = {"interval": 1, "storage": str(tmp_path / "checkpoints")}
+    body = tracked(out, 1, checkpoints=checkpoints, restart={"max_attempts": 1})
+    body["spec"]["job"]["keyed"]["operator"]["function"] = "tests.job_fns:track_until_seq_3000"
+    body["spec"]["checkpointClaim"] = "checkpoints"  # the kubelet runs on one file system
+    async with kubelet(emu, tmp_path) as runner, running_operator(emu, runner.address):
+        client = JobClient(emu, runner.address("clicks", NS))
+        try:
+            reply = await create(emu, body)
+            assert reply.status in (200, 201), await reply.text()
+            await eventually(lambda: job_object(emu).get("status", {}).get("phase") == "Running",
+                             90, "the job to run")  # fmt: skip
+            failed = await eventually(lambda: _failed(client), 90, "the job to fail")
+            assert "record 3000 of source 0" in failed["errors"][0]
+            restarted = await eventually(
+                lambda: (i := _incarnation(client)) not in (None, failed["incarnation"]) and i,
+                60, "the operator to restart the coordinator",
+            )  # fmt: skip
+            assert any(e["reason"] == "Restarting" for e in events_of(emu))
+            again = await eventually(lambda: _failed(client), 120, "the restarted job to fail")
+            assert again["incarnation"] == restarted and again["restored_from"] is not None
+
+            status = await eventually(
+                lambda: (s := job_object(emu)["status"])["phase"] == "Failed" and s, 30,
+                "the operator to give up",
+            )  # fmt: skip
+            (degraded,) = [c for c in status["conditions"] if c["type"] == "Degraded"]
+            assert degraded["reason"] == "RestartsExhausted", degraded
+            assert "not restarted again: 2 failures in a row" in degraded["message"], degraded
+            assert len(status["restarts"]["failures"]) == 2
+            # The restarted job's recovery, with the failure's reason, timed from it.
+            recoveries = status["recoveries"]
+            assert recoveries["total"] == 1 and recoveries["lastSeconds"] > 0, recoveries
+            assert "record 3000 of source 0" in recoveries["lastReason"], recoveries
+            writes = status_writes(emu)
+            await eventually(lambda: status_writes(emu) >= writes + 3, 30, "status writes")
+            assert _incarnation(client) == restarted  # and it stays given up
+        finally:
+            client.close()
+
+
+def _failed(client: JobClient) -> dict[str, Any] | None:
+    try:
+        status = coordinator(client)
+    except TransportError:  # not answering while it restarts
+        return None
+    return status if status["phase"] == "failed" else None
 
 
 def _incarnation(client: JobClient) -> str | None:

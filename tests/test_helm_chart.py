@@ -630,6 +630,7 @@ def test_alerts_use_only_metrics_the_runtime_exports() -> None:
     by_name = {r["alert"]: r for r in alert_rules("monitoring")}
     assert set(by_name) == {
         "KeyshiftJobDegraded",
+        "KeyshiftJobFailed",
         "KeyshiftRescaleFailing",
         "KeyshiftSustainedBackpressure",
         "KeyshiftHighLatency",
@@ -724,6 +725,10 @@ RULE_TESTS: dict[str, Any] = {
             "input_series": [
                 series(JOBS, "1x20", keyshift_namespace="ns", keyshift_job="bad", phase="Degraded"),
                 series(JOBS, "0x20", keyshift_namespace="ns", keyshift_job="ok", phase="Degraded"),
+                series(
+                    JOBS, "0 0 1x20", keyshift_namespace="ns", keyshift_job="bad", phase="Failed"
+                ),
+                series(JOBS, "0x20", keyshift_namespace="ns", keyshift_job="ok", phase="Failed"),
                 series(RESCALES, "0 0 0 1 1 1 1 1 1 1 1", **RESCALE, result="failed"),
                 series(RESCALES, "0+1x10", **RESCALE, result="done"),
                 series(BACKPRESSURED, "0+48x30", keyshift_job="j", stage="src", **JOB_POD),
@@ -746,6 +751,18 @@ RULE_TESTS: dict[str, Any] = {
                         "StreamingJob ns/bad is Degraded",
                         "The operator cannot run the job as specified (kubectl describe sj bad "
                         "-n ns shows the reason: an invalid spec or a failed job).",
+                    ),
+                ),
+                alert("2m", "KeyshiftJobFailed"),
+                alert(
+                    "3m",
+                    "KeyshiftJobFailed",
+                    (
+                        {"keyshift_namespace": "ns", "keyshift_job": "bad", "phase": "Failed"},
+                        "StreamingJob ns/bad has Failed",
+                        "The job stopped and is not restarted again (kubectl describe sj bad -n "
+                        "ns: the Degraded condition says why, RestartsExhausted when its restart "
+                        "strategy gave up).",
                     ),
                 ),
                 alert(

@@ -27,6 +27,7 @@ import pyarrow as pa
 import pytest
 import yaml
 
+from keyshift.runtime.checkpoint_store import CheckpointStore
 from keyshift.runtime.generator import instance_total
 from keyshift.runtime.ingest_client import IngestClient, IngestError
 from keyshift.runtime.metrics import JOB_LABEL, MetricName
@@ -154,14 +155,57 @@ def test_a_recovery_waits_for_checkpoint_storage_that_is_down(tmp_path: Path) ->
 
 def test_a_killed_coordinator_recovers_from_the_checkpoint_metadata(tmp_path: Path) -> None:
     def crash(run: Run) -> None:
-        coordinators = [
-            p for p in children_of(run.proc.pid)
-            if "keyshift.runtime.coordinator" in " ".join(p.cmdline())
-        ]  # fmt: skip
-        assert len(coordinators) == 1
-        coordinators[0].send_signal(signal.SIGKILL)
+        (coordinator,) = coordinator_pids(run)
+        os.kill(coordinator, signal.SIGKILL)
 
     run_and_crash(tmp_path, crash)
+
+
+def coordinator_pids(run: Run) -> list[int]:
+    return [
+        p.pid for p in children_of(run.proc.pid)
+        if "keyshift.runtime.coordinator" in " ".join(p.cmdline())
+    ]  # fmt: skip
+
+
+def test_a_coordinator_killed_during_a_recovery_is_restarted_again(tmp_path: Path) -> None:
+    """A failure during a recovery is retried, not fatal: the coordinator the host restarted
+    after an instance's kill is killed as soon as it is there, before it is up; the host
+    restarts the job once more, after the restart strategy's delay."""
+
+    def crash(run: Run) -> None:
+        (first,) = coordinator_pids(run)
+        os.kill(run.pid_of("track", 0), signal.SIGKILL)
+        restarted = wait_for(
+            lambda: [p for p in coordinator_pids(run) if p != first], 30, "the restart"
+        )
+        os.kill(restarted[0], signal.SIGKILL)
+
+    run_and_crash(tmp_path, crash, restart={"initial_delay": 0.2})
+    # The second restart (the first one's log was cut short by the kill) recovered.
+    log = (tmp_path / "logs" / "coordinator-recovery-2.log").read_text()
+    assert "recovered from checkpoint" in log, log[-2000:]
+
+
+def test_the_restart_strategy_gives_up_after_its_attempts(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    job = {**tracked_job(out, SOURCE, 2), "restart": {"max_attempts": 1}}
+    context, port = start_run(tmp_path, job)
+    with context as proc:
+        run = Run(proc, f"127.0.0.1:{port}")
+        try:
+            wait_for(lambda: run.completed() >= 2, 60, "two checkpoints")
+            os.kill(run.pid_of("track", 0), signal.SIGKILL)
+            recoveries = lambda: (run.status_now() or {}).get("recoveries") or {}  # noqa: E731
+            wait_for(lambda: recoveries().get("total"), 60, "the recovery")
+            os.kill(run.pid_of("track", 1), signal.SIGKILL)
+            code = proc.wait(timeout=60)
+        finally:
+            run.client.close()
+    text = run.output.text()
+    assert code == 1, text
+    assert "not restarted again: 2 failures in a row" in text, text
+    assert "restart.max_attempts allows 1 restarts" in text, text
 
 
 @pytest.mark.parametrize("backend", STATE_BACKENDS)
@@ -181,6 +225,11 @@ def test_a_kill_during_a_hot_first_migration_recovers(tmp_path: Path, backend: s
         os.kill(run.pid_of("track", 0), signal.SIGKILL)  # the old owner, mid-move
 
     run_and_crash(tmp_path, crash, backend)
+    # The true reason, however it was noticed: the old owner's command stream breaking, or the
+    # new owner's fetch from it failing (which once failed the new owner instead, and the
+    # recovery was recorded as "the coordinator was lost").
+    recovery = CheckpointStore(str(tmp_path / "checkpoints")).recoveries()[0]
+    assert recovery["reason"].startswith("instance track/0"), recovery
 
 
 def test_a_kill_during_a_native_checkpoint_upload_recovers(tmp_path: Path) -> None:

@@ -25,10 +25,12 @@ from keyshift.runtime.protocol import (
     Ack,
     Command,
     Event,
+    InDone,
     InstanceCall,
     MigrateIn,
     MigrateOut,
     OutDone,
+    PeerUnreachable,
     RegisterRequest,
     ReportRequest,
     Reroute,
@@ -130,6 +132,53 @@ def test_a_new_owner_lost_after_the_old_owner_handed_everything_over_gives_it_ba
         assert result.phase == "failed" and result.error is not None
         assert "recovered at parallelism 1" in result.error, result.error
         assert coordinator.assignment.epoch == recovered.epoch
+    finally:
+        client.close()
+        for instance in played:
+            instance.client.close()
+
+
+def test_an_old_owner_a_new_owner_cannot_reach_mid_move_is_lost_and_recovered_from(
+    one_keyed_coordinator: tuple[Coordinator, str],
+) -> None:
+    """The new owner's state fetch finds the old owner gone before the coordinator notices
+    (its command stream still looks open): the new owner reports it, and the driver recovers
+    with the old owner lost, as if its stream had broken; the new owner is not failed."""
+    coordinator, address = one_keyed_coordinator
+    spec = coordinator.spec
+    source, old = join(address, "source", 0), join(address, "counts", 0)
+    sink = join(address, "sink", 0)
+    wait_for(lambda: coordinator.phase == "running", 10, "the job to run")
+    old.report(hits={str(g): 1 for g in range(spec.max_key_groups)})
+    client = JsonClient(address, SERVICE)
+    client.call("Rescale", RescaleRequest(stage="counts", parallelism=2).wire())
+    wait_for(lambda: coordinator.desired["counts"] == 2, 10, "the scale-out to start")
+    new = join(address, "counts", 1)
+    played = [source, old, sink, new]
+    try:
+        migrate_in = new.expect(MigrateIn)
+        new.report(Ack(step="migrate_in", epoch=migrate_in.epoch))
+        migrate_out = old.expect(MigrateOut)
+        old.report(Ack(step="migrate_out", epoch=migrate_out.epoch))
+        reroute = source.expect(Reroute)
+        source.report(Ack(step="reroute", epoch=reroute.epoch))
+        wait_for(lambda: client.call("Status")["rescale"]["phase"] == "moving", 10, "the move")
+        new.report(PeerUnreachable(peer=0, error="a state fetch failed: Connection refused"))
+
+        abort = new.expect(Abort)
+        assert abort.lost == [0]
+        new.report(Ack(step="abort", epoch=abort.epoch))
+        recovered = source.expect(Reroute)
+        assert recovered.lost == [0]
+        assert set(np.asarray(recovered.assignment["owners"]).tolist()) == {1}
+        source.report(Ack(step="reroute", epoch=recovered.epoch))
+        new.report(InDone(epoch=migrate_in.epoch, stats={}))  # its old owner's groups, empty
+        wait_for(lambda: coordinator.rescale_history, 10, "the rescale to end")
+        (result,) = coordinator.rescale_history
+        assert result.error is not None and "recovered at parallelism 1" in result.error
+        assert coordinator.phase == "running" and coordinator.lost == ["counts/0"]
+        (error,) = coordinator.errors
+        assert error.startswith("instance counts/0") and "counts/1 could not reach it" in error
     finally:
         client.close()
         for instance in played:
