@@ -559,6 +559,22 @@ def overview_dashboard() -> Json:
             [(by("max", "stage", series(M.QUEUE_DEPTH, JOB, STAGE)), "{{stage}}")],
             "short",
         ),
+        timeseries(
+            "Watermark lag",
+            "How far each stage's event-time watermark trails the wall clock (the furthest "
+            "behind instance per stage), and the watermark itself (right axis); only stages of "
+            "a job whose source has event_time settings have one.",
+            [
+                (by("max", "stage", series(M.WATERMARK_LAG, JOB, STAGE)), "{{stage}} lag"),
+                # Grafana reads a date in milliseconds.
+                (
+                    f"1000 * {by('min', 'stage', series(M.WATERMARK, JOB, STAGE))}",
+                    "{{stage}} watermark",
+                ),
+            ],
+            "s",
+            overrides=[right_axis("B", "dateTimeAsIso")],
+        ),
     ]
     state = [
         timeseries(

@@ -101,6 +101,8 @@ class CheckpointMeta:
     assignment: dict[str, Any] = field(default_factory=dict)  # the keyed stage's owners
     # Native RocksDB checkpoints: per writer, its database's files by their local names.
     databases: dict[str, dict[str, ShardFile]] = field(default_factory=dict)
+    # Per stage, its event-time watermark: the lowest of its instances' when they aligned.
+    watermarks: dict[str, int] = field(default_factory=dict)
 
     def stored(self) -> set[ShardFile]:
         """Every file the checkpoint names, each once (thousands of groups share a shard)."""
@@ -133,6 +135,7 @@ class CheckpointMeta:
             written=int(data["written"]),
             assignment=dict(data["assignment"]),
             databases=databases_from_json(data.get("databases", {})),
+            watermarks={str(k): int(v) for k, v in data.get("watermarks", {}).items()},
         )
 
 

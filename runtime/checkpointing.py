@@ -271,6 +271,7 @@ class CheckpointDriver:
         databases: dict[str, dict[str, ShardFile]] = {}
         sources: dict[str, Any] = {}
         outputs: dict[str, int] = {}
+        keyed_marks: list[int | None] = []
         written = 0
         for reported in events:
             event = reported.event
@@ -279,11 +280,15 @@ class CheckpointDriver:
             elif isinstance(event, KeyedCheckpointAck):
                 groups.update(chains_from_json(event.chains))
                 written += event.written
+                keyed_marks.append(event.watermark)
                 if event.writer is not None and event.database is not None:
                     databases[event.writer] = database_from_json(event.database)
             elif isinstance(event, SinkCheckpointAck) and event.offset is not None:
                 outputs[str(reported.index)] = event.offset
         assignment = self.host.checkpoint_assignment()
+        # The stage's watermark is its slowest instance's; none while one has none.
+        marks = [m for m in keyed_marks if m is not None]
+        has_mark = bool(marks) and len(marks) == len(keyed_marks)
         return CheckpointMeta(
             id=checkpoint,
             created=started,
@@ -294,6 +299,7 @@ class CheckpointDriver:
             groups=groups,
             written=written,
             databases=databases,
+            watermarks={self.keyed_stage: min(marks)} if has_mark else {},
         )
 
 
@@ -410,11 +416,18 @@ class KeyedCheckpointer:
         self.last_files = {}
         return restored
 
-    def start(self, barrier: Barrier, state: KeyedState, owned: np.ndarray) -> None:
+    def start(
+        self,
+        barrier: Barrier,
+        state: KeyedState,
+        owned: np.ndarray,
+        watermark: int | None = None,
+    ) -> None:
         """Snapshot the owned groups for the barrier's checkpoint, here in the keyed loop, and
         store the snapshot on a thread of its own; `finished` or `wait` give the ack (with
         `error` when the storage failed: the job goes on, and the next checkpoint writes
-        everything again). One upload at a time: the caller waits for a running one first."""
+        everything again), which carries `watermark`, the stage's at the barrier. One upload
+        at a time: the caller waits for a running one first."""
         if self._upload is not None:
             raise CheckpointProtocolError(
                 f"checkpoint {barrier.id} started while {self._upload.checkpoint}'s upload runs"
@@ -430,12 +443,13 @@ class KeyedCheckpointer:
             else:
                 store = self._shards(checkpoint, state, groups, complete)
         except CheckpointError as exc:
-            future.set_result(_Stored(KeyedCheckpointAck(id=checkpoint, error=str(exc))))
+            ack = KeyedCheckpointAck(id=checkpoint, error=str(exc), watermark=watermark)
+            future.set_result(_Stored(ack))
         else:
-            snapshot = time.monotonic() - t0
+            stamp = {"snapshot_seconds": time.monotonic() - t0, "watermark": watermark}
             threading.Thread(
                 target=_store_in_background,
-                args=(future, checkpoint, store, t0, snapshot),
+                args=(future, checkpoint, store, t0, stamp),
                 name=f"checkpoint-{checkpoint}-upload",
                 daemon=True,  # a stopping instance does not wait for it: the checkpoint fails
             ).start()
@@ -527,8 +541,10 @@ def _store_in_background(
     checkpoint: int,
     store: Callable[[], _Stored],
     t0: float,
-    snapshot: float,
+    stamp: dict[str, Any],
 ) -> None:
+    """Run an upload; its ack gets `stamp` (the snapshot's seconds, the watermark) and the
+    seconds from the barrier until the upload ended."""
     try:
         stored = store()
     except CheckpointError as exc:
@@ -536,5 +552,5 @@ def _store_in_background(
     except BaseException as exc:  # a bug: raised again in the keyed loop by `wait`
         future.set_exception(exc)
         return
-    timing = {"seconds": time.monotonic() - t0, "snapshot_seconds": snapshot}
-    future.set_result(replace(stored, ack=stored.ack.model_copy(update=timing)))
+    update = {**stamp, "seconds": time.monotonic() - t0}
+    future.set_result(replace(stored, ack=stored.ack.model_copy(update=update)))

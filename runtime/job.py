@@ -45,6 +45,8 @@ from keyshift.runtime.job_graph import (
     build_graph,
     lower_to_chain,
 )
+from keyshift.runtime.nexmark import FIELDS as NEXMARK_SCHEMA
+from keyshift.runtime.nexmark import START_TIME_US, NexmarkModel
 from keyshift.runtime.records import READER_NAME, RESERVED_FIELDS
 from keyshift.runtime.restart_strategy import RestartStrategy
 from keyshift.runtime.transport import MAX_MESSAGE
@@ -270,10 +272,54 @@ class IngestSource(_Model):
     )
 
 
+class NexmarkSource(_Model):
+    """NEXMark's Person / Auction / Bid events (keyshift.runtime.nexmark), records of the
+    schema `NEXMARK_FIELDS`, each with its event time from the model."""
+
+    kind: Literal["nexmark"]
+    profile: LoadProfile | None = Field(
+        default=None,
+        description="events per second over time (wall clock); none: as fast as the pipeline takes",
+    )
+    total: int | None = Field(
+        default=None, ge=0, description="stop after this many events (all instances together)"
+    )
+    seed: int = Field(default=0, ge=0)
+    event_rate: float = Field(default=10_000.0, gt=0, description="events per second of event time")
+    start_time_us: int = Field(
+        default=START_TIME_US, ge=0, description="event time of the first event, epoch µs"
+    )
+    max_disorder_ms: float = Field(
+        default=0.0,
+        ge=0,
+        le=3_600_000,
+        description="each event is up to this much earlier than its place in the stream",
+    )
+    hot_auction_ratio: int = Field(default=2, ge=1, description="1 - 1/ratio of bids are hot")
+    hot_seller_ratio: int = Field(default=4, ge=1, description="1 - 1/ratio of sellers are hot")
+    hot_bidder_ratio: int = Field(default=4, ge=1, description="1 - 1/ratio of bidders are hot")
+    active_people: int = Field(default=1000, ge=1, description="people who sell and bid")
+    in_flight_auctions: int = Field(default=100, ge=1, description="auctions open for bids")
+
+    def model(self) -> NexmarkModel:
+        return NexmarkModel(
+            seed=self.seed,
+            event_rate=self.event_rate,
+            start_time_us=self.start_time_us,
+            max_disorder_us=round(self.max_disorder_ms * 1000),
+            hot_auction_ratio=self.hot_auction_ratio,
+            hot_seller_ratio=self.hot_seller_ratio,
+            hot_bidder_ratio=self.hot_bidder_ratio,
+            active_people=self.active_people,
+            in_flight_auctions=self.in_flight_auctions,
+        )
+
+
 SourceConfig = Annotated[
     Annotated[GeneratorSource, Tag(_tag("generator"))]
-    | Annotated[IngestSource, Tag(_tag("ingest"))],
-    _kind_or("generator", "generator", "ingest"),
+    | Annotated[IngestSource, Tag(_tag("ingest"))]
+    | Annotated[NexmarkSource, Tag(_tag("nexmark"))],
+    _kind_or("generator", "generator", "ingest", "nexmark"),
 ]
 
 
@@ -362,10 +408,38 @@ class Stage(_Model):
     parallelism: int = Field(default=1, ge=1, le=MAX_PARALLELISM)
 
 
+class EventTimeSettings(_Model):
+    """Where a source's records take their event time from, and how its watermark follows
+    them (keyshift.runtime.watermarks)."""
+
+    field: str | None = Field(
+        default=None,
+        description="an int field of the source's records holding their event time (epoch µs); "
+        "none: the source's own (the generator's due time, NEXMark's model, an ingest row's "
+        "event_time or its arrival)",
+    )
+    max_out_of_orderness_ms: float = Field(
+        default=0.0,
+        ge=0,
+        le=86_400_000,
+        description="the watermark trails the highest event time seen by this much",
+    )
+    idle_timeout_ms: float | None = Field(
+        default=None,
+        gt=0,
+        le=86_400_000,
+        description="a source instance that emits nothing for this long stops holding the "
+        "watermark back until it emits again; none: it always holds it",
+    )
+
+
 class SourceStage(Stage):
     name: str = Field(default="source", pattern=STAGE_NAME_PATTERN)
     config: SourceConfig = Field(default_factory=GeneratorSource)
     transforms: list[Transform] = Field(default_factory=list)
+    event_time: EventTimeSettings | None = Field(
+        default=None, description="event time and watermarks; none: the source sends none"
+    )
 
 
 class StateSettings(_Model):
@@ -400,6 +474,17 @@ class SinkStage(Stage):
 
 
 GENERATED_FIELDS: dict[str, FieldType] = {"key": "int", "value": "float"}
+NEXMARK_FIELDS: dict[str, FieldType] = dict(NEXMARK_SCHEMA)
+
+
+def made_fields(config: GeneratorSource | IngestSource | NexmarkSource) -> dict[str, FieldType]:
+    """The schema of the records a built-in source makes; none for an ingest source, whose
+    rows have the schema the job declares."""
+    if isinstance(config, GeneratorSource):
+        return GENERATED_FIELDS
+    if isinstance(config, NexmarkSource):
+        return NEXMARK_FIELDS
+    return {}
 
 
 def _record_fields(fields: dict[str, FieldType] | None) -> dict[str, FieldType] | None:
@@ -423,6 +508,9 @@ class SourceNode(Stage):
 
     kind: Literal["source"]
     config: SourceConfig = Field(default_factory=GeneratorSource)
+    event_time: EventTimeSettings | None = Field(
+        default=None, description="event time and watermarks; none: the source sends none"
+    )
     fields: dict[str, FieldType] | None = Field(
         default=None,
         description="the schema of its records: the generator's are {key: int, value: float}; "
@@ -433,15 +521,16 @@ class SourceNode(Stage):
 
     @model_validator(mode="after")
     def _schema(self) -> SourceNode:
-        if isinstance(self.config, GeneratorSource):
-            if self.fields is not None and self.fields != GENERATED_FIELDS:
-                raise ValueError(f"a generator's records are {GENERATED_FIELDS}, not {self.fields}")
+        made = made_fields(self.config)
+        if made:
+            if self.fields is not None and self.fields != made:
+                raise ValueError(f"a {self.config.kind}'s records are {made}, not {self.fields}")
         elif self.fields is None:
             raise ValueError("an ingest source needs `fields`: the schema of the rows pushed")
         return self
 
     def record_fields(self) -> dict[str, FieldType]:
-        return GENERATED_FIELDS if self.fields is None else self.fields
+        return made_fields(self.config) if self.fields is None else self.fields
 
 
 class _Downstream(Stage):
@@ -689,6 +778,7 @@ class JobSpec(_Model):
                     "parallelism": source.parallelism,
                     "config": source.config,
                     "transforms": transforms,
+                    "event_time": source.event_time,
                 },
                 context=context,
             ),
@@ -723,8 +813,8 @@ class JobSpec(_Model):
     def _chain_nodes(self) -> list[Node]:
         source, keyed, sink = self.source, self.keyed, self.sink
         maps = any(t.map is not None for t in source.transforms)
-        generator = isinstance(source.config, GeneratorSource)
-        fields = GENERATED_FIELDS if generator and maps else self.fields
+        made = made_fields(source.config)
+        fields = made if made and maps else self.fields
         nodes = [Node(source.name, "source", source.parallelism, fields=fields)]
         for i, t in enumerate(source.transforms, 1):
             role: Role = "map" if t.map is not None else "filter"
@@ -778,13 +868,14 @@ class JobSpec(_Model):
                 raise ValueError(f"keyed.operator.field is required for {op.function!r}")
             elif self.fields.get(op.field) not in ("int", "float"):
                 raise ValueError(f"keyed.operator.field {op.field!r} must be an int or float field")
-        generated = {"key": "int", "value": "float"}
-        generator = isinstance(self.source.config, GeneratorSource)
-        if generator and not self.source.transforms and self.fields != generated:
+        made = made_fields(self.source.config)
+        if made and not self.source.transforms and self.fields != made:
+            maker = "generator" if made is GENERATED_FIELDS else "nexmark source"
             raise ValueError(
-                f"the generator makes records {generated}; with no transforms to reshape "
+                f"the {maker} makes records {made}; with no transforms to reshape "
                 f"them, fields must be exactly that (got {self.fields})"
             )
+        self._check_event_time()
         not_floats = [f for f in self.allow_non_finite if self.fields.get(f) != "float"]
         if not_floats:
             raise ValueError(f"allow_non_finite names {not_floats}, which are not float fields")
@@ -796,6 +887,24 @@ class JobSpec(_Model):
             except GraphError as exc:
                 raise ValueError(str(exc)) from None
         return self
+
+    def _check_event_time(self) -> None:
+        """An event-time field names an int field of the records the source emits (after its
+        chained transforms: the job's fields)."""
+        settings = self.source.event_time
+        if settings is None or settings.field is None:
+            return
+        kind = self.fields.get(settings.field)
+        if kind is None:
+            raise ValueError(
+                f"source.event_time.field {settings.field!r} is not one of the source's "
+                f"fields {list(self.fields)}"
+            )
+        if kind != "int":
+            raise ValueError(
+                f"source.event_time.field {settings.field!r} is a {kind!r} field; an event "
+                "time is an 'int' field of epoch microseconds"
+            )
 
     _no_reserved = field_validator("fields")(_record_fields)
 

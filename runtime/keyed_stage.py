@@ -33,6 +33,7 @@ from keyshift.runtime.protocol import (
     OutDone,
     Rescaling,
     Retire,
+    Watermark,
     parse,
 )
 from keyshift.runtime.records import (
@@ -70,7 +71,9 @@ from keyshift.runtime.transport import (
     LEAVE,
     MARKER,
     STATE,
+    WATERMARK,
 )
+from keyshift.runtime.watermarks import WatermarkTracker
 
 IDLE_WAIT = 0.05
 PUSH_SLICE = 0.05  # seconds of state pushing between two batches of records, at most
@@ -152,13 +155,22 @@ class KeyedStage:
         self.retire = False
         self.rescaling = False
         self.aligner = BarrierAligner()
+        self.watermark = WatermarkTracker(set(self.sources))
         settings = spec.checkpoints
         self.checkpointer = (
             KeyedCheckpointer(settings, f"{ctx.stage}-{ctx.index}") if settings else None
         )
         if ctx.restore is not None and self.checkpointer is not None:
             keys = self.checkpointer.restore(ctx.restore, self.state, self.owned)
-            log.info("restored %d keys from checkpoint %d", keys, ctx.restore.id)
+            # Event time goes on from the checkpoint's, not from the replay's first records.
+            self.watermark.current = ctx.restore.watermarks.get(ctx.stage)
+            self.ctx.watermark_us = self.watermark.current
+            log.info(
+                "restored %d keys from checkpoint %d, at watermark %s",
+                keys,
+                ctx.restore.id,
+                self.watermark.current,
+            )
         ctx.fetch_served.set()
 
     # -- records ---------------------------------------------------------------------------
@@ -321,11 +333,21 @@ class KeyedStage:
         elif kind == BARRIER:
             self.aligner.arrive(sender, parse(Barrier, json.loads(payload)))
             self.checkpoint_if_aligned()
+        elif kind == WATERMARK:
+            mark = parse(Watermark, json.loads(payload))
+            self.watermark_moved(self.watermark.advance(sender, mark.watermark, mark.idle))
         elif kind == END and sender in self.sources:
             self.ended.add(sender)
+            self.watermark_moved(self.watermark.end(sender))
             if self.move_out is not None:
                 self.move_out.marker(sender, None)
             self.checkpoint_if_aligned()
+
+    def watermark_moved(self, moved: bool) -> None:
+        """The instance's watermark, the minimum over its live sources', went forward."""
+        current = self.watermark.current
+        if moved and current is not None and current < WatermarkTracker.FINAL:
+            self.ctx.watermark_us = current
 
     def checkpoint_if_aligned(self) -> None:
         """Once every live source's barrier is in: snapshot the owned groups (their upload
@@ -340,7 +362,9 @@ class KeyedStage:
         # An upload still running belongs to a checkpoint the coordinator gave up on: this
         # one needs to know whether that one's files were stored before it can build on them.
         self.acknowledge(self.checkpointer.wait())
-        self.checkpointer.start(barrier, self.state, self.owned)
+        current = self.watermark.current
+        watermark = current if current is not None and current < WatermarkTracker.FINAL else None
+        self.checkpointer.start(barrier, self.state, self.owned, watermark)
         encoded = json.dumps(barrier.wire()).encode()
         for outlet in self.sinks.values():
             self.ctx.send(outlet, encoded, kind=BARRIER)

@@ -77,6 +77,8 @@ class MetricName(StrEnum):
     RECOVERY_SECONDS = "keyshift_recovery_duration_seconds"
     RPC_UNAUTHENTICATED = "keyshift_rpc_unauthenticated_total"
     STORAGE_FAILURES = "keyshift_storage_failures_total"
+    WATERMARK = "keyshift_watermark_seconds"
+    WATERMARK_LAG = "keyshift_watermark_lag_seconds"
 
 
 COUNTERS = (
@@ -147,6 +149,10 @@ HELP: dict[MetricName, str] = {
     MetricName.STORAGE_FAILURES: "Failures of storage by use: checkpoint (a keyed instance's "
     "state could not be written), ingest_log (rows refused), output_log (a sink's write to its "
     "log refused, e.g. a full disk: the sink stalls).",
+    MetricName.WATERMARK: "This instance's event-time watermark (Unix seconds): a source's "
+    "own, a keyed instance's the minimum over its live inputs.",
+    MetricName.WATERMARK_LAG: "How far the watermark trails the wall clock, in seconds (at the "
+    "last report).",
 }
 
 
@@ -303,6 +309,8 @@ class InstanceMetrics:
             name: counter(name, (*LABELS, "kind"), self.registry) for name in MIGRATION_METRICS
         }
         self.parked_now = own(MetricName.PARKED_NOW)
+        self.watermark = own(MetricName.WATERMARK)
+        self.watermark_lag = own(MetricName.WATERMARK_LAG)
         self._storage_failures = counter(
             MetricName.STORAGE_FAILURES, (*LABELS, "use"), self.registry
         )

@@ -571,13 +571,16 @@ def source(
     *,
     fields: Mapping[str, FieldType] | None = None,
     parallelism: int | None = None,
+    event_time: Mapping[str, Any] | None = None,
 ) -> Stream:
-    """A source stage: `config` as in a job file (`{"kind": "generator", ...}` by default, or
-    `{"kind": "ingest", ...}` with the rows' `fields`)."""
+    """A source stage: `config` as in a job file (`{"kind": "generator", ...}` by default,
+    `{"kind": "nexmark", ...}`, or `{"kind": "ingest", ...}` with the rows' `fields`);
+    `event_time` as a job file's (`field`, `max_out_of_orderness_ms`, `idle_timeout_ms`)."""
     stage = {"name": name, "kind": "source"} | _given(
         config=None if config is None else dict(config),
         fields=None if fields is None else dict(fields),
         parallelism=parallelism,
+        event_time=None if event_time is None else dict(event_time),
     )
     return Stream((stage,), (name,))
 

@@ -12,8 +12,8 @@ Three families travel as JSON over the control calls of `keyshift.runtime.transp
 - the bodies of the unary calls: `RegisterRequest`/`RegisterReply`, `InstanceCall` (Watch),
   `ReportRequest`, `RescaleRequest` (stage, parallelism, strategy, options) and its reply
   `RescaleReport`, `StatusReply`, `DrainReply`;
-- between instances: a checkpoint `Barrier`'s body on a data stream, and a migration fetch's
-  `FetchBody` and the `FetchReplyHeader` of its reply.
+- between instances: a checkpoint `Barrier`'s body and a `Watermark`'s on a data stream, and
+  a migration fetch's `FetchBody` and the `FetchReplyHeader` of its reply.
 
 A sender builds a model and sends `message.wire()`; a receiver calls `parse`, `parse_command`
 or `parse_event`, which raise `ProtocolError` naming the message and each wrong field (unknown
@@ -245,6 +245,8 @@ class KeyedCheckpointAck(Message):
     writer: str | None = None
     database: dict[str, Any] | None = None
     reused: int = 0
+    # The instance's event-time watermark when it aligned (none: it has none yet).
+    watermark: int | None = None
 
 
 class SinkCheckpointAck(Message):
@@ -420,6 +422,16 @@ class Barrier(Message):
 
     id: int
     previous: int | None
+
+
+class Watermark(Message):
+    """A WATERMARK's body on a data stream: the sender emits no record with an event time
+    below `watermark` (epoch µs; none before its first record), unless late; `idle`: it has
+    emitted nothing for its idle timeout, so receivers do not wait for it until it emits
+    again (keyshift.runtime.watermarks)."""
+
+    watermark: int | None
+    idle: bool = False
 
 
 class FetchBody(Message):

@@ -16,11 +16,21 @@ from typing import Any
 import grpc
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
+from keyshift.runtime import nexmark
 from keyshift.runtime.generator import KeyGenerator, Pacer, instance_total, rate_at
 from keyshift.runtime.ingest import REMEMBERED_BATCH_IDS, IngestLimits, IngestService
 from keyshift.runtime.ingest_log import IngestLog, ingest_log_url
-from keyshift.runtime.job import GeneratorSource, IngestSource, JobSpec, resolve_function
+from keyshift.runtime.job import (
+    GENERATED_FIELDS,
+    NEXMARK_FIELDS,
+    GeneratorSource,
+    IngestSource,
+    JobSpec,
+    NexmarkSource,
+    resolve_function,
+)
 from keyshift.runtime.keyspace import Assignment, key_groups
 from keyshift.runtime.metrics import MetricName
 from keyshift.runtime.protocol import (
@@ -34,6 +44,7 @@ from keyshift.runtime.protocol import (
     Resume,
     SourceCheckpointAck,
     Topology,
+    Watermark,
 )
 from keyshift.runtime.records import (
     EVENT_TIME,
@@ -54,10 +65,12 @@ from keyshift.runtime.storage import StorageError
 from keyshift.runtime.transport import (
     BARRIER,
     MARKER,
+    WATERMARK,
     PortInUseError,
     TransportError,
     start_server,
 )
+from keyshift.runtime.watermarks import WatermarkGenerator
 
 log = logging.getLogger("keyshift.source")
 Transform = tuple[str, Callable[..., Any]]
@@ -188,13 +201,15 @@ class Router:
 
 
 class Emitter:
-    """Turns a batch of new records into routed sends: transforms, key groups, routing."""
+    """Turns a batch of new records into routed sends: transforms, event times, key groups,
+    routing; and the watermark after them."""
 
     def __init__(self, ctx: InstanceContext, router: Router) -> None:
         self.ctx = ctx
         self.router = router
         self.transforms = _transforms(ctx.spec)
         self.emitted = 0
+        self.watermarks = Watermarks(ctx, router)
         # A source that keeps what it emitted until a checkpoint covers it lets go of it here.
         self.on_complete: Callable[[int], None] = lambda position: None
 
@@ -210,6 +225,7 @@ class Emitter:
         made = batch.num_rows
         if self.transforms:
             batch = apply_transforms(self.ctx, batch, self.transforms)
+        batch = self.watermarks.stamp(batch)
         groups = key_groups(batch.column(spec.keyed.key_by), spec.max_key_groups)
         batch = batch.set_column(batch.schema.get_field_index(GROUP), GROUP, pa.array(groups))
         parts = self.router.route(batch, groups)
@@ -219,8 +235,10 @@ class Emitter:
         metrics.count(MetricName.RECORDS_IN, made)
         self.emitted += made
         self.ctx.extra_stats["emitted"] = self.emitted
+        self.watermarks.emitted(batch)
 
     def follow_commands(self) -> None:
+        self.watermarks.tick()
         while (command := self.ctx.next_command()) is not None:
             if isinstance(command, Checkpoint):
                 self.barrier(command)
@@ -238,14 +256,85 @@ class Emitter:
         self.ctx.emit(SourceCheckpointAck(id=command.id, position=self.emitted))
 
 
+class Watermarks:
+    """A source instance's event time and watermark (keyshift.runtime.watermarks), when its
+    stage has `event_time` settings: records take their event time from the named field, and
+    every keyed instance hears the watermark after the records it covers (a new one at once),
+    and that the instance is idle when it has emitted nothing for the idle timeout."""
+
+    def __init__(self, ctx: InstanceContext, router: Router) -> None:
+        self.ctx = ctx
+        self.router = router
+        settings = ctx.spec.source.event_time
+        self.field = settings.field if settings is not None else None
+        self.generator = (
+            None
+            if settings is None
+            else WatermarkGenerator(
+                bound_us=round(settings.max_out_of_orderness_ms * 1000),
+                idle_timeout=(
+                    None if settings.idle_timeout_ms is None else settings.idle_timeout_ms / 1000
+                ),
+                last_active=time.monotonic(),
+            )
+        )
+        self.sent: dict[int, bytes] = {}  # the last watermark message each keyed instance got
+        self._owners: tuple[Assignment, list[int]] | None = None
+
+    def stamp(self, batch: pa.RecordBatch) -> pa.RecordBatch:
+        """Records whose event time is a field of theirs carry it as their event time."""
+        if self.field is None:
+            return batch
+        index = batch.schema.get_field_index(EVENT_TIME)
+        return batch.set_column(index, EVENT_TIME, batch.column(self.field))
+
+    def emitted(self, batch: pa.RecordBatch) -> None:
+        if self.generator is None or batch.num_rows == 0:
+            return
+        highest = pc.max(batch.column(EVENT_TIME)).as_py()
+        self.generator.observe(int(highest), time.monotonic())
+        self.send()
+
+    def tick(self) -> None:
+        """Between batches: note an idle spell, and tell new keyed instances the watermark."""
+        if self.generator is None:
+            return
+        self.generator.check_idle(time.monotonic())
+        self.send()
+
+    def owners(self) -> list[int]:
+        """The keyed instances that own key groups now: one that is leaving owns none, and may
+        have stopped reading (a watermark for it would wait for credit forever)."""
+        assignment = self.router.assignment
+        if self._owners is None or self._owners[0] is not assignment:
+            self._owners = (assignment, np.unique(assignment.owners).tolist())
+        return self._owners[1]
+
+    def send(self) -> None:
+        assert self.generator is not None
+        message = Watermark(watermark=self.generator.watermark, idle=self.generator.idle)
+        payload = json.dumps(message.wire()).encode()
+        for index in self.owners():
+            outlet = self.router.outlets.get(index)
+            if (
+                outlet is not None
+                and index not in self.router.dead
+                and self.sent.get(index) != payload
+            ):
+                self.ctx.send(outlet, payload, kind=WATERMARK)
+                self.sent[index] = payload
+        if self.generator.watermark is not None:
+            self.ctx.watermark_us = self.generator.watermark
+
+
 def run(ctx: InstanceContext) -> None:
     config = ctx.spec.source.config
     router = Router(ctx)
     emitter = Emitter(ctx, router)
-    if isinstance(config, GeneratorSource):
-        run_generator(ctx, config, emitter)
-    else:
+    if isinstance(config, IngestSource):
         run_ingest(ctx, config, emitter)
+    else:
+        run_generator(ctx, config, emitter)
     router.finish()
 
 
@@ -333,14 +422,66 @@ def _listen(
     return server, port
 
 
-def run_generator(ctx: InstanceContext, config: GeneratorSource, emitter: Emitter) -> None:
+BatchMaker = Callable[[int, int, np.ndarray], pa.RecordBatch]
+"""(first sequence number, count, due times in epoch µs) -> the records of a built-in source."""
+
+
+def key_value_batches(ctx: InstanceContext, config: GeneratorSource) -> BatchMaker:
+    """The generator's records: a key and a value, their event time the time they fell due."""
+    generator = KeyGenerator(config, source_id=ctx.index)
+    schema = record_schema(GENERATED_FIELDS)
+
+    def make(seq: int, n: int, times: np.ndarray) -> pa.RecordBatch:
+        keys, values = generator.records(seq, n)
+        return pa.RecordBatch.from_arrays(
+            [pa.array(keys), pa.array(values), pa.array(times), *_record_ids(ctx, seq, n, times)],
+            schema=schema,
+        )
+
+    return make
+
+
+def nexmark_batches(ctx: InstanceContext, config: NexmarkSource) -> BatchMaker:
+    """NEXMark's events (keyshift.runtime.nexmark): this instance's share of the event numbers,
+    each with the model's event time."""
+    model = config.model()
+    parallelism = ctx.spec.source.parallelism
+    schema = record_schema(NEXMARK_FIELDS)
+
+    def make(seq: int, n: int, times: np.ndarray) -> pa.RecordBatch:
+        made = nexmark.events(model, nexmark.event_numbers(ctx.index, parallelism, seq, n))
+        return pa.RecordBatch.from_arrays(
+            [*made.columns, *_record_ids(ctx, seq, n, times)], schema=schema
+        )
+
+    return make
+
+
+def _record_ids(ctx: InstanceContext, seq: int, n: int, times: np.ndarray) -> list[pa.Array]:
+    """Ingest time, source, sequence number and (not yet computed) key group of new records."""
+    return [
+        pa.array(times),
+        pa.array(np.full(n, ctx.index, dtype=np.int32)),
+        pa.array(np.arange(seq, seq + n, dtype=np.int64)),
+        pa.array(np.zeros(n, dtype=np.int32)),
+    ]
+
+
+def run_generator(
+    ctx: InstanceContext, config: GeneratorSource | NexmarkSource, emitter: Emitter
+) -> None:
+    """A built-in source: records made by a pure function of their sequence number, as due by
+    the load profile."""
     spec = ctx.spec
     parallelism = spec.source.parallelism
-    generator = KeyGenerator(config, source_id=ctx.index)
+    make = (
+        key_value_batches(ctx, config)
+        if isinstance(config, GeneratorSource)
+        else nexmark_batches(ctx, config)
+    )
     pacer = Pacer(
         config.profile, 1.0 / parallelism, instance_total(config.total, ctx.index, parallelism)
     )
-    schema = record_schema({"key": "int", "value": "float"})
     max_records = spec.batching.max_records
     linger = spec.batching.linger_ms / 1000.0
     metrics = ctx.metrics
@@ -378,22 +519,10 @@ def run_generator(ctx: InstanceContext, config: GeneratorSource, emitter: Emitte
             metrics.count(MetricName.IDLE_SECONDS, wait)
             continue
         t0 = time.perf_counter()
-        keys, values = generator.records(seq, n)
         # Each record carries the time it fell due, not the time it could be sent.
         first, last = pacer.arrival(seq + 1, elapsed), pacer.arrival(seq + n, elapsed)
         times = started_us + (np.linspace(first, last, n) * 1e6).astype(np.int64)
-        batch = pa.RecordBatch.from_arrays(
-            [
-                pa.array(keys),
-                pa.array(values),
-                pa.array(times),
-                pa.array(times),
-                pa.array(np.full(n, ctx.index, dtype=np.int32)),
-                pa.array(np.arange(seq, seq + n, dtype=np.int64)),
-                pa.array(np.zeros(n, dtype=np.int32)),
-            ],
-            schema=schema,
-        )
+        batch = make(seq, n, times)
         seq += n
         emitter.emit(batch, t0)
         last_emit = now

@@ -107,6 +107,7 @@ class InstanceContext:
         self.metrics_address = ""
         self.host = "127.0.0.1"  # the address this instance listens on
         self.restore: CheckpointMeta | None = None  # the checkpoint a recovery goes on from
+        self.watermark_us: int | None = None  # event time (epoch µs), once the stage has one
 
     # -- commands ------------------------------------------------------------------------
 
@@ -206,6 +207,10 @@ class InstanceContext:
         m.state_bytes.set(size)
         depth = self.inbox.depth()
         m.queue_depth.set(depth)
+        if self.watermark_us is not None:
+            m.watermark.set(self.watermark_us / 1e6)
+            m.watermark_lag.set(time.time() - self.watermark_us / 1e6)
+            self.extra_stats["watermark_us"] = self.watermark_us
         totals = m.totals
         return {
             "records_in": totals[MetricName.RECORDS_IN],

@@ -49,7 +49,8 @@ FORWARD = b"F"  # records an old owner hands to the new owner of their key group
 STATE = b"S"  # a chunk of keyed state pushed by an old owner (Arrow IPC, JSON header first)
 FORWARD_DONE = b"D"  # the old owner will forward nothing more for this epoch (JSON)
 BARRIER = b"K"  # a checkpoint barrier: what the sender sent before it is in the checkpoint
-DATA_KINDS = frozenset((BATCH, MARKER, FORWARD, STATE, FORWARD_DONE, BARRIER))
+WATERMARK = b"W"  # the sender's event-time watermark (JSON), after the records it covers
+DATA_KINDS = frozenset((BATCH, MARKER, FORWARD, STATE, FORWARD_DONE, BARRIER, WATERMARK))
 
 
 class TransportError(RuntimeError):

@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import math
 import time
+from abc import abstractmethod
 from collections.abc import Iterator
 from typing import Any
 
@@ -50,28 +51,21 @@ DUE_POINTS = 64
 _PROFILE: TypeAdapter[Any] = TypeAdapter(LoadProfile)
 
 
-class BidOptions:
-    def __init__(self, options: dict[str, str]) -> None:
-        def number(name: str, default: str, cast: type = int, low: float = 0) -> Any:
-            raw = options.get(name.lower(), default)
-            try:
-                value = cast(raw)
-            except ValueError:
-                raise ValueError(f"option {name!r} must be a number, got {raw!r}") from None
-            if value < low:
-                raise ValueError(f"option {name!r} must be >= {low}, got {value}")
-            return value
+class PacedOptions:
+    """The options of a source paced by a load profile (this one and keyshift.spark.nexmark):
+    `profile`, `total`, `seed`, `partitions`, `maxRecordsPerBatch`. Spark hands options over
+    with lower-cased names."""
 
-        self.auctions: int = number("auctions", "10000", low=1)
-        self.zipf: float = number("zipf", "1.0", float, low=0.01)
-        self.seed: int = number("seed", "0")
-        self.partitions: int = number("partitions", "2", low=1)
+    def __init__(self, options: dict[str, str]) -> None:
+        self.raw = options
+        self.seed: int = self.number("seed", "0")
+        self.partitions: int = self.number("partitions", "2", low=1)
         raw_max = options.get("maxrecordsperbatch")
         self.max_records: int | None = (
-            None if raw_max is None else number("maxRecordsPerBatch", raw_max, low=1)
+            None if raw_max is None else self.number("maxRecordsPerBatch", raw_max, low=1)
         )
         raw_total = options.get("total")
-        self.total: int | None = None if raw_total is None else number("total", raw_total)
+        self.total: int | None = None if raw_total is None else self.number("total", raw_total)
         raw_profile = options.get("profile")
         self.profile: Any = None
         if raw_profile is not None:
@@ -81,6 +75,23 @@ class BidOptions:
                 raise ValueError(f"option 'profile' is not a load profile: {exc}") from None
         if self.profile is None and self.total is None:
             raise ValueError("give option 'profile' (a load profile as JSON), 'total', or both")
+
+    def number(self, name: str, default: str, cast: type = int, low: float = 0) -> Any:
+        raw = self.raw.get(name.lower(), default)
+        try:
+            value = cast(raw)
+        except ValueError:
+            raise ValueError(f"option {name!r} must be a number, got {raw!r}") from None
+        if value < low:
+            raise ValueError(f"option {name!r} must be >= {low}, got {value}")
+        return value
+
+
+class BidOptions(PacedOptions):
+    def __init__(self, options: dict[str, str]) -> None:
+        super().__init__(options)
+        self.auctions: int = self.number("auctions", "10000", low=1)
+        self.zipf: float = self.number("zipf", "1.0", float, low=0.01)
 
     def generator(self) -> KeyGenerator:
         config = GeneratorSource(
@@ -132,9 +143,15 @@ def _split(start: int, end: int, parts: int, started: float | None = None) -> li
     return [BidRange(a, min(a + step, end), started) for a in range(start, end, step)]
 
 
-class BidStreamReader(DataSourceStreamReader):
-    def __init__(self, options: dict[str, str]) -> None:
-        self.options = BidOptions(options)
+class PacedStreamReader(DataSourceStreamReader):
+    """A stream of numbered rows as due by the options' profile; `rows` makes them."""
+
+    def __init__(self, options: PacedOptions) -> None:
+        self.options = options
+
+    @abstractmethod
+    def rows(self, start: int, end: int, started: float | None) -> pa.RecordBatch:
+        """Rows number start .. end - 1; `started` is the stream's wall-clock start."""
 
     def initialOffset(self) -> dict[str, Any]:
         return {"seq": 0, "started": time.time()}
@@ -158,14 +175,20 @@ class BidStreamReader(DataSourceStreamReader):
 
     def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
         assert isinstance(partition, BidRange)
-        yield bids(self.options, partition.start, partition.end, partition.started)
+        yield self.rows(partition.start, partition.end, partition.started)
 
 
-class BidBatchReader(DataSourceReader):
-    def __init__(self, options: dict[str, str]) -> None:
-        self.options = BidOptions(options)
+class PacedBatchReader(DataSourceReader):
+    """All `total` numbered rows at once; `rows` makes them."""
+
+    def __init__(self, options: PacedOptions) -> None:
+        self.options = options
         if self.options.total is None:
-            raise ValueError("a batch read of bids needs option 'total'")
+            raise ValueError("a batch read needs option 'total'")
+
+    @abstractmethod
+    def rows(self, start: int, end: int) -> pa.RecordBatch:
+        """Rows number start .. end - 1."""
 
     def partitions(self) -> list[BidRange]:
         assert self.options.total is not None
@@ -174,7 +197,25 @@ class BidBatchReader(DataSourceReader):
     def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
         assert isinstance(partition, BidRange)
         if partition.end > partition.start:
-            yield bids(self.options, partition.start, partition.end)
+            yield self.rows(partition.start, partition.end)
+
+
+class BidStreamReader(PacedStreamReader):
+    def __init__(self, options: dict[str, str]) -> None:
+        self.bid_options = BidOptions(options)
+        super().__init__(self.bid_options)
+
+    def rows(self, start: int, end: int, started: float | None) -> pa.RecordBatch:
+        return bids(self.bid_options, start, end, started)
+
+
+class BidBatchReader(PacedBatchReader):
+    def __init__(self, options: dict[str, str]) -> None:
+        self.bid_options = BidOptions(options)
+        super().__init__(self.bid_options)
+
+    def rows(self, start: int, end: int) -> pa.RecordBatch:
+        return bids(self.bid_options, start, end)
 
 
 class BidsDataSource(DataSource):

@@ -15,12 +15,15 @@ from pyspark.sql.streaming.query import StreamingQuery
 
 from keyshift.spark.bids import BidsDataSource
 from keyshift.spark.datasource import KeyshiftDataSource
+from keyshift.spark.nexmark import NexmarkDataSource
 
 
 def register(spark: SparkSession) -> None:
-    """Make `format("keyshift")` and `format("keyshift-bids")` available in a session."""
+    """Make `format("keyshift")`, `format("keyshift-bids")` and `format("keyshift-nexmark")`
+    available in a session."""
     spark.dataSource.register(KeyshiftDataSource)
     spark.dataSource.register(BidsDataSource)
+    spark.dataSource.register(NexmarkDataSource)
 
 
 def local_session(app: str, cores: int = 2, extra: dict[str, str] | None = None) -> SparkSession:

@@ -35,6 +35,7 @@ from keyshift.runtime.transport import JsonClient
 from keyshift.spark.bids import DUE_COLUMN
 from keyshift.spark.session import local_session
 from tests.conftest import count_job, latest_by_version, running_job, wait_for
+from tests.nexmark_reference import run_query, source_events, write_events
 from tests.test_rescale import SERVICE, rescale_via
 
 pytestmark = [pytest.mark.slow, pytest.mark.alone]
@@ -448,3 +449,25 @@ def test_the_example_jobs_replay_json_files_into_a_job_and_write_its_output_as_p
     for key, version in zip(table["key"].to_pylist(), table["version"].to_pylist(), strict=True):
         latest[key] = max(latest.get(key, 0), version)
     assert latest == {k: 100 for k in range(7)}
+
+
+def test_nexmark_events_in_spark_answer_a_query_as_duckdb_does(
+    spark: SparkSession, tmp_path: Path
+) -> None:
+    """`format("keyshift-nexmark")`: a batch read holds the events a job's nexmark source makes,
+    and a streaming Q2 over them answers what DuckDB answers over the same events."""
+    options = {"total": "20000", "seed": "3", "eventRate": "2000", "partitions": "3"}
+    batch = spark.read.format("keyshift-nexmark").options(**options).load()
+    events = source_events({"total": 20_000, "seed": 3, "event_rate": 2000}, 1)
+    assert batch.count() == 20_000
+    assert sorted(batch.collect()) == sorted(tuple(r.values()) for r in events.to_pylist())
+    stream = spark.readStream.format("keyshift-nexmark").options(**options).load()
+    q2 = stream.where("kind = 'bid' AND auction % 123 = 0").select("auction", "price")
+    query = q2.writeStream.format("memory").queryName("nexmark_q2").start()
+    try:
+        query.processAllAvailable()
+    finally:
+        query.stop()
+    answer = sorted(tuple(r) for r in spark.table("nexmark_q2").collect())
+    expected = run_query("q2", write_events(events, tmp_path / "events.parquet"))
+    assert answer == expected and expected

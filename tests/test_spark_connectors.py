@@ -3,9 +3,11 @@ split over partitions, and bids as a pure function of their number."""
 
 from __future__ import annotations
 
+import numpy as np
 import pyarrow as pa
 import pytest
 
+from keyshift.runtime import nexmark
 from keyshift.runtime.auth import Security
 from keyshift.runtime.job import StepProfile
 from keyshift.runtime.job_secret import SECRET_ENV, new_job_secret
@@ -18,6 +20,7 @@ from keyshift.spark.ingest_writer import (
     due_backlog,
 )
 from keyshift.spark.log_reader import limit_ends
+from keyshift.spark.nexmark import NexmarkOptions, nexmark_rows
 
 
 def test_writer_options_parse_endpoints_and_defaults() -> None:
@@ -164,3 +167,25 @@ def test_each_endpoint_hears_of_its_share_of_the_writers_backlog() -> None:
     assert one.rows == pytest.approx(2400, abs=5) and two.rows == one.rows // 2
     assert two.client == "q" and two.oldest_seconds == one.oldest_seconds
     assert KeyshiftStreamWriter({"endpoint": "a:1"})._backlog(rows, 400, "q", 12.0) is None
+
+
+def test_nexmark_rows_are_the_events_of_a_jobs_nexmark_source() -> None:
+    options = NexmarkOptions({"total": "500", "seed": "8", "maxdisorderms": "3"})
+    model = nexmark.NexmarkModel(seed=8, max_disorder_us=3000)
+    assert nexmark_rows(options, 100, 400) == nexmark.events(model, np.arange(100, 400))
+    assert nexmark_rows(options, 0, 1).schema.names == [*nexmark.FIELDS, "event_time"]
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({}, "give option 'profile'"),
+        ({"total": "10", "eventrate": "0"}, "bad NEXMark options: event_rate: Input should be"),
+        ({"total": "10", "eventrate": "fast"}, "event_rate: Input should be a valid number"),
+        ({"total": "10", "hotbidderratio": "0"}, "hot_bidder_ratio: Input should be greater"),
+        ({"total": "-1"}, "option 'total' must be >= 0"),
+    ],
+)
+def test_bad_nexmark_options_say_what_is_wrong(options: dict[str, str], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        NexmarkOptions(options)

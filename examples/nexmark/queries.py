@@ -1,0 +1,119 @@
+"""The functions of the NEXMark query jobs in examples/nexmark/ (q0.yaml ... q8.yaml): filters
+and maps chained in the source, and process functions in the one keyed stage. The runtime has
+no event-time windows yet, so the windowed queries keep one key per (window, ...) and emit the
+window's answer as it stands each time it changes: the last output of a key is the answer.
+tests/test_nexmark_queries.py runs each job and compares its answers with DuckDB's
+(examples/nexmark/sql/).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+Record = dict[str, Any]
+WINDOW_US = 10_000_000  # Q7 and Q8: tumbling windows of 10 s of event time
+Q2_AUCTIONS = 123  # Q2 keeps the bids of every 123rd auction
+Q3_STATES = ("OR", "ID", "CA")
+Q3_CATEGORY = 10
+EUROS_PER_100_DOLLARS = 89
+
+
+def window_start(record: Record) -> int:
+    return int(record["event_time"]) // WINDOW_US * WINDOW_US
+
+
+def is_bid(record: Record) -> bool:
+    return bool(record["kind"] == "bid")
+
+
+def q0(state: Any, record: Record) -> tuple[None, Record]:
+    """Pass-through: each bid as it came (no state kept)."""
+    return None, {"bidder": record["bidder"], "price": record["price"]}
+
+
+def q1(state: Any, record: Record) -> tuple[None, Record]:
+    """Currency conversion: each bid's price in euros."""
+    euros = record["price"] * EUROS_PER_100_DOLLARS // 100
+    return None, {"bidder": record["bidder"], "price": euros}
+
+
+def is_q2_bid(record: Record) -> bool:
+    return is_bid(record) and record["auction"] % Q2_AUCTIONS == 0
+
+
+def q2(state: Any, record: Record) -> tuple[None, int]:
+    """Selection: the price of a bid on a selected auction (the key is the auction)."""
+    return None, int(record["price"])
+
+
+def is_q3_input(record: Record) -> bool:
+    """People of the states Q3 asks about, and auctions of its category."""
+    if record["kind"] == "person":
+        return record["state"] in Q3_STATES
+    return bool(record["kind"] == "auction" and record["category"] == Q3_CATEGORY)
+
+
+def q3_by_person(record: Record) -> Record:
+    """Key people by their id and auctions by their seller."""
+    person = record["kind"] == "person"
+    return {
+        "person": record["id"] if person else record["seller"],
+        "auction": 0 if person else record["id"],
+        "name": record["name"],
+        "city": record["city"],
+        "state": record["state"],
+    }
+
+
+def q3(state: Record | None, record: Record) -> tuple[Record, list[list[Any]] | None]:
+    """An incremental join: a person's auctions wait for the person (an auction may name a
+    seller who has not registered yet); each match is emitted once."""
+    state = state or {"who": None, "waiting": []}
+    if record["auction"] == 0:
+        who = [record["name"], record["city"], record["state"]]
+        matches = [[*who, auction] for auction in state["waiting"]]
+        return {"who": who, "waiting": []}, matches or None
+    if state["who"] is None:
+        return {"who": None, "waiting": [*state["waiting"], record["auction"]]}, None
+    return state, [[*state["who"], record["auction"]]]
+
+
+def q7_by_window(record: Record) -> Record:
+    return {"window": window_start(record), "auction": record["auction"],
+            "bidder": record["bidder"], "price": record["price"]}  # fmt: skip
+
+
+def q7(state: list[Any] | None, record: Record) -> tuple[list[Any], list[list[int]] | None]:
+    """Highest bid per window: the window's best price and the bids that offered it; emitted
+    whenever they change."""
+    bid = [record["auction"], record["bidder"], record["price"], record["event_time"]]
+    if state is None or record["price"] > state[0]:
+        top = [record["price"], [bid]]
+    elif record["price"] == state[0]:
+        top = [state[0], [*state[1], bid]]
+    else:
+        return state, None
+    return top, top[1]
+
+
+def is_person_or_auction(record: Record) -> bool:
+    return bool(record["kind"] != "bid")
+
+
+def q8_by_person_and_window(record: Record) -> Record:
+    person = record["kind"] == "person"
+    who = record["id"] if person else record["seller"]
+    return {"person_window": f"{who}@{window_start(record)}", "person": who,
+            "name": record["name"], "is_person": person}  # fmt: skip
+
+
+def q8(state: Record | None, record: Record) -> tuple[Record, list[Any] | None]:
+    """New users who opened an auction in the window in which they registered: emitted once,
+    when both are in."""
+    state = state or {"name": None, "sold": False, "done": False}
+    seen = {"name": record["name"]} if record["is_person"] else {"sold": True}
+    state = {**state, **seen}
+    if state["done"] or state["name"] is None or not state["sold"]:
+        return state, None
+    window = int(record["person_window"].split("@")[1])
+    return {**state, "done": True}, [record["person"], state["name"], window]

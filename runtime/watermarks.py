@@ -1,0 +1,108 @@
+"""Event-time watermarks: how far event time has progressed, so that windows know when they are
+complete. Pure code: no clock reads (`now` is passed in) and no I/O.
+
+- `WatermarkGenerator`, at each source instance: bounded out-of-orderness (the highest event
+  time seen less the bound) and an idle timeout, after which the instance tells its receivers
+  not to wait for it until it emits again.
+- `WatermarkTracker`, at each receiving instance: the minimum over its live, non-idle inputs,
+  never moving backwards; an input that ended no longer holds it back.
+
+The source stage loop (`keyshift.runtime.source_stage`) sends what its generator says as
+`WATERMARK` messages (`keyshift.runtime.protocol.Watermark`); the keyed stage loop
+(`keyshift.runtime.keyed_stage`) feeds them to its tracker and exports the result.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+__all__ = ["WatermarkGenerator", "WatermarkTracker"]
+
+
+@dataclass
+class WatermarkGenerator:
+    """A source instance's watermark: every event time it will still emit is at or above it,
+    unless a record is later than `bound_us` (a late record)."""
+
+    bound_us: int
+    idle_timeout: float | None
+    last_active: float  # when the instance started or last emitted a record
+    highest_us: int | None = None
+    idle: bool = False
+
+    def __post_init__(self) -> None:
+        if self.bound_us < 0:
+            raise ValueError(f"the out-of-orderness bound must be >= 0 µs, got {self.bound_us}")
+        if self.idle_timeout is not None and self.idle_timeout <= 0:
+            raise ValueError(f"the idle timeout must be > 0 s, got {self.idle_timeout}")
+
+    def observe(self, highest_event_time_us: int, now: float) -> None:
+        """Records were emitted; the highest of their event times."""
+        if self.highest_us is None or highest_event_time_us > self.highest_us:
+            self.highest_us = highest_event_time_us
+        self.last_active = now
+        self.idle = False
+
+    @property
+    def watermark(self) -> int | None:
+        """None until a record is seen."""
+        return None if self.highest_us is None else self.highest_us - self.bound_us
+
+    def check_idle(self, now: float) -> bool:
+        """Whether the instance has just become idle (nothing emitted for the timeout); true
+        once per quiet spell."""
+        if self.idle or self.idle_timeout is None or now - self.last_active < self.idle_timeout:
+            return False
+        self.idle = True
+        return True
+
+
+@dataclass
+class WatermarkTracker:
+    """The watermark of an instance with several inputs: the minimum of its inputs'
+    watermarks, over the inputs that are neither idle nor ended. It never moves backwards;
+    while an active input has not sent a watermark yet, it does not move at all. Once every
+    input has ended it is final: `FINAL` (every window is complete)."""
+
+    FINAL = (1 << 63) - 1
+
+    inputs: set[str]
+    current: int | None = None
+    _marks: dict[str, int] = field(default_factory=dict)
+    _idle: set[str] = field(default_factory=set)
+    _ended: set[str] = field(default_factory=set)
+
+    def advance(self, sender: str, watermark: int | None, idle: bool = False) -> bool:
+        """A watermark from `sender` (none: it has not seen a record yet; idle: it has gone
+        quiet); whether the current one moved."""
+        self.inputs.add(sender)
+        if watermark is not None and watermark > self._marks.get(sender, watermark - 1):
+            self._marks[sender] = watermark
+        if idle:
+            self._idle.add(sender)
+        else:
+            self._idle.discard(sender)
+        return self._recompute()
+
+    def end(self, sender: str) -> bool:
+        """`sender`'s input is complete: it holds nothing back any more."""
+        self.inputs.add(sender)
+        self._ended.add(sender)
+        return self._recompute()
+
+    def _recompute(self) -> bool:
+        live = self.inputs - self._ended
+        if not live:
+            candidate: int | None = self.FINAL
+        else:
+            active = live - self._idle
+            if not active:
+                return False  # all quiet: nothing says how far event time has come
+            marks = [self._marks.get(s) for s in active]
+            if any(m is None for m in marks):
+                return False
+            candidate = min(m for m in marks if m is not None)
+        if candidate is None or (self.current is not None and candidate <= self.current):
+            return False
+        self.current = candidate
+        return True

@@ -1,0 +1,153 @@
+"""The NEXMark query jobs of examples/nexmark/ run through real processes (a nexmark source, the
+query's keyed stage, an output log) and answer what DuckDB answers over the same events
+(tests/nexmark_reference.py, examples/nexmark/sql/), row for row: to the end, under live
+rescales of the keyed stage with every strategy, and through a kill -9 with checkpoints."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from keyshift.runtime.output_log import OutputLogReader
+from keyshift.runtime.protocol import STRATEGIES
+from keyshift.runtime.transport import JsonClient
+from tests.conftest import BATCHING, running_job, wait_for
+from tests.nexmark_reference import run_query, source_events, write_events
+from tests.test_recovery import Run, start_run
+from tests.test_rescale import SERVICE, rescale_via, sum_out
+
+pytestmark = [pytest.mark.slow, pytest.mark.live]
+
+REPO = Path(__file__).resolve().parent.parent
+TOTAL = 60_000
+# 1000 events per second of event time: 60 s of events, six 10 s windows for Q7 and Q8.
+SOURCE = {"seed": 4, "event_rate": 1000, "total": TOTAL, "max_disorder_ms": 50}
+SOURCES = 2
+
+
+def example(query: str, out: Path, **source: Any) -> dict[str, Any]:
+    """The query's example job, its source finite and its output in `out`."""
+    job = yaml.safe_load((REPO / "examples" / "nexmark" / f"{query}.yaml").read_text())
+    stages = {stage["name"]: stage for stage in job["graph"]}
+    config = stages["events"]["config"]
+    config.pop("profile")
+    config.update(SOURCE, **source)
+    for stage in job["graph"]:
+        if stage["kind"] in ("source", "map", "filter"):
+            stage["parallelism"] = SOURCES  # chained into the source's processes
+    stages["out"]["config"]["path"] = str(out)
+    return job | {"batching": dict(BATCHING)}
+
+
+def latest_values(out: Path) -> list[tuple[Any, Any, int]]:
+    """(key, value, event time) of every output, each key's in the order the keyed stage made
+    them."""
+    table = OutputLogReader(out).read_all()
+    return list(
+        zip(
+            table.column("key").to_pylist(),
+            [json.loads(v) for v in table.column("value").to_pylist()],
+            table.column("event_time").to_pylist(),
+            strict=True,
+        )
+    )
+
+
+def rows_of(query: str, out: Path) -> list[tuple[Any, ...]]:
+    """keyshift's answer as the rows of the query's SQL, sorted."""
+    outputs = latest_values(out)
+    if query in ("q0", "q1"):
+        return sorted((k, v["bidder"], v["price"], t) for k, v, t in outputs)
+    if query == "q2":
+        return sorted((k, v) for k, v, _ in outputs)
+    if query == "q3":
+        return sorted(tuple(match) for _, matches, _ in outputs for match in matches)
+    if query == "q7":
+        # The last update of each window is its answer.
+        last: dict[int, list[list[int]]] = {}
+        for window, bids, _ in outputs:
+            last[window] = bids
+        return sorted((w, *bid) for w, bids in last.items() for bid in bids)
+    if query == "q8":
+        return sorted(tuple(row) for _, row, _ in outputs)
+    raise AssertionError(f"no reading of {query}'s output")
+
+
+def truth(tmp_path: Path, query: str, **source: Any) -> list[tuple[Any, ...]]:
+    events = source_events({**SOURCE, **source}, SOURCES)
+    return run_query(query, write_events(events, tmp_path / "events.parquet"))
+
+
+def run_query_job(
+    tmp_path: Path, job: dict[str, Any], during: Callable[[Any, JsonClient], None]
+) -> None:
+    """Run `job` to its end with the local host, calling `during` once records flow."""
+    with running_job(tmp_path, job) as local:
+        client = JsonClient(local.address, SERVICE)
+        try:
+            wait_for(lambda: local.status()["phase"] == "running", 30, "the job to run")
+            during(local, client)
+            wait_for(lambda: local.status()["phase"] == "finished", 120, "the job to finish")
+        finally:
+            client.close()
+
+
+@pytest.mark.parametrize("query", ["q0", "q1", "q2", "q3", "q7", "q8"])
+def test_each_query_job_answers_what_duckdb_answers(tmp_path: Path, query: str) -> None:
+    out = tmp_path / "out"
+    run_query_job(tmp_path, example(query, out), lambda local, client: None)
+    expected = truth(tmp_path, query)
+    assert expected, f"{query} has no answer over these events: the test would prove nothing"
+    assert rows_of(query, out) == expected
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_the_windowed_query_under_live_rescales_answers_what_duckdb_answers(
+    tmp_path: Path, strategy: str
+) -> None:
+    """Q8, keyed per person and window (thousands of keys): its keyed stage goes 2 -> 3 -> 1
+    while events flow (20 s of them, so both rescales happen mid-stream)."""
+    out = tmp_path / "out"
+    job = example("q8", out, profile={"rate": 3000})
+
+    def rescales(local: Any, client: JsonClient) -> None:
+        for parallelism in (3, 1):
+            flowed = sum_out(local)
+
+            # People and auctions pass the source's filter: 4 of every 50 events.
+            def more(f: int = flowed) -> bool:
+                return sum_out(local) > f + 400
+
+            wait_for(more, 30, "events to flow")
+            result = rescale_via(local, client, parallelism, strategy, stage="q8")
+            assert result["groups_moved"] == result["groups_to_move"] > 0, result
+
+    run_query_job(tmp_path, job, rescales)
+    assert rows_of("q8", out) == truth(tmp_path, "q8")
+
+
+def test_a_join_query_through_kill_minus_9_answers_what_duckdb_answers(tmp_path: Path) -> None:
+    """Q3 (an incremental join), checkpoints every 0.5 s: a keyed instance is killed; the job
+    restarts from its latest checkpoint and the output equals DuckDB's, no match twice."""
+    out = tmp_path / "out"
+    job = example("q3", out, profile={"rate": 5000})
+    context, port = start_run(tmp_path, job)
+    with context as proc:
+        run = Run(proc, f"127.0.0.1:{port}")
+        try:
+            wait_for(lambda: run.completed() >= 2, 60, "two checkpoints")
+            os.kill(run.pid_of("q3", random.randint(0, 1)), signal.SIGKILL)
+            code = proc.wait(timeout=180)
+        finally:
+            run.client.close()
+        assert code == 0, run.output.text()
+    assert "recovered from checkpoint" in run.output.text()
+    assert rows_of("q3", out) == truth(tmp_path, "q3")

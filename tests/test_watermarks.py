@@ -1,0 +1,286 @@
+"""Event-time watermarks: the pure generator and tracker (keyshift.runtime.watermarks), the
+job's `event_time` settings, and watermarks flowing from ingest sources to keyed instances
+through real processes: the minimum over the sources, an idle source that stops holding it
+back, and the watermark and its lag exported as metrics."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pytest
+
+from keyshift.runtime.checkpoint_store import CheckpointStore
+from keyshift.runtime.ingest_client import IngestClient
+from keyshift.runtime.job import JobError, parse_job
+from keyshift.runtime.metrics import MetricName
+from keyshift.runtime.protocol import ProtocolError, Watermark, parse
+from keyshift.runtime.transport import JsonClient
+from keyshift.runtime.watermarks import WatermarkGenerator, WatermarkTracker
+from tests.conftest import BATCHING, count_job, running_job, wait_for
+from tests.test_recovery import Run, start_run
+from tests.test_rescale import SERVICE, rescale_via
+
+FINAL = WatermarkTracker.FINAL
+
+
+def test_a_source_watermark_trails_the_highest_event_time_by_the_bound() -> None:
+    marks = WatermarkGenerator(bound_us=500, idle_timeout=None, last_active=0.0)
+    assert marks.watermark is None
+    marks.observe(10_000, 1.0)
+    marks.observe(9_000, 2.0)  # a late-ish record does not move it back
+    assert marks.watermark == 9_500
+    marks.observe(12_000, 3.0)
+    assert marks.watermark == 11_500
+
+
+def test_a_quiet_source_becomes_idle_once_per_spell_and_active_when_it_emits() -> None:
+    marks = WatermarkGenerator(bound_us=0, idle_timeout=2.0, last_active=0.0)
+    assert not marks.check_idle(1.9)
+    assert marks.check_idle(2.0) and marks.idle  # quiet from the start counts too
+    assert not marks.check_idle(5.0)
+    marks.observe(100, 6.0)
+    assert not marks.idle and not marks.check_idle(7.0)
+    assert marks.check_idle(8.0)
+    never = WatermarkGenerator(bound_us=0, idle_timeout=None, last_active=0.0)
+    assert not never.check_idle(1e9)
+
+
+@pytest.mark.parametrize(
+    ("bound", "timeout", "reason"),
+    [(-1, None, "bound must be >= 0"), (0, 0.0, "idle timeout must be > 0")],
+)
+def test_bad_generator_settings_are_refused(bound: int, timeout: float | None, reason: str) -> None:
+    with pytest.raises(ValueError, match=reason):
+        WatermarkGenerator(bound_us=bound, idle_timeout=timeout, last_active=0.0)
+
+
+def test_the_tracker_takes_the_minimum_of_its_inputs_and_never_goes_back() -> None:
+    tracker = WatermarkTracker({"a", "b"})
+    assert not tracker.advance("a", 100)  # b has said nothing yet
+    assert tracker.current is None
+    assert tracker.advance("b", 50) and tracker.current == 50
+    assert tracker.advance("b", 300) and tracker.current == 100
+    assert not tracker.advance("a", 90)  # an input's watermark never goes back either
+    assert tracker.current == 100
+    assert not tracker.advance("c", 20)  # a new input, behind: the current one stays
+    assert not tracker.advance("a", 400) and tracker.current == 100
+    assert tracker.current == 100
+    assert tracker.advance("c", 350) and tracker.current == 300
+
+
+def test_idle_inputs_do_not_hold_it_back_and_ended_ones_release_it() -> None:
+    tracker = WatermarkTracker({"a", "b"})
+    tracker.advance("a", 1_000)
+    assert tracker.advance("b", None, idle=True) and tracker.current == 1_000
+    assert tracker.advance("a", 2_000) and tracker.current == 2_000
+    assert not tracker.advance("b", 1_500)  # b speaks again, behind: it holds from now on
+    assert tracker.current == 2_000
+    assert not tracker.advance("a", 3_000) and tracker.current == 2_000
+    assert tracker.advance("b", 2_500) and tracker.current == 2_500
+    assert not tracker.advance("a", None, idle=True)  # b alone holds it, at 2_500
+    assert tracker.end("b") is False  # a is idle and b ended: nothing says how far time is
+    assert tracker.end("a") and tracker.current == FINAL
+
+
+def test_a_watermark_message_is_checked_when_parsed() -> None:
+    assert parse(Watermark, {"watermark": 5, "idle": True}) == Watermark(watermark=5, idle=True)
+    assert parse(Watermark, {"watermark": None}).idle is False
+    with pytest.raises(ProtocolError, match="watermark"):
+        parse(Watermark, {"watermark": "5"})
+    with pytest.raises(ProtocolError, match="late"):
+        parse(Watermark, {"watermark": 5, "late": 1})
+
+
+def event_time_job(out: Path, event_time: dict[str, Any], sources: int = 2) -> dict[str, Any]:
+    return count_job(
+        fields={"user": "str", "clicks": "int", "at": "int"},
+        source={"parallelism": sources, "config": {"kind": "ingest"}, "event_time": event_time},
+        keyed={"name": "per-user", "parallelism": 2, "key_by": "user",
+               "operator": {"function": "sum", "field": "clicks"}},
+        sink={"config": {"kind": "log", "path": str(out)}},
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("event_time", "reason"),
+    [
+        ({"field": "when"}, "source.event_time.field 'when' is not one of the source's fields"),
+        ({"field": "user"}, "'user' is a 'str' field; an event time is an 'int' field"),
+        ({"max_out_of_orderness_ms": -1}, "max_out_of_orderness_ms: Input should be greater"),
+        ({"idle_timeout_ms": 0}, "idle_timeout_ms: Input should be greater than 0"),
+        ({"bound": 3}, "bound: Extra inputs are not permitted"),
+    ],
+)
+def test_bad_event_time_settings_are_refused_at_load(
+    tmp_path: Path, event_time: dict[str, Any], reason: str
+) -> None:
+    with pytest.raises(JobError, match=reason):
+        parse_job(event_time_job(tmp_path, event_time))
+
+
+def stats(local: Any, stage: int) -> list[dict[str, Any]]:
+    """The latest counters of a stage's instances, by index."""
+    instances = sorted(local.status()["stages"][stage]["instances"], key=lambda i: i["index"])
+    return [i["stats"] for i in instances]
+
+
+def push_to_first_source(local: Any, rows: int, last_at: int) -> None:
+    """`rows` rows to source instance 0 only, their event times (`at`) ending at `last_at`."""
+
+    def address() -> str | None:
+        instances = local.status()["stages"][0]["instances"]
+        found = [i for i in instances if i["index"] == 0]
+        return found[0]["stats"].get("ingest_address") if found else None
+
+    endpoint = wait_for(address, 30, "source 0's ingest endpoint")
+    with IngestClient(endpoint) as client:
+        at = list(range(last_at - rows + 1, last_at + 1))
+        table = pa.table({"user": [f"u{i % 7}" for i in range(rows)], "clicks": [1] * rows,
+                          "at": at})  # fmt: skip
+        assert client.push(table, batch_id="b0").accepted == rows
+
+
+@pytest.mark.live
+def test_an_idle_source_does_not_stall_the_watermark(tmp_path: Path) -> None:
+    """Two ingest sources, rows pushed to one: with an idle timeout the keyed instances'
+    watermark is that source's (highest event time less the bound), exported as a metric with
+    its lag; the quiet source holds nothing back."""
+    bound_ms, last_at = 2.0, 1_700_000_000_000_000
+    job = event_time_job(
+        tmp_path / "out", {"field": "at", "max_out_of_orderness_ms": bound_ms,
+                           "idle_timeout_ms": 300})  # fmt: skip
+    with running_job(tmp_path, job) as local:
+        wait_for(lambda: local.status()["phase"] == "running", 30, "the job to run")
+        push_to_first_source(local, 1000, last_at)
+        expected = last_at - int(bound_ms * 1000)
+        wait_for(
+            lambda: [s.get("watermark_us") for s in stats(local, 1)] == [expected] * 2,
+            30,
+            "both keyed instances' watermark",
+        )
+        wait_for(
+            lambda: stats(local, 0)[0].get("watermark_us") == expected,
+            30,
+            "source 0's watermark in its report",
+        )
+        members = local.status()["stages"][1]["instances"]
+        text = urllib.request.urlopen(f"http://{members[0]['metrics']}/metrics").read().decode()
+        samples = dict(line.rsplit(" ", 1) for line in text.splitlines() if line[:1] != "#")
+        (mark,) = [float(v) for k, v in samples.items() if k.startswith(MetricName.WATERMARK + "{")]
+        (lag,) = [
+            float(v) for k, v in samples.items() if k.startswith(MetricName.WATERMARK_LAG + "{")
+        ]
+        assert mark == pytest.approx(expected / 1e6)
+        assert lag > 0  # 2023's event times trail today's clock
+        local.drain()
+        wait_for(lambda: local.status()["phase"] == "finished", 30, "the job to drain")
+
+
+@pytest.mark.live
+def test_without_an_idle_timeout_a_quiet_source_holds_the_watermark(tmp_path: Path) -> None:
+    job = event_time_job(tmp_path / "out", {"field": "at"})
+    with running_job(tmp_path, job) as local:
+        wait_for(lambda: local.status()["phase"] == "running", 30, "the job to run")
+        push_to_first_source(local, 500, 1_700_000_000_000_000)
+        wait_for(
+            lambda: sum(s.get("records_in", 0) for s in stats(local, 1)) == 500,
+            30,
+            "the rows at the keyed instances",
+        )
+        wait_for(
+            lambda: stats(local, 0)[0].get("watermark_us") == 1_700_000_000_000_000,
+            30,
+            "source 0's watermark in its report",
+        )
+        assert all("watermark_us" not in s for s in stats(local, 1))
+        local.drain()
+        wait_for(lambda: local.status()["phase"] == "finished", 30, "the job to drain")
+
+
+def nexmark_job(out: Path, **extra: Any) -> dict[str, Any]:
+    """NEXMark bids counted per auction, event time 5x the wall clock, with watermarks."""
+    config = {"kind": "nexmark", "seed": 2, "event_rate": 1000, "total": 60_000,
+              "max_disorder_ms": 20, "profile": {"rate": 5000}}  # fmt: skip
+    return {
+        "name": "marks",
+        "graph": [
+            {"kind": "source", "name": "events", "parallelism": 2, "config": config,
+             "event_time": {"max_out_of_orderness_ms": 20}},
+            {"kind": "keyed", "name": "per-auction", "input": "events", "key_by": "auction"},
+            {"kind": "sink", "name": "out", "input": "per-auction",
+             "config": {"kind": "log", "path": str(out)}},
+        ],
+        "batching": dict(BATCHING),
+        **extra,
+    }  # fmt: skip
+
+
+def keyed_marks(local: Any) -> list[int | None]:
+    return [s.get("watermark_us") for s in stats(local, 1)]
+
+
+@pytest.mark.slow
+@pytest.mark.live
+def test_a_rescale_never_moves_the_watermark_backwards(tmp_path: Path) -> None:
+    """While the keyed stage goes 1 -> 3 -> 2, no instance ever reports a watermark below one
+    reported before (a new instance reports none until every source has told it theirs)."""
+    with running_job(tmp_path, nexmark_job(tmp_path / "out")) as local:
+        client = JsonClient(local.address, SERVICE)
+        try:
+            wait_for(lambda: any(keyed_marks(local)), 30, "a watermark")
+            seen: list[int] = []
+
+            def watch(local: Any) -> None:
+                marks = [m for m in keyed_marks(local) if m is not None]
+                if marks:
+                    assert not seen or min(marks) >= seen[-1], (marks, seen[-1])
+                    seen.append(min(marks))
+
+            for parallelism in (3, 2):
+                watch(local)
+                rescale_via(local, client, parallelism, "hot-first", stage="per-auction")
+                watch(local)
+            wait_for(lambda: local.status()["phase"] == "finished", 60, "the job to finish")
+        finally:
+            client.close()
+    assert len(seen) == 4 and seen[-1] > seen[0]
+
+
+@pytest.mark.slow
+@pytest.mark.live
+def test_a_checkpoint_stores_the_watermark_and_a_recovery_resumes_from_it(
+    tmp_path: Path,
+) -> None:
+    out = tmp_path / "out"
+    context, port = start_run(tmp_path, nexmark_job(out))
+    with context as proc:
+        run = Run(proc, f"127.0.0.1:{port}")
+        try:
+            wait_for(lambda: run.completed() >= 3, 60, "three checkpoints")
+            os.kill(run.pid_of("per-auction", 0), signal.SIGKILL)
+            code = proc.wait(timeout=180)
+        finally:
+            run.client.close()
+        assert code == 0, run.output.text()
+    text = run.output.text()
+    assert "recovered from checkpoint" in text, text
+    store = CheckpointStore(str(tmp_path / "checkpoints"))
+    metas = [store.load(c) for c in store.completed()]
+    assert metas and all("per-auction" in m.watermarks for m in metas)
+    marks = [m.watermarks["per-auction"] for m in sorted(metas, key=lambda m: m.id)]
+    assert marks == sorted(marks)
+    # The restored instances went on from the watermark of the checkpoint they restored (which
+    # retention may have deleted since): one the checkpoints after it never went below.
+    found = re.search(r"recovered from checkpoint (\d+)", text)
+    assert found is not None, text
+    logs = "".join(p.read_text() for p in (tmp_path / "logs").glob("*per-auction*"))
+    restored = re.findall(rf"from checkpoint {found[1]}, at watermark (\d+)", logs)
+    assert restored and len(set(restored)) == 1, logs[-3000:]
+    later = [m.watermarks["per-auction"] for m in metas if m.id > int(found[1])]
+    assert all(int(restored[0]) <= mark for mark in later)
