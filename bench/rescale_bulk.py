@@ -1,7 +1,8 @@
 """Bulk state transfer benchmark: a live hot-first rescale 1 -> 2 of a large keyed count, on the
 RocksDB and on the memory state backend, under load.
 
-One generator instance (uniform keys, so that the state grows to `--keys` keys quickly) -> a
+One generator instance (uniform keys, so that the state grows to `--keys` keys quickly, or
+`--distribution sequential`: each key once, so a fill of `--keys` records builds them all) -> a
 keyed `count` -> one sink (no output log: the sink only measures latency). The source runs a
 step profile: `--fill-rate` records/s for `--fill` seconds, which builds the state, then
 `--rate` records/s, the load during the rescale. After the fill and `--settle` seconds, a
@@ -55,7 +56,7 @@ DRAIN_TIMEOUT = 120.0
 
 
 def bulk_job(backend: str, args: argparse.Namespace, work: Path) -> dict[str, Any]:
-    spec = job(args.keys, args.rate, None, distribution="uniform")
+    spec = job(args.keys, args.rate, None, distribution=args.distribution)
     spec["name"] = "bench-bulk"
     spec["source"]["config"]["profile"] = {
         "kind": "step",
@@ -117,6 +118,13 @@ def main() -> int:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--keys", type=int, default=4_000_000, help="distinct keys")
+    parser.add_argument(
+        "--distribution",
+        choices=["uniform", "sequential"],
+        default="uniform",
+        help="sequential: each key once per --keys records (a fill of --keys records builds them"
+        " all)",
+    )
     parser.add_argument("--fill-rate", type=float, default=400_000, help="records/s while filling")
     parser.add_argument("--fill", type=float, default=30.0, help="seconds of filling")
     parser.add_argument("--settle", type=float, default=10.0, help="seconds after the fill")

@@ -1,7 +1,8 @@
 """Memory and throughput of a keyed instance on RocksDB as its state grows.
 
 The pipeline of bench/throughput.py (one generator -> one keyed count -> a discarding sink, as
-fast as it goes), with `--keys` distinct keys drawn uniformly and the keyed state in RocksDB
+fast as it goes), with `--keys` distinct keys drawn uniformly (or in order,
+`--distribution sequential`: each key once per `--keys` records) and the keyed state in RocksDB
 (`--block-cache-mb`, `--write-buffer-mb`), or in memory (`--state-backend memory`), for
 `--records` records. Every `--every` seconds it reads the keyed instance's resident memory
 from /proc (VmRSS) and the state's keys and bytes, and prints one JSON line; at the end, a
@@ -52,7 +53,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             )
         spec_data = job(args.batch, state)
         # No total: a job that ends would take its keyed process (and its RSS) with it.
-        spec_data["source"]["config"].update(keys=args.keys, distribution="uniform")
+        spec_data["source"]["config"].update(keys=args.keys, distribution=args.distribution)
         path = Path(tmp) / "job.yaml"
         path.write_text(yaml.safe_dump(spec_data))
         samples: list[dict[str, Any]] = []
@@ -81,6 +82,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "state_backend": args.state_backend,
         "keys_drawn_from": args.keys,
+        "distribution": args.distribution,
         "records": last["records"],
         "block_cache_mb": args.block_cache_mb,
         "write_buffer_mb": args.write_buffer_mb,
@@ -98,6 +100,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--keys", type=int, default=1_000_000)
     parser.add_argument("--records", type=int, default=20_000_000)
+    parser.add_argument("--distribution", choices=["uniform", "sequential"], default="uniform")
     parser.add_argument("--state-backend", choices=["memory", "rocksdb"], default="rocksdb")
     parser.add_argument("--block-cache-mb", type=int, default=64)
     parser.add_argument("--write-buffer-mb", type=int, default=16)

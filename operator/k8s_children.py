@@ -79,7 +79,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from keyshift.operator.state_memory import sized_resources
+from keyshift.operator.state_memory import PROCESS_ENV, sized_resources
 from keyshift.operator.streamingjob import OutputLocation, Resources, SparkApp, StreamingJobSpec
 from keyshift.runtime.auth import TLS_CA_ENV, TLS_CERT_ENV, TLS_KEY_ENV, TLS_SERVER_NAME_ENV
 from keyshift.runtime.job import IngestSource, JobSpec, KeyedStage, LogSink
@@ -485,7 +485,7 @@ def _metrics_probes() -> Manifest:
 
 
 def _base_env() -> dict[str, str]:
-    return {"HOME": TMP_DIR, "PYTHONUNBUFFERED": "1", "PYTHONDONTWRITEBYTECODE": "1"}
+    return {"HOME": TMP_DIR, "PYTHONUNBUFFERED": "1", "PYTHONDONTWRITEBYTECODE": "1", **PROCESS_ENV}
 
 
 def _security_env(name: str, spec: StreamingJobSpec) -> list[Manifest]:

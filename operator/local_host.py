@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from keyshift.operator.processes import Child
+from keyshift.operator.state_memory import PROCESS_ENV
 from keyshift.runtime.auth import Security
 from keyshift.runtime.checkpoint_store import CheckpointError, CheckpointMeta, CheckpointStore
 from keyshift.runtime.coordinator import RESTART_EXIT_CODE
@@ -77,7 +78,7 @@ class LocalJob:
         self.coordinator_metrics_port = 0
         # Every run has a secret: the caller's (so clients it starts share it), else a new one.
         secret = load_job_secret() or new_job_secret().encode()
-        self.env = {SECRET_ENV: secret.decode()}
+        self.env = {**PROCESS_ENV, SECRET_ENV: secret.decode()}
         self.security = Security.from_env({**os.environ, **self.env})
         self._dead_since: dict[str, float] = {}
         self.recoveries: list[dict[str, Any]] = []  # {"reason", "checkpoint", "seconds"}

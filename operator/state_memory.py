@@ -16,10 +16,15 @@ import re
 from keyshift.operator.streamingjob import QUANTITY_PATTERN, ResourceList, Resources
 from keyshift.runtime.job import StateSettings
 
+# glibc gives threads that contend for malloc arenas of their own (up to 8 per core), and what is
+# freed stays in them: with two, a keyed instance on RocksDB peaked 41 MB lower (bench/README.md).
+# Every keyshift process gets it, from both hosts.
+PROCESS_ENV = {"MALLOC_ARENA_MAX": "2"}
 # Measured (bench/state_memory.py, bench/README.md): a keyed instance's peak RSS less its
 # block cache and write buffers, with 65,536-record batches, was 248 MiB.
 PROCESS_BASE_MIB = 256
-# RocksDB's SST files are at most 64 MiB (its default target file size) plus slack.
+# A file moved whole through memory (compaction's SST files are cut at 8 MiB, a flushed one is a
+# write buffer's size) and RocksDB's table readers and iterators, with slack.
 HEADROOM_MIB = 128
 _UNITS = {
     "": 1,

@@ -3,26 +3,27 @@
 Three parts, one per role:
 
 - `CheckpointDriver` runs in the coordinator: as soon as the job runs, then every `interval`
-  seconds, when no rescale runs, it tells every source instance to take checkpoint N. A
-  source puts a BARRIER on each of its keyed streams between two batches and acks its
-  position (records emitted so far). A keyed instance aligns: once a source's barrier
-  arrived, that source's later batches wait (unread, so their credits backpressure it) until
-  every live source's barrier is in (a keyed stage after others aligns the same way over their
-  instances, over every input of a union); then it writes its key groups
-  (keyshift.runtime.state_checkpoint: a base or a delta per group; on RocksDB a native
-  checkpoint of its database, keyshift.runtime.rocksdb_checkpoint), acks them, sends
-  the barrier on to the keyed stages it feeds and the sinks, and goes on. A sink aligns on
-  the keyed instances' barriers the same way, flushes its output log and acks the log's end
-  offset. When every instance has acked, the driver writes the checkpoint's metadata (id,
-  every keyed stage's epoch and assignment, source positions, output offsets, every group's
-  chain) in one atomic write: the checkpoint
-  is complete. It tells the sources and sinks so (`CheckpointComplete`): an ingest source
-  lets go of the logged rows the checkpoint covers, and a sink lets readers see its output
-  up to the checkpoint's offset. Then it deletes what the retained checkpoints no longer need.
+  seconds, when no rescale runs, it tells every source instance to take checkpoint N. A source
+  puts a BARRIER on each of its keyed streams between two batches and acks its position
+  (records emitted so far). A keyed instance aligns: once a source's barrier arrived, that
+  source's later batches wait (unread, so their credits backpressure it) until every live
+  source's barrier is in (a keyed stage after others aligns the same way over their
+  instances, over every input of a union); then it snapshots its key groups
+  (keyshift.runtime.state_checkpoint: a base or a delta per group copied out; on RocksDB a
+  native checkpoint of its database, hard links, keyshift.runtime.rocksdb_checkpoint), sends
+  the barrier on to the keyed stages it feeds and the sinks and goes on with its records
+  while a thread of its own stores the snapshot; it acks when the upload ends (as Flink's
+  asynchronous phase). A sink aligns on the keyed instances' barriers the same way, flushes
+  its output log and acks the log's end offset. When every instance has acked, the driver
+  writes the checkpoint's metadata (id, every keyed stage's epoch and assignment, source
+  positions, output offsets, every group's chain) in one atomic write: the checkpoint is
+  complete. It tells the sources and sinks so (`CheckpointComplete`): an ingest source lets go
+  of the logged rows the checkpoint covers, and a sink lets readers see its output up to the
+  checkpoint's offset. Then it deletes what the retained checkpoints no longer need.
 - `BarrierAligner` is the alignment both keyed and sink instances do.
-- `KeyedCheckpointer` is a keyed instance's side: it remembers its last chains (or its
-  database's stored files), so a delta is only written (a file only reused) on top of a
-  checkpoint that completed.
+- `KeyedCheckpointer` is a keyed instance's side: it takes the snapshot, runs the upload,
+  and remembers its last chains (or its database's stored files), so a delta is only written
+  (a file only reused) on top of a checkpoint that completed.
 
 Rescales and checkpoints never overlap: a checkpoint starts only when no rescale runs, and a
 rescale request waits for the checkpoint in flight to end (Coordinator.rescale). So a barrier
@@ -43,8 +44,9 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Iterable
-from dataclasses import asdict, dataclass, field
+from collections.abc import Callable, Iterable
+from concurrent.futures import Future
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Protocol
 
 import numpy as np
@@ -71,10 +73,15 @@ from keyshift.runtime.protocol import (
     SourceCheckpointAck,
     checkpoint_of,
 )
-from keyshift.runtime.rocksdb_checkpoint import native_groups, restore_databases, write_database
+from keyshift.runtime.rocksdb_checkpoint import (
+    native_groups,
+    restore_databases,
+    snapshot_database,
+    upload_database,
+)
 from keyshift.runtime.rocksdb_state import RocksStore
 from keyshift.runtime.state import KeyedState
-from keyshift.runtime.state_checkpoint import read_groups, write_groups
+from keyshift.runtime.state_checkpoint import read_groups, snapshot_groups, store_groups
 from keyshift.runtime.storage import Backoff, retrying
 from keyshift.runtime.transport import Delivery
 
@@ -394,8 +401,9 @@ class CheckpointProtocolError(RuntimeError):
 
 
 class KeyedCheckpointer:
-    """A keyed instance's checkpoints: write its groups (shards, or its RocksDB database
-    natively), and remember what the next checkpoint may build on."""
+    """A keyed instance's checkpoints: snapshot its groups (shards, or its RocksDB database
+    natively) in the keyed loop, store them beside it, and remember what the next checkpoint
+    may build on."""
 
     def __init__(self, settings: CheckpointSettings, writer: str) -> None:
         self.settings = settings
@@ -405,6 +413,7 @@ class KeyedCheckpointer:
         self.last_chains: dict[int, GroupChain] = {}
         # The files of this instance's database at its last checkpoint (native checkpoints).
         self.last_files: dict[str, ShardFile] = {}
+        self._upload: _Upload | None = None
 
     def _store(self) -> CheckpointStore:
         if self.store is None:
@@ -440,60 +449,141 @@ class KeyedCheckpointer:
         self.last_files = {}
         return restored
 
-    def take(self, barrier: Barrier, state: KeyedState, owned: np.ndarray) -> KeyedCheckpointAck:
-        """Write the owned groups for the barrier's checkpoint; the ack event (with `error`
-        when the storage failed: the job goes on, and the next checkpoint writes bases)."""
+    def start(
+        self,
+        barrier: Barrier,
+        state: KeyedState,
+        owned: np.ndarray,
+        watermark: int | None = None,
+    ) -> None:
+        """Snapshot the owned groups for the barrier's checkpoint, here in the keyed loop, and
+        store the snapshot on a thread of its own; `finished` or `wait` give the ack (with
+        `error` when the storage failed: the job goes on, and the next checkpoint writes
+        everything again), which carries `watermark`, the stage's at the barrier. One upload
+        at a time: the caller waits for a running one first."""
+        if self._upload is not None:
+            raise CheckpointProtocolError(
+                f"checkpoint {barrier.id} started while {self._upload.checkpoint}'s upload runs"
+            )
         checkpoint = barrier.id
         t0 = time.monotonic()
         groups = np.flatnonzero(owned).tolist()
         complete = barrier.previous is not None and barrier.previous == self.last_id
+        future: Future[_Stored] = Future()
         try:
             if isinstance(state, RocksStore):
-                ack = self._take_native(checkpoint, state, groups, complete)
+                store = self._native(checkpoint, state, groups, complete)
             else:
-                ack = self._take_shards(checkpoint, state, groups, complete)
+                store = self._shards(checkpoint, state, groups, complete)
         except CheckpointError as exc:
+            ack = KeyedCheckpointAck(id=checkpoint, error=str(exc), watermark=watermark)
+            future.set_result(_Stored(ack))
+        else:
+            stamp = {"snapshot_seconds": time.monotonic() - t0, "watermark": watermark}
+            threading.Thread(
+                target=_store_in_background,
+                args=(future, checkpoint, store, t0, stamp),
+                name=f"checkpoint-{checkpoint}-upload",
+                daemon=True,  # a stopping instance does not wait for it: the checkpoint fails
+            ).start()
+        self._upload = _Upload(checkpoint, future)
+
+    def finished(self) -> KeyedCheckpointAck | None:
+        """The ack of the checkpoint whose upload has ended since the last call, if any."""
+        if self._upload is None or not self._upload.future.done():
+            return None
+        return self.wait()
+
+    def wait(self) -> KeyedCheckpointAck | None:
+        """Wait for the running upload, if any, to end; its ack. What the next checkpoint may
+        build on is only updated here, on the keyed loop's thread."""
+        upload, self._upload = self._upload, None
+        if upload is None:
+            return None
+        stored = upload.future.result()  # a bug in the upload raises here, in the loop
+        if stored.ack.error is not None:
             self.last_id = None
-            return KeyedCheckpointAck(id=checkpoint, error=str(exc))
-        self.last_id = checkpoint
-        return ack.model_copy(update={"seconds": time.monotonic() - t0})
+        else:
+            self.last_id = upload.checkpoint
+            self.last_chains = stored.chains
+            self.last_files = stored.files
+        return stored.ack
 
-    def _take_shards(
+    def _shards(
         self, checkpoint: int, state: KeyedState, groups: list[int], complete: bool
-    ) -> KeyedCheckpointAck:
-        written = write_groups(
-            self._store(),
-            checkpoint,
-            self.writer,
-            state,
-            groups,
-            self.last_chains if complete else {},
-            complete,
-            self.settings.max_chain,
+    ) -> Callable[[], _Stored]:
+        snapshot = snapshot_groups(
+            state, groups, self.last_chains if complete else {}, complete, self.settings.max_chain
         )
-        self.last_chains = written.chains
-        return KeyedCheckpointAck(
-            id=checkpoint,
-            chains=chains_to_json(written.chains),
-            written=written.shard.size if written.shard else 0,
-            base_groups=written.base_groups,
-            delta_groups=written.delta_groups,
-        )
+        store, writer = self._store(), self.writer
 
-    def _take_native(
+        def upload() -> _Stored:
+            written = store_groups(store, checkpoint, writer, snapshot)
+            ack = KeyedCheckpointAck(
+                id=checkpoint,
+                chains=chains_to_json(written.chains),
+                written=written.shard.size if written.shard else 0,
+                base_groups=written.base_groups,
+                delta_groups=written.delta_groups,
+            )
+            return _Stored(ack, written.chains)
+
+        return upload
+
+    def _native(
         self, checkpoint: int, state: RocksStore, groups: list[int], complete: bool
-    ) -> KeyedCheckpointAck:
-        written = write_database(
-            self._store(), checkpoint, self.writer, state, self.last_files if complete else {}
-        )
-        self.last_files = written.files
-        self.last_chains = {g: GroupChain((), self.writer) for g in groups}
-        return KeyedCheckpointAck(
-            id=checkpoint,
-            chains=chains_to_json(self.last_chains),
-            writer=self.writer,
-            database={name: asdict(f) for name, f in written.files.items()},
-            written=written.written,
-            reused=written.reused,
-            base_groups=len(groups),
-        )
+    ) -> Callable[[], _Stored]:
+        local = snapshot_database(state, checkpoint)
+        store, writer = self._store(), self.writer
+        previous = self.last_files if complete else {}
+
+        def upload() -> _Stored:
+            written = upload_database(store, checkpoint, writer, local, previous)
+            chains = {g: GroupChain((), writer) for g in groups}
+            ack = KeyedCheckpointAck(
+                id=checkpoint,
+                chains=chains_to_json(chains),
+                writer=writer,
+                database={name: asdict(f) for name, f in written.files.items()},
+                written=written.written,
+                reused=written.reused,
+                base_groups=len(groups),
+            )
+            return _Stored(ack, chains, written.files)
+
+        return upload
+
+
+@dataclass(frozen=True)
+class _Stored:
+    """What an upload ends with: the ack, and what the next checkpoint may build on."""
+
+    ack: KeyedCheckpointAck
+    chains: dict[int, GroupChain] = field(default_factory=dict)
+    files: dict[str, ShardFile] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class _Upload:
+    checkpoint: int
+    future: Future[_Stored]
+
+
+def _store_in_background(
+    future: Future[_Stored],
+    checkpoint: int,
+    store: Callable[[], _Stored],
+    t0: float,
+    stamp: dict[str, Any],
+) -> None:
+    """Run an upload; its ack gets `stamp` (the snapshot's seconds, the watermark) and the
+    seconds from the barrier until the upload ended."""
+    try:
+        stored = store()
+    except CheckpointError as exc:
+        stored = _Stored(KeyedCheckpointAck(id=checkpoint, error=str(exc)))
+    except BaseException as exc:  # a bug: raised again in the keyed loop by `wait`
+        future.set_exception(exc)
+        return
+    update = {**stamp, "seconds": time.monotonic() - t0}
+    future.set_result(replace(stored, ack=stored.ack.model_copy(update=update)))

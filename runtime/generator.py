@@ -306,8 +306,9 @@ class KeyGenerator:
     seqs [c*CHUNK, (c+1)*CHUNK) and draws, from `np.random.default_rng([seed, source_id, c])`,
     first `u = rng.random(CHUNK)` (keys) and then `rng.integers(0, 100, CHUNK)` (values, as
     float64: small integers, so float sums are exact). Keys: uniform `floor(u * keys)`; zipf
-    `rank - 1` (key 0 is the most frequent), see `_ZipfSampler`. The last chunk is cached, so
-    sequential calls are cheap.
+    `rank - 1` (key 0 is the most frequent), see `_ZipfSampler`; sequential `seq % keys` (each
+    key once per `keys` records: state of a known size, built as fast as the job takes it).
+    The last chunk is cached, so sequential calls are cheap.
     """
 
     def __init__(self, config: GeneratorSource, source_id: int) -> None:
@@ -351,6 +352,8 @@ class KeyGenerator:
         values = rng.integers(0, 100, CHUNK).astype(np.float64)
         if self._zipf is not None:
             keys = self._zipf.keys_for(u)
+        elif self.config.distribution == "sequential":
+            keys = np.arange(c * CHUNK, (c + 1) * CHUNK, dtype=np.int64) % self.config.keys
         else:
             n_keys = self.config.keys
             keys = (u * n_keys).astype(np.int64)

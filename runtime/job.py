@@ -237,7 +237,9 @@ class GeneratorSource(_Model):
         default=None, description="load over time; none means as fast as the pipeline takes"
     )
     keys: int = Field(default=10_000, ge=1, le=1 << 40, description="number of distinct keys")
-    distribution: Literal["uniform", "zipf"] = "uniform"
+    distribution: Literal["uniform", "zipf", "sequential"] = Field(
+        default="uniform", description="sequential: record n has key n % keys"
+    )
     zipf_exponent: float = Field(default=1.0, gt=0, le=5)
     seed: int = Field(default=0, ge=0)
     total: int | None = Field(

@@ -30,6 +30,7 @@ from keyshift.runtime.protocol import (
     Barrier,
     Command,
     InDone,
+    KeyedCheckpointAck,
     MigrateIn,
     MigrateOut,
     OutDone,
@@ -392,21 +393,21 @@ class KeyedStage:
             self.ctx.watermark_us = current
 
     def checkpoint_if_aligned(self) -> None:
-        """Once every live sender's barrier is in: write the owned groups, ack, pass the
-        barrier on downstream, and go on with what the aligned senders sent meanwhile."""
+        """Once every live sender's barrier is in: snapshot the owned groups (their upload
+        runs beside the loop and acks when it ends), pass the barrier on downstream, and go on
+        with what the aligned senders sent meanwhile."""
         if not self.aligner.aligned(self.senders() - self.ended):
             return
         barrier = self.aligner.barrier
         assert barrier is not None
         if self.checkpointer is None:
             raise ProtocolError("a checkpoint barrier arrived, but the job takes no checkpoints")
-        ack = self.checkpointer.take(barrier, self.state, self.owned)
+        # An upload still running belongs to a checkpoint the coordinator gave up on: this
+        # one needs to know whether that one's files were stored before it can build on them.
+        self.acknowledge(self.checkpointer.wait())
         current = self.watermark.current
-        if current is not None and current < WatermarkTracker.FINAL:
-            ack = ack.model_copy(update={"watermark": current})
-        if ack.error:
-            self.ctx.metrics.storage_failed("checkpoint")
-        self.ctx.emit(ack)
+        watermark = current if current is not None and current < WatermarkTracker.FINAL else None
+        self.checkpointer.start(barrier, self.state, self.owned, watermark)
         self.outputs.barrier(barrier)
         encoded = json.dumps(barrier.wire()).encode()
         for outlet in self.sinks.values():
@@ -414,6 +415,22 @@ class KeyedStage:
         for delivery in self.aligner.finish():
             self.backlog.append((delivery.sender, delivery.kind, delivery.payload))
             delivery.release()
+
+    def acknowledge(self, ack: KeyedCheckpointAck | None) -> None:
+        """Tell the coordinator how a checkpoint's upload ended."""
+        if ack is None:
+            return
+        if ack.error:
+            self.ctx.metrics.storage_failed("checkpoint")
+        else:
+            # How much of the checkpoint the records waited for: in the status, for benchmarks.
+            self.ctx.extra_stats["checkpoint"] = {
+                "id": ack.id,
+                "seconds": round(ack.seconds, 3),
+                "snapshot_seconds": round(ack.snapshot_seconds, 3),
+                "written": ack.written,
+            }
+        self.ctx.emit(ack)
 
     def run(self) -> None:
         ctx = self.ctx
@@ -433,6 +450,8 @@ class KeyedStage:
                 self.move_out.flush()
                 self.move_out.push_for(PUSH_SLICE)
             self.finish_moves()
+            if self.checkpointer is not None:
+                self.acknowledge(self.checkpointer.finished())
             if self.retire and self.move_out is None and self.move_in is None:
                 break
             if self.outputs.paused:
@@ -457,6 +476,8 @@ class KeyedStage:
             payload = delivery.payload
             delivery.release()
             self.deliver(delivery.sender, delivery.kind, payload)
+        if self.checkpointer is not None:
+            self.acknowledge(self.checkpointer.wait())
         # A retired instance only leaves: a later one of its name may join the stage again.
         kind = LEAVE if self.retire else END
         self.outputs.finish(kind)

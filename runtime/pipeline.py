@@ -164,7 +164,7 @@ class Pipeline:
         self,
         *,
         keys: int | None = None,
-        distribution: Literal["uniform", "zipf"] | None = None,
+        distribution: Literal["uniform", "zipf", "sequential"] | None = None,
         zipf_exponent: float | None = None,
         seed: int | None = None,
         profile: Profile | None = None,

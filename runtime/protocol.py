@@ -240,7 +240,8 @@ class KeyedCheckpointAck(Message):
     written: int = 0
     base_groups: int = 0
     delta_groups: int = 0
-    seconds: float = 0.0
+    seconds: float = 0.0  # from the barrier until the upload ended
+    snapshot_seconds: float = 0.0  # of those, in the keyed loop (the rest ran beside it)
     # A native RocksDB checkpoint: the writer whose database holds the groups, its files by
     # local name (keyshift.runtime.checkpoint_store.database_from_json parses them), and the
     # bytes of SST files an earlier checkpoint stored.

@@ -2,11 +2,12 @@
 
 Used by `keyshift.runtime.checkpointing` (the keyed instance's side of a checkpoint, and its
 restore). At a barrier the instance takes a RocksDB checkpoint (memtables flushed, SST files
-hard-linked into a directory beside its database) and stores its files through the checkpoint
-store, checksummed and sealed like shards; an SST file that the instance's previous completed
-checkpoint already stored is named again, not uploaded, since RocksDB never changes an SST file
-once written. The checkpoint's metadata names every file of every instance's database, and
-each of the instance's groups as held by that database.
+hard-linked into a directory beside its database: the consistent snapshot, taken in the keyed
+loop) and then, off the loop, stores its files through the checkpoint store, checksummed and
+sealed like shards (as Flink's asynchronous phase); an SST file that the instance's previous
+completed checkpoint already stored is named again, not uploaded, since RocksDB never changes
+an SST file once written. The checkpoint's metadata names every file of every instance's
+database, and each of the instance's groups as held by that database.
 
 A restore (after a crash, or onto other instances than wrote it: a rescale from a checkpoint)
 downloads each database that holds groups the instance owns, opens it read-only and copies the
@@ -43,19 +44,32 @@ class WrittenDatabase:
     reused: int  # bytes of SST files an earlier checkpoint stored
 
 
-def write_database(
-    store: CheckpointStore,
-    checkpoint: int,
-    writer: str,
-    state: RocksStore,
-    previous: Mapping[str, ShardFile],
-) -> WrittenDatabase:
-    """Checkpoint the instance's database and store the files `previous` (the files of its
-    last completed checkpoint) does not already hold."""
+def snapshot_database(state: RocksStore, checkpoint: int) -> Path:
+    """A RocksDB checkpoint of the instance's database beside it (memtables flushed, SST files
+    hard-linked): the state at the barrier, which `upload_database` then stores while the
+    database goes on changing."""
     local = state.directory / f"checkpoint-{checkpoint}"
     shutil.rmtree(local, ignore_errors=True)
     try:
         state.checkpoint_into(local)
+    except (RocksStateError, OSError) as exc:
+        shutil.rmtree(local, ignore_errors=True)
+        # The local disk failed (full, gone): this checkpoint fails, the job goes on.
+        raise CheckpointError(f"{state.directory}: {exc}", retryable=True) from exc
+    return local
+
+
+def upload_database(
+    store: CheckpointStore,
+    checkpoint: int,
+    writer: str,
+    local: Path,
+    previous: Mapping[str, ShardFile],
+) -> WrittenDatabase:
+    """Store the files of a database checkpoint taken by `snapshot_database` that `previous`
+    (the files of the instance's last completed checkpoint) does not already hold, and delete
+    the local checkpoint."""
+    try:
         files: dict[str, ShardFile] = {}
         written = reused = 0
         for path in sorted(local.iterdir()):
@@ -68,8 +82,7 @@ def write_database(
             data = path.read_bytes()
             files[path.name] = store.write_database_file(checkpoint, writer, path.name, data)
             written += len(data)
-    except (RocksStateError, OSError) as exc:
-        # The local disk failed (full, gone): this checkpoint fails, the job goes on.
+    except OSError as exc:
         raise CheckpointError(f"{writer}: {exc}", retryable=True) from exc
     finally:
         shutil.rmtree(local, ignore_errors=True)

@@ -3,8 +3,9 @@
 Used by the keyed stage instances (to write their groups at a checkpoint) and by recovery (to
 rebuild groups from a checkpoint). Each key group's state at a checkpoint is a chain of shard
 rows: a base (all its keys) and then deltas (the keys changed since the previous checkpoint,
-and tombstones for deleted ones). `write_groups` writes one shard per instance and checkpoint
-holding the bases and deltas of all its groups, and returns each group's new chain; a group
+and tombstones for deleted ones). At the barrier `snapshot_groups` copies out the bases and
+deltas of all the instance's groups; `store_groups` then writes them as one shard per instance
+and checkpoint (off the keyed loop) and returns each group's new chain; a group
 gets a base when it has none yet, when it arrived by migration since the last checkpoint,
 when its chain reached `max_chain` links (compaction), or when the instance's previous
 checkpoint did not complete (its deltas would miss that checkpoint's changes). So recovery and
@@ -58,53 +59,72 @@ def _tombstones(schema: pa.Schema, deleted: Mapping[int, Sequence[object]]) -> p
     return pa.Table.from_arrays(columns, schema=schema.append(pa.field(DELETED_COL, pa.bool_())))
 
 
-def write_groups(
-    store: CheckpointStore,
-    checkpoint: int,
-    writer: str,
+@dataclass(frozen=True)
+class GroupsSnapshot:
+    """What a checkpoint writes of some groups, copied out of the state at the barrier: the
+    state goes on changing while the snapshot is stored."""
+
+    table: pa.Table  # the bases' and deltas' rows, tombstones included
+    groups: tuple[int, ...]
+    base: frozenset[int]  # groups written whole
+    touched: frozenset[int]  # groups with rows in `table`
+    previous: Mapping[int, GroupChain]
+
+
+def snapshot_groups(
     state: KeyedState,
     groups: Sequence[int],
     previous: Mapping[int, GroupChain],
     previous_complete: bool,
     max_chain: int = DEFAULT_MAX_CHAIN,
-) -> WrittenGroups:
-    """Write this instance's `groups` for `checkpoint` and clear the state's change marks.
+) -> GroupsSnapshot:
+    """Copy out what this instance's checkpoint writes of `groups`, and clear the state's
+    change marks.
 
     `previous` holds the groups' chains at the last completed checkpoint; `previous_complete`
     says whether this instance's own last checkpoint was that one.
     """
     changes = state.changes(groups)
-    base = [
+    base = frozenset(
         g
         for g in groups
         if not previous_complete
         or g not in previous
         or g in changes.restored
         or len(previous[g].files) >= max_chain
-    ]
-    base_set = set(base)
-    parts = [_with_deleted(state.snapshot_groups(base), False)]
+    )
+    parts = [_with_deleted(state.snapshot_groups(sorted(base)), False)]
     upserts = changes.upserts
     if upserts.num_rows:
-        in_delta = ~np.isin(upserts.column(GROUP_COL).to_numpy(), list(base_set))
+        in_delta = ~np.isin(upserts.column(GROUP_COL).to_numpy(), list(base))
         parts.append(_with_deleted(upserts.filter(pa.array(in_delta)), False))
-    deleted = {g: keys for g, keys in changes.deleted.items() if g not in base_set}
+    deleted = {g: keys for g, keys in changes.deleted.items() if g not in base}
     if deleted:
         parts.append(_tombstones(upserts.schema, deleted))
     table = pa.concat_tables(parts)
-    touched = set(np.unique(table.column(GROUP_COL).to_numpy()).tolist())
+    touched = frozenset(np.unique(table.column(GROUP_COL).to_numpy()).tolist())
+    state.clear_changes()
+    return GroupsSnapshot(table, tuple(groups), base, touched, previous)
+
+
+def store_groups(
+    store: CheckpointStore, checkpoint: int, writer: str, snapshot: GroupsSnapshot
+) -> WrittenGroups:
+    """Write a snapshot as this instance's shard of `checkpoint`, and each group's new chain."""
+    table = snapshot.table
     shard = store.write_shard(checkpoint, writer, table) if table.num_rows else None
     chains: dict[int, GroupChain] = {}
-    for g in groups:
-        if g in base_set:
-            chains[g] = GroupChain((shard,) if shard is not None and g in touched else ())
-        elif g in touched:
+    for g in snapshot.groups:
+        if g in snapshot.base:
+            chains[g] = GroupChain((shard,) if shard is not None and g in snapshot.touched else ())
+        elif g in snapshot.touched:
             assert shard is not None
-            chains[g] = GroupChain((*previous[g].files, shard))
+            chains[g] = GroupChain((*snapshot.previous[g].files, shard))
         else:
-            chains[g] = previous[g]
-    state.clear_changes()
-    return WrittenGroups(chains, shard, len(base_set), len(touched - base_set), int(table.num_rows))
+            chains[g] = snapshot.previous[g]
+    base = len(snapshot.base)
+    deltas = len(snapshot.touched - snapshot.base)
+    return WrittenGroups(chains, shard, base, deltas, int(table.num_rows))
 
 
 def read_groups(

@@ -27,7 +27,12 @@ from keyshift.runtime.checkpoint_store import (
     GroupChain,
     KeyedGroups,
 )
-from keyshift.runtime.state_checkpoint import read_groups, write_groups
+from keyshift.runtime.state_checkpoint import (
+    WrittenGroups,
+    read_groups,
+    snapshot_groups,
+    store_groups,
+)
 from keyshift.runtime.storage import retrying
 from tests.conftest import wait_for
 from tests.s3_server import (  # noqa: F401 (a fixture)
@@ -70,6 +75,21 @@ def aggregate(n: int = 50_000, keys: int = 10_000) -> AggregateStore:
     return state
 
 
+def write(
+    store: CheckpointStore,
+    number: int,
+    writer: str,
+    state: Any,
+    groups: list[int],
+    chains: dict[int, GroupChain],
+    complete: bool,
+    max_chain: int = 8,
+) -> WrittenGroups:
+    """A keyed instance's shard checkpoint: the snapshot at the barrier, then its upload."""
+    snapshot = snapshot_groups(state, groups, chains, complete, max_chain)
+    return store_groups(store, number, writer, snapshot)
+
+
 def checkpoint(
     store: CheckpointStore,
     state: Any,
@@ -79,7 +99,7 @@ def checkpoint(
     max_chain: int = 8,
 ) -> tuple[CheckpointMeta, int]:
     chains = previous.groups if previous else {}
-    written = write_groups(store, number, "keyed-0", state, ALL_GROUPS, chains, complete, max_chain)
+    written = write(store, number, "keyed-0", state, ALL_GROUPS, chains, complete, max_chain)
     size = written.shard.size if written.shard else 0
     meta = CheckpointMeta(id=number, created=time.time(), groups=written.chains, written=size)
     store.commit(meta)
@@ -145,10 +165,10 @@ def test_a_group_gets_a_base_after_a_migration_a_failed_checkpoint_or_a_long_cha
     # Keys arriving by migration: their group's next checkpoint is a base.
     other = new_state("sum")
     other.restore(state.snapshot_groups([group]))
-    written = write_groups(store, 5, "keyed-1", other, [group], {group: meta.groups[group]}, True)
+    written = write(store, 5, "keyed-1", other, [group], {group: meta.groups[group]}, True)
     assert (written.base_groups, written.delta_groups) == (1, 0)
     # This instance's last checkpoint did not complete: everything is a base.
-    written = write_groups(store, 6, "keyed-0", state, ALL_GROUPS, meta.groups, False)
+    written = write(store, 6, "keyed-0", state, ALL_GROUPS, meta.groups, False)
     assert written.base_groups == G
 
 
@@ -202,8 +222,8 @@ def test_each_keyed_stage_of_a_graph_restores_its_own_groups(store: CheckpointSt
     and `assignment`, the second's are under `later`; each stage restores its own, and
     retention keeps the files of both."""
     first, second = aggregate(5_000, 500), aggregate(3_000, 300)
-    ours = write_groups(store, 1, "a-0", first, ALL_GROUPS, {}, True, 8)
-    theirs = write_groups(store, 1, "b-0", second, ALL_GROUPS, {}, True, 8)
+    ours = write(store, 1, "a-0", first, ALL_GROUPS, {}, True)
+    theirs = write(store, 1, "b-0", second, ALL_GROUPS, {}, True)
     owners = {"epoch": 3, "owners": [0] * G}
     meta = CheckpointMeta(
         id=1,

@@ -136,7 +136,7 @@ def test_seeds_and_sources_differ() -> None:
     assert (base[0] != later[0]).mean() > 0.99
 
 
-@pytest.mark.parametrize("distribution", ["uniform", "zipf"])
+@pytest.mark.parametrize("distribution", ["uniform", "zipf", "sequential"])
 @pytest.mark.parametrize("keys", [1, 2, 7, 5000, 1 << 40])
 def test_keys_and_values_in_range(distribution: str, keys: int) -> None:
     config = GeneratorSource(keys=keys, distribution=distribution, seed=5)  # type: ignore[arg-type]
@@ -147,6 +147,16 @@ def test_keys_and_values_in_range(distribution: str, keys: int) -> None:
         assert (k == 0).all()
     if keys == 5000:
         assert len(np.unique(k)) > 1000
+
+
+def test_sequential_keys_touch_each_key_once_per_round() -> None:
+    config = GeneratorSource(keys=100_000, distribution="sequential", seed=3)
+    generator = KeyGenerator(config, 0)
+    keys, _ = generator.records(0, 100_000)
+    assert np.array_equal(keys, np.arange(100_000))
+    # Split anywhere, across chunks and rounds, the same keys.
+    again = np.concatenate([generator.records(s, 50_000)[0] for s in (150_000, 200_000)])
+    assert np.array_equal(again, np.arange(150_000, 250_000) % 100_000)
 
 
 def test_invalid_arguments() -> None:

@@ -382,7 +382,7 @@ def test_resolve_function_follows_dotted_qualnames() -> None:
         ),
         (
             job(source={"config": {"distribution": "normal"}}),
-            ["source.config", "distribution", "'uniform' or 'zipf'"],
+            ["source.config", "distribution", "'uniform', 'zipf' or 'sequential'"],
         ),
         (
             job(source={"config": {"keys": 0}}),

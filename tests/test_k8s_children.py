@@ -260,6 +260,7 @@ def test_every_pod_is_locked_down() -> None:
             assert container["imagePullPolicy"] == "Always"
             env = {e["name"]: e.get("value") for e in container["env"]}
             assert env["HOME"] == "/tmp"
+            assert env["MALLOC_ARENA_MAX"] == "2"  # as the local host's processes
             tmp = next(m for m in container["volumeMounts"] if m["mountPath"] == "/tmp")
             volume = next(v for v in pod["volumes"] if v["name"] == tmp["name"])
             assert volume["emptyDir"] == {}

@@ -8,6 +8,7 @@ exactly the state the checkpoint was taken of, whichever instances the groups la
 
 from __future__ import annotations
 
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -24,12 +25,13 @@ from keyshift.runtime.checkpoint_store import (
     chains_from_json,
     database_from_json,
 )
-from keyshift.runtime.checkpointing import KeyedCheckpointer
+from keyshift.runtime.checkpointing import CheckpointProtocolError, KeyedCheckpointer
 from keyshift.runtime.job import CheckpointSettings
 from keyshift.runtime.protocol import Barrier, KeyedCheckpointAck
 from keyshift.runtime.records import GROUP
 from keyshift.runtime.rocksdb_state import RocksAggregateState, open_database, prepare_directory
 from keyshift.runtime.state import AggregateState
+from tests.conftest import wait_for
 from tests.s3_server import (  # noqa: F401 (a fixture)
     s3_bucket,
     s3_endpoint,
@@ -66,6 +68,16 @@ def truth(*feeds: range | list[int]) -> dict[int, float]:
     return sums
 
 
+def checkpoint_now(
+    checkpointer: KeyedCheckpointer, barrier: Barrier, state: Any, owned: np.ndarray
+) -> KeyedCheckpointAck:
+    """A keyed instance's checkpoint, its upload waited for."""
+    checkpointer.start(barrier, state, owned)
+    ack = checkpointer.wait()
+    assert ack is not None
+    return ack
+
+
 def take(
     checkpointer: KeyedCheckpointer,
     state: Any,
@@ -73,7 +85,7 @@ def take(
     previous: int | None,
     owned: np.ndarray = EVERY,
 ) -> KeyedCheckpointAck:
-    ack = checkpointer.take(Barrier(id=number, previous=previous), state, owned)
+    ack = checkpoint_now(checkpointer, Barrier(id=number, previous=previous), state, owned)
     assert ack.error is None, ack
     return ack
 
@@ -244,8 +256,57 @@ def test_a_checkpoint_whose_storage_fails_fails_and_the_next_uploads_everything(
     state = rocks(tmp_path / "a", "keyed-0")
     feed(state, range(1_000))
     checkpointer = KeyedCheckpointer(CheckpointSettings(storage=str(blocked / "ckpt")), "keyed-0")
-    ack = checkpointer.take(Barrier(id=1, previous=None), state, EVERY)
+    ack = checkpoint_now(checkpointer, Barrier(id=1, previous=None), state, EVERY)
     assert ack.error is not None and "cannot write" in ack.error
     assert state.items() == truth(range(1_000))
     # No checkpoint directory is left beside the database.
     assert sorted(p.name for p in state.directory.iterdir()) == ["db", "keyshift-state.json"]
+
+
+@pytest.mark.parametrize("backend", ["memory", "rocksdb"])
+def test_the_upload_runs_beside_the_loop_and_stores_the_state_at_the_barrier(
+    tmp_path: Path, backend: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The snapshot is taken at `start`; the state goes on changing while the upload, held
+    at its first write here, runs; the checkpoint restores the state as it was at `start`."""
+    settings = CheckpointSettings(storage=str(tmp_path / "checkpoints"))
+    state: Any = (
+        rocks(tmp_path / "a", "keyed-0")
+        if backend == "rocksdb"
+        else (AggregateState("sum", G, pa.int64()))
+    )
+    fresh: Any = (
+        rocks(tmp_path / "b", "keyed-0")
+        if backend == "rocksdb"
+        else (AggregateState("sum", G, pa.int64()))
+    )
+    feed(state, range(5_000))
+    checkpointer = KeyedCheckpointer(settings, "keyed-0")
+    store = checkpointer.store = CheckpointStore(settings.storage)
+    writing, go_on = threading.Event(), threading.Event()
+    write = store._write
+
+    def held(relative: str, data: bytes) -> None:
+        writing.set()
+        go_on.wait(60)
+        write(relative, data)
+
+    monkeypatch.setattr(store, "_write", held)
+    checkpointer.start(Barrier(id=1, previous=None), state, EVERY)
+    try:
+        wait_for(writing.is_set, 30, "the upload to start writing")
+        assert checkpointer.finished() is None  # still uploading
+        with pytest.raises(CheckpointProtocolError, match="while 1's upload runs"):
+            checkpointer.start(Barrier(id=2, previous=1), state, EVERY)
+        feed(state, range(4_000, 6_000))  # the loop goes on meanwhile
+    finally:
+        go_on.set()
+    ack = checkpointer.wait()
+    assert ack is not None and ack.error is None, ack
+    assert 0 < ack.snapshot_seconds <= ack.seconds
+    assert checkpointer.wait() is None  # nothing runs any more
+    KeyedCheckpointer(settings, "keyed-0").restore(commit(store, 1, [ack]), fresh, EVERY)
+    assert fresh.items() == truth(range(5_000))
+    assert state.items() == truth(range(5_000), range(4_000, 6_000))
+    if backend == "rocksdb":  # the local checkpoint is gone once uploaded
+        assert sorted(p.name for p in state.directory.iterdir()) == ["db", "keyshift-state.json"]

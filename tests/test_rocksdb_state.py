@@ -26,6 +26,7 @@ from keyshift.runtime.rocksdb_state import (
 )
 from tests.conftest import cli
 from tests.small_disk import small_disk
+from tests.test_rocksdb_checkpoint import checkpoint_now
 from tests.test_state import G, make_batch
 
 
@@ -110,7 +111,9 @@ def test_a_full_disk_stops_the_writes_with_an_error_naming_it_and_loses_nothing(
         checkpointer = KeyedCheckpointer(
             CheckpointSettings(storage=str(tmp_path / "checkpoints")), "keyed-0"
         )
-        ack = checkpointer.take(Barrier(id=1, previous=None), state, np.ones(G, dtype=bool))
+        ack = checkpoint_now(
+            checkpointer, Barrier(id=1, previous=None), state, np.ones(G, dtype=bool)
+        )
         assert ack.error is not None and "No space left" in ack.error, ack
         assert state.key_count == written
         with pytest.raises(Exception, match="No space left"):

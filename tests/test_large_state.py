@@ -1,0 +1,258 @@
+"""State larger than memory: a keyed count on RocksDB runs, rescales 1 -> 2 -> 1 live and
+recovers from a `kill -9`, with every key's final count equal to the truth computed from the
+source's seed, while its processes' resident memory stays within what the operator sizes its
+pods for (operator/state_memory.py) however many keys it holds.
+
+Real processes on loopback, played by the local host's own run loop (`run_job`, on a thread:
+it starts the instances a rescale wants and restarts the job from its checkpoint after the
+kill). The source walks the keys in order (`sequential`), as fast as the keyed instance takes
+them, until every key is in, then trickles on through the rescales and the recovery, so the
+job is live throughout; the truth is then a function of how many records the source emitted.
+A thread samples the keyed processes' RSS (VmRSS) throughout; the state's size is what the same
+keys take in the memory backend, measured on a sample of them, and the test prints the ratio.
+
+`KEYSHIFT_LARGE_STATE_KEYS` sets the keys (3 M by default: about a minute here). The issue's
+claim, state at least 5x the keyed process's RSS, takes ~16 M keys or more: 22 M gave 6.9x in
+11 minutes on this shared machine (bench/README.md, "State five times the memory").
+Marked `alone`: minutes of both cores (make test's second phase).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pytest
+
+from keyshift.operator.local_host import LocalJob, RunResult, run_job
+from keyshift.operator.state_memory import state_memory_mib
+from keyshift.runtime.job import StateSettings
+from keyshift.runtime.output_log import OutputLogReader
+from keyshift.runtime.state import AggregateState
+from keyshift.runtime.transport import JsonClient, TransportError
+from tests.conftest import count_job, running_job, wait_for
+from tests.test_rescale import SERVICE
+from tests.test_state import make_batch
+
+pytestmark = [pytest.mark.slow, pytest.mark.live, pytest.mark.alone, pytest.mark.timeout(3600)]
+
+KEYS = int(os.environ.get("KEYSHIFT_LARGE_STATE_KEYS", 3_000_000))
+FILL_RATE = 2_000_000  # records/s asked for until every key is due: more than the job takes
+TRICKLE = 100  # records/s afterwards (a backlog the fill left would park at the new owners)
+SAMPLE_KEYS = 1 << 20  # keys of the memory-backend sample that sizes the state
+READ_ROWS = 2_000_000  # output rows read at a time
+STATE = {"backend": "rocksdb", "block_cache_mb": 8, "write_buffer_mb": 4}
+
+
+class RssSampler:
+    """Samples the keyed instances' VmRSS every `every` seconds on a thread, with the keys the
+    coordinator last heard each holds."""
+
+    def __init__(self, local: LocalJob, stage: str, every: float = 0.5) -> None:
+        self.local = local
+        self.stage = stage
+        self.every = every
+        self.samples: list[tuple[int, float, int]] = []  # (pid, rss MiB, state keys)
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while not self.stop.wait(self.every):
+            try:
+                stages = {s["name"]: s for s in self.local.status()["stages"]}
+            except (TransportError, AssertionError):
+                continue  # the coordinator is restarting
+            for instance in stages[self.stage]["instances"]:
+                rss = rss_mib(int(instance["pid"]))
+                if rss is not None:
+                    keys = int(instance["stats"].get("state_keys", 0))
+                    self.samples.append((int(instance["pid"]), rss, keys))
+
+    def peak(self) -> float:
+        return max(rss for _, rss, _ in self.samples)
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join(timeout=10)
+
+
+def rss_mib(pid: int) -> float | None:
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return None  # gone (killed, retired)
+    for line in status.splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return None
+
+
+def memory_backend_bytes_per_key() -> float:
+    """What one key of this job's state takes in the memory backend, measured on a sample of
+    the same sequential keys."""
+    state = AggregateState("count", 4096, pa.int64())
+    step = 1 << 16
+    for start in range(0, SAMPLE_KEYS, step):
+        keys = list(range(start, start + step))
+        state.apply(make_batch(keys, [0.0] * step, max_key_groups=4096), "key", None)
+    return state.bytes_estimate() / state.key_count
+
+
+def final_counts(out: Path) -> np.ndarray:
+    """Each key's latest count in the output log (counts only grow, so the largest)."""
+    reader = OutputLogReader(out)
+    final = np.zeros(KEYS, dtype=np.int64)
+    for partition in reader.partitions():
+        start, end = reader.start_offset(partition), reader.end_offset(partition)
+        for offset in range(start, end, READ_ROWS):
+            rows = reader.read(partition, offset, min(offset + READ_ROWS, end))
+            keys = rows.column("key").to_numpy()
+            np.maximum.at(final, keys, rows.column("value").to_numpy())
+    return final
+
+
+class Host:
+    """The local host's run loop over a started job, on a thread; `finish` drains the job."""
+
+    def __init__(self, local: LocalJob) -> None:
+        self.interrupted = threading.Event()
+        self.result: list[RunResult | BaseException] = []
+        self.thread = threading.Thread(target=self._run, args=(local,), daemon=True)
+        self.thread.start()
+
+    def _run(self, local: LocalJob) -> None:
+        try:
+            self.result.append(run_job(local, None, self.interrupted, drain_timeout=120))
+        except BaseException as exc:  # reported by `finish`
+            self.result.append(exc)
+
+    def finish(self) -> RunResult:
+        self.interrupted.set()
+        self.thread.join(timeout=180)
+        assert self.result, "the job did not drain within 180 s"
+        outcome = self.result[0]
+        if isinstance(outcome, BaseException):
+            raise outcome
+        return outcome
+
+
+def keyed(local: LocalJob) -> list[dict[str, Any]]:
+    try:
+        stages = {s["name"]: s for s in local.status()["stages"]}
+    except (TransportError, AssertionError):
+        return []  # the coordinator is restarting
+    return list(stages["counts"]["instances"])
+
+
+def rescale(local: LocalJob, parallelism: int) -> dict[str, Any]:
+    client = JsonClient(local.address, SERVICE)
+    try:
+        request = {"stage": "counts", "parallelism": parallelism, "strategy": "hot-first"}
+        started = client.call("Rescale", {**request, "options": {}})
+    finally:
+        client.close()
+
+    def done() -> dict[str, Any] | None:
+        found = [r for r in local.status()["rescales"] if r["id"] == started["id"]]
+        return found[0] if found else None
+
+    result: dict[str, Any] = wait_for(done, 600, f"the rescale to {parallelism}", every=0.5)
+    assert result["phase"] == "done", result.get("error")
+    return result
+
+
+def completed(local: LocalJob) -> int:
+    try:
+        return int(local.status()["checkpoints"]["completed"])
+    except (TransportError, AssertionError):
+        return 0  # the coordinator is restarting
+
+
+def test_state_beyond_memory_rescales_and_recovers_exactly_in_bounded_memory(
+    tmp_path: Path,
+) -> None:
+    t0 = time.monotonic()
+    out = tmp_path / "out"
+    source = {
+        "kind": "generator", "keys": KEYS, "distribution": "sequential", "seed": 11,
+        "profile": {"kind": "step", "rate": FILL_RATE, "to": TRICKLE, "at": KEYS / FILL_RATE},
+    }  # fmt: skip
+    job = count_job(
+        source={"parallelism": 1, "config": source},
+        keyed={
+            "name": "counts",
+            "parallelism": 1,
+            "operator": {"function": "count"},
+            "state": STATE | {"path": str(tmp_path / "state")},
+        },
+        sink={
+            "parallelism": 1,
+            "config": {
+                "kind": "log",
+                "path": str(out),
+                "format": "parquet",
+                "segment_records": 1_000_000,
+            },
+        },
+        batching={"max_records": 16384, "linger_ms": 20, "credits": 4},
+        checkpoints={"interval": 20, "storage": str(tmp_path / "checkpoints")},
+        # At 22 M keys on a loaded machine an instance receiving state sent no report for over
+        # 15 s (the default), and was taken as lost; this test is about the state.
+        heartbeat_timeout=60,
+    )
+    with running_job(tmp_path, job) as local:
+        host = Host(local)
+        sampler = RssSampler(local, "counts")
+        try:
+            wait_for(
+                lambda: sum(int(i["stats"].get("state_keys", 0)) for i in keyed(local)) >= KEYS,
+                1200, f"{KEYS} keys in the state", every=1.0,
+            )  # fmt: skip
+            filled = time.monotonic() - t0
+            one = max(rss for _, rss, keys in sampler.samples if keys >= KEYS * 0.99)
+            moves = [rescale(local, 2), rescale(local, 1)]
+            rescaled = time.monotonic() - t0
+            done = completed(local)
+            wait_for(lambda: completed(local) > done, 300, "a checkpoint after the rescales")
+            (instance,) = keyed(local)
+            os.kill(int(instance["pid"]), signal.SIGKILL)
+            wait_for(lambda: bool(local.recoveries), 60, "the recovery to start")
+            wait_for(
+                lambda: [int(i["stats"].get("state_keys", 0)) for i in keyed(local)] == [KEYS],
+                600, "the restored instance to hold every key", every=1.0,
+            )  # fmt: skip
+            recovered = time.monotonic() - t0
+        finally:
+            sampler.close()
+        result = host.finish()
+    final = result.status
+    (source_instance,) = final["stages"][0]["instances"]
+    emitted = int(source_instance["stats"]["emitted"])
+    assert emitted > KEYS and len(local.recoveries) == 1, (emitted, local.recoveries)
+
+    # Record n has key n % KEYS: every key once, and the first emitted - KEYS keys twice.
+    truth = np.full(KEYS, emitted // KEYS, dtype=np.int64)
+    truth[: emitted % KEYS] += 1
+    counts = final_counts(out)
+    wrong = np.flatnonzero(counts != truth)
+    assert not len(wrong), f"{len(wrong)} keys wrong, e.g. key {wrong[0]}: {counts[wrong[0]]}"
+
+    state_mb = KEYS * memory_backend_bytes_per_key() / 2**20
+    out_mb, back_mb = (m["progress"].get("bytes_in", 0) / 2**20 for m in moves)
+    peak = sampler.peak()
+    print(
+        f"\n{KEYS} keys: {state_mb:.0f} MiB in the memory backend; keyed RSS peak {peak:.0f} "
+        f"MiB ({one:.0f} MiB holding every key before the rescales), ratio {state_mb / peak:.1f}; "
+        f"moved {out_mb:.0f} MiB out and {back_mb:.0f} MiB back; filled at {filled:.0f} s, "
+        f"rescaled by {rescaled:.0f} s, recovered by {recovered:.0f} s, "
+        f"all in {time.monotonic() - t0:.0f} s"
+    )
+    _, limit = state_memory_mib(StateSettings.model_validate(STATE | {"path": "unused"}))
+    assert peak <= limit, f"a keyed process peaked at {peak:.0f} MiB, over its pods' {limit} MiB"
