@@ -139,13 +139,13 @@ STEPS = [
 ]
 
 
-@pytest.mark.parametrize("steps", [STEPS], ids=["every-stage-every-strategy"])
-def test_every_keyed_stage_rescales_live_and_the_output_equals_the_truth(
-    tmp_path: Path, steps: list[tuple[str, int, str]]
-) -> None:
-    assert {s for _, _, s in steps} == set(STRATEGIES)
-    out = tmp_path / "out"
-    with running_job(tmp_path, keyed_line(out)) as local:
+def rescaled_under_load(
+    tmp_path: Path, job: dict[str, Any], steps: list[tuple[str, int, str]]
+) -> dict[str, Any]:
+    """Run `job`, rescale stage by stage (each once records have flowed since the last, each
+    checked to move every group it planned and to leave its stage at the width asked), drain;
+    the finished job's status."""
+    with running_job(tmp_path, job) as local:
         client = JsonClient(local.address, SERVICE)
         wait_for(lambda: local.status()["phase"] == "running", 30, "the job to run")
         for stage, parallelism, strategy in steps:
@@ -154,14 +154,23 @@ def test_every_keyed_stage_rescales_live_and_the_output_equals_the_truth(
             result = rescale_via(local, client, parallelism, strategy, stage=stage)
             assert result["stage"] == stage and result["to"] == parallelism
             assert result["groups_moved"] == result["groups_to_move"] > 0, result
-            status = local.status()
-            widths = {s["name"]: s["desired"] for s in status["stages"]}
+            widths = {s["name"]: s["desired"] for s in local.status()["stages"]}
             assert widths[stage] == parallelism
         local.drain()
         final = wait_for(
             lambda: (s := local.status())["phase"] == "finished" and s, 120, "the job to drain"
         )
         client.close()
+    return final
+
+
+@pytest.mark.parametrize("steps", [STEPS], ids=["every-stage-every-strategy"])
+def test_every_keyed_stage_rescales_live_and_the_output_equals_the_truth(
+    tmp_path: Path, steps: list[tuple[str, int, str]]
+) -> None:
+    assert {s for _, _, s in steps} == set(STRATEGIES)
+    out = tmp_path / "out"
+    final = rescaled_under_load(tmp_path, keyed_line(out), steps)
     emitted = [i["stats"]["emitted"] for i in final["stages"][0]["instances"]]
     assert sum(emitted) > 6 * 3000
     check_paths(out, emitted)
@@ -239,19 +248,7 @@ FAN_STEPS = [
 def test_fan_out_and_unions_rescale_live_and_every_way_equals_the_truth(tmp_path: Path) -> None:
     """Every keyed stage of a graph with fan-out and unions rescaled under load."""
     out = tmp_path / "out"
-    with running_job(tmp_path, fan_out_and_in(out)) as local:
-        client = JsonClient(local.address, SERVICE)
-        wait_for(lambda: local.status()["phase"] == "running", 30, "the job to run")
-        for stage, parallelism, strategy in FAN_STEPS:
-            flowed = sum_out(local)
-            wait_for(lambda f=flowed: sum_out(local) > f + 3000, 60, "records to flow")  # type: ignore[misc]
-            result = rescale_via(local, client, parallelism, strategy, stage=stage)
-            assert result["groups_moved"] == result["groups_to_move"] > 0, result
-        local.drain()
-        final = wait_for(
-            lambda: (s := local.status())["phase"] == "finished" and s, 120, "the job to drain"
-        )
-        client.close()
+    final = rescaled_under_load(tmp_path, fan_out_and_in(out), FAN_STEPS)
     emitted = [i["stats"]["emitted"] for i in final["stages"][0]["instances"]]
     check_paths(out, emitted, odds=True)
 
