@@ -126,6 +126,14 @@ async def scale(emu: Emulator, to: int) -> None:
     assert reply.status == 200, await reply.text()
 
 
+async def run_job(emu: Emulator, body: dict[str, Any]) -> None:
+    """`kubectl apply` the StreamingJob, then wait until the operator says it runs."""
+    reply = await create(emu, body)
+    assert reply.status in (200, 201), await reply.text()
+    await eventually(lambda: job_object(emu).get("status", {}).get("phase") == "Running", 90,
+                     "the job to run")  # fmt: skip
+
+
 def replicas(emu: Emulator, stage: str) -> int | None:
     sts = stored(emu, "apps/v1/statefulsets", NS, f"clicks-{stage}") or {}
     return sts.get("spec", {}).get("replicas")
@@ -187,10 +195,7 @@ async def test_operator_restarts_mid_and_just_after_rescales_lose_nothing(
         client = JobClient(emu, runner.address("clicks", NS))
         try:
             async with running_operator(emu, runner.address):
-                reply = await create(emu, body)
-                assert reply.status in (200, 201), await reply.text()
-                await eventually(lambda: job_object(emu).get("status", {}).get("phase")
-                                 == "Running", 90, "the job to run")  # fmt: skip
+                await run_job(emu, body)
                 await eventually(lambda: job_object(emu)["status"].get("handledRescale"), 30,
                                  "the operator's memory in the status")  # fmt: skip
 
@@ -262,10 +267,7 @@ async def test_coordinator_restarts_mid_and_just_after_rescales_lose_nothing(
     async with kubelet(emu, tmp_path) as runner, running_operator(emu, runner.address):
         client = JobClient(emu, runner.address("clicks", NS))
         try:
-            reply = await create(emu, body)
-            assert reply.status in (200, 201), await reply.text()
-            await eventually(lambda: job_object(emu).get("status", {}).get("phase") == "Running",
-                             90, "the job to run")  # fmt: skip
+            await run_job(emu, body)
             await scale(emu, 3)
             await settled(emu, runner, client, 3, "the scale-out")
             rescales_carried_the_plan(client)
@@ -328,10 +330,7 @@ async def test_a_keyed_pod_killed_mid_move_recovers_with_that_reason(
     async with kubelet(emu, tmp_path) as runner, running_operator(emu, runner.address):
         client = JobClient(emu, runner.address("clicks", NS))
         try:
-            reply = await create(emu, body)
-            assert reply.status in (200, 201), await reply.text()
-            await eventually(lambda: job_object(emu).get("status", {}).get("phase") == "Running",
-                             90, "the job to run")  # fmt: skip
+            await run_job(emu, body)
             await eventually(lambda: coordinator(client)["checkpoints"]["completed"] >= 2, 60,
                              "two checkpoints")  # fmt: skip
             first = coordinator(client)["incarnation"]
@@ -375,10 +374,7 @@ async def test_a_failed_job_is_restarted_as_its_strategy_says_and_then_given_up(
     async with kubelet(emu, tmp_path) as runner, running_operator(emu, runner.address):
         client = JobClient(emu, runner.address("clicks", NS))
         try:
-            reply = await create(emu, body)
-            assert reply.status in (200, 201), await reply.text()
-            await eventually(lambda: job_object(emu).get("status", {}).get("phase") == "Running",
-                             90, "the job to run")  # fmt: skip
+            await run_job(emu, body)
             failed = await eventually(lambda: _failed(client), 90, "the job to fail")
             assert "record 3000 of source 0" in failed["errors"][0]
             restarted = await eventually(
