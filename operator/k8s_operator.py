@@ -256,7 +256,7 @@ def build_registry(config: OperatorConfig) -> kopf.OperatorRegistry:
         if current == new:
             return
         try:
-            await asyncio.to_thread(kube.executor.apply, keyed, int(new))
+            await asyncio.to_thread(kube.executor.apply, [(keyed, int(new))])
         except Exception as exc:  # RescaleRefused, or the coordinator not up yet
             raise kopf.TemporaryError(f"rescale to {new} not started: {exc}", delay=5) from exc
         kopf.info(body, reason="ManualRescale", message=f"{keyed}: {current} -> {new}")
