@@ -191,10 +191,11 @@ class CoordinatorExecutor:
                 detail += f"; not started after it: {dropped}"
                 self._queued.clear()
             outcomes.append(RescaleOutcome(rescale.stage, ok, detail))
-        if self._started is None and self._queued and running_rescale(status) is None:
-            outcomes += self._start_next()
         if self._reconcile:
             self._match_pool(status)
+        # After matching the pool to `status`, which is older than the next step's start.
+        if self._started is None and self._queued and running_rescale(status) is None:
+            outcomes += self._start_next()
         return outcomes
 
     def _ends_started(self, rescale: RescaleReport) -> bool:
