@@ -382,10 +382,14 @@ PHASE_RATES = (900, 1100)
 PHASE_2_SECONDS = 18
 
 
-def moving_bottleneck(out: Path, prometheus_url: str) -> dict[str, Any]:
-    """source -> first (track) -> second (nest) -> out, each keyed stage at one instance."""
+def moving_bottleneck(
+    out: Path, prometheus_url: str | None = None, phase_2_seconds: float = PHASE_2_SECONDS
+) -> dict[str, Any]:
+    """source -> first (track) -> second (nest) -> out, each keyed stage at one instance; the
+    autoscaler reads `prometheus_url`, else scrapes the instances (bench/ds2_graph.py runs it
+    too)."""
     phase_1 = PHASE_SEQ / PHASE_RATES[0]
-    total = PHASE_SEQ + PHASE_RATES[1] * PHASE_2_SECONDS
+    total = PHASE_SEQ + round(PHASE_RATES[1] * phase_2_seconds)
     points = [[0, PHASE_RATES[0]], [phase_1, PHASE_RATES[1]]]
     source = {"kind": "generator", "keys": 2000, "distribution": "zipf", "seed": 9,
               "profile": {"kind": "points", "points": points}, "total": total}  # fmt: skip
@@ -398,8 +402,9 @@ def moving_bottleneck(out: Path, prometheus_url: str) -> dict[str, Any]:
     sink = {"kind": "log", "path": str(out), "format": "jsonl"}
     # Three ticks in a row before a scale-up: the step is out of the window by the third, whose
     # answer the scale-up takes, so a stage is not sized for a mix of both phases' costs.
-    settings = {"prometheus_url": prometheus_url, "interval": 1, "metrics_window": 5,
-                "warmup": 4, "activation": 3}  # fmt: skip
+    settings: dict[str, Any] = {"interval": 1, "metrics_window": 5, "warmup": 4, "activation": 3}
+    if prometheus_url is not None:
+        settings["prometheus_url"] = prometheus_url
     return {
         "name": "moving",
         "graph": [
