@@ -63,8 +63,8 @@ DATABASE = "db"
 # SST files of moving groups, beside the database: written by an old owner, ingested by a new one.
 TRANSFER = "transfer"
 # Keys per write batch when a checkpoint's ranges are copied in: a batch is held whole in memory,
-# 8 MiB of 2 KiB values (65,536 keys of such values were 128 MiB).
-COPY_CHUNK = 4096
+# 4 MiB of 4 KiB values (65,536 keys of such values were 256 MiB).
+COPY_CHUNK = 1024
 SST_FILE_MB = 8  # the size compaction cuts its output files at
 
 

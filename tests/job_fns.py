@@ -110,7 +110,7 @@ def track_until_seq_3000(state: Any, record: dict[str, Any]) -> tuple[Any, Any]:
     return track(state, record)
 
 
-PAD_BYTES = 2048
+PAD_BYTES = 4096
 
 
 def key_pad(key: int) -> bytes:
