@@ -60,18 +60,24 @@ def start_flowing(local: LocalJob) -> None:
         time.sleep(0.2)
 
 
+def steady_window(
+    spec_data: dict[str, Any], warmup: float, window: float, tmp: Path
+) -> tuple[dict[str, dict[str, float]], dict[str, dict[str, float]]]:
+    """Run the job in `tmp` and return every stage's counters before and after the window."""
+    path = tmp / "job.yaml"
+    path.write_text(yaml.safe_dump(spec_data))
+    with LocalJob(parse_job(spec_data), path, log_dir=tmp / "logs") as local:
+        start_flowing(local)
+        time.sleep(warmup)
+        before = snapshot(local)
+        time.sleep(window)
+        return before, snapshot(local)
+
+
 def measure_pipeline(batch: int, warmup: float, window: float, backend: str) -> dict[str, float]:
     with tempfile.TemporaryDirectory() as tmp:
         state = {"backend": backend} if backend == "memory" else {"backend": backend, "path": tmp}
-        spec_data = job(batch, state)
-        path = Path(tmp) / "job.yaml"
-        path.write_text(yaml.safe_dump(spec_data))
-        with LocalJob(parse_job(spec_data), path, log_dir=Path(tmp) / "logs") as local:
-            start_flowing(local)
-            time.sleep(warmup)
-            before = snapshot(local)
-            time.sleep(window)
-            after = snapshot(local)
+        before, after = steady_window(job(batch, state), warmup, window, Path(tmp))
     return {
         "records_per_s": ratio(before["counts"], after["counts"], "records_in"),
         "keyed_busy": ratio(before["counts"], after["counts"], "busy"),
