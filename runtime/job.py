@@ -725,6 +725,7 @@ def _node(stage: SourceNode | TransformNode | KeyedNode | SinkNode) -> Node:
             key_by=stage.key_by,
             aggregate=aggregate.function if aggregate else None,
             aggregate_field=aggregate.field if aggregate else None,
+            window=isinstance(op, WindowOperator),
             function=None if aggregate else op.function,
         )
     role: Role = "sink" if isinstance(stage, SinkNode) else stage.kind
@@ -984,6 +985,7 @@ class JobSpec(_Model):
                 key_by=keyed.key_by,
                 aggregate=aggregate.function if aggregate else None,
                 aggregate_field=aggregate.field if aggregate else None,
+                window=isinstance(op, WindowOperator),
                 function=None if aggregate else op.function,
             )
         )

@@ -44,6 +44,7 @@ from keyshift.runtime.protocol import (
     Retire,
     Topology,
     Watermark,
+    WatermarkHold,
     parse,
 )
 from keyshift.runtime.records import (
@@ -336,6 +337,7 @@ class KeyedStage:
             self.checkpoint_if_aligned()
             return
         if self.outputs.handle(command):
+            self.forward_watermark()  # to instances that joined a stage downstream
             return  # a rescale of a keyed stage downstream
         if isinstance(command, MigrateIn):
             if self.move_in is not None:
@@ -352,6 +354,9 @@ class KeyedStage:
             if self.windows is not None and current is not None:
                 # Windows fired here are late at the new owners too (keyshift.runtime.windows).
                 move.tell(WATERMARK, json.dumps(Watermark(watermark=current).wire()).encode())
+            # Downstream, nothing may go past this instance's watermark until the new owners
+            # have sent what the moving groups still hold (parked records, unfired windows).
+            self.forward_watermark(hold=WatermarkHold(epoch=move.epoch, until=sorted(move.outlets)))
             for ended in self.ended:
                 move.marker(ended, None)
             self.owned &= move.target < 0
@@ -422,6 +427,7 @@ class KeyedStage:
                 if self.windows is not None:
                     self.windows.rebuild(np.flatnonzero(move_in.source_of >= 0).tolist())
                     self.fire_windows()
+                self.forward_watermark(release=move_in.epoch)
                 move_in.close()
                 self.ctx.emit(InDone(epoch=move_in.epoch, stats=dict(move_in.stats)))
         live: Counter[str] = Counter()
@@ -458,21 +464,47 @@ class KeyedStage:
             self.aligner.arrive(sender, parse(Barrier, json.loads(payload)))
             self.checkpoint_if_aligned()
         elif kind == WATERMARK:
-            mark = parse(Watermark, json.loads(payload))
-            if sender in self.senders():
-                self.watermark_moved(self.watermark.advance(sender, mark.watermark, mark.idle))
-            elif (
-                mark.watermark is not None and self.windows is not None and self.move_in is not None
-            ):
-                # The old owner of groups moving here: its windows that fired are late here.
-                coming = self.move_in.source_of == int(sender.rsplit("/", 1)[1])
-                self.windows.hand_over(np.flatnonzero(coming), mark.watermark)
+            self.watermark_message(sender, parse(Watermark, json.loads(payload)))
+        elif kind == LEAVE and sender.rsplit("/", 1)[0] in self.upstream:
+            self.watermark_moved(self.watermark.leave(sender))
         elif kind == END and sender in self.senders():
             self.ended.add(sender)
             self.watermark_moved(self.watermark.end(sender))
             if self.move_out is not None:
                 self.move_out.marker(sender, None)
             self.checkpoint_if_aligned()
+
+    def watermark_message(self, sender: str, mark: Watermark) -> None:
+        """A watermark from upstream, or from the old owner of groups moving here."""
+        stage, index = sender.rsplit("/", 1)
+        if stage == self.ctx.stage:
+            if mark.watermark is not None and self.windows is not None and self.move_in is not None:
+                # Its windows that fired are late here.
+                coming = self.move_in.source_of == int(index)
+                self.windows.hand_over(np.flatnonzero(coming), mark.watermark)
+            return
+        if mark.hold is not None:
+            until = {f"{stage}/{i}" for i in mark.hold.until}
+            self.watermark.hold(stage, mark.hold.epoch, mark.watermark, until)
+        moved = False
+        if mark.release is not None:
+            moved = self.watermark.release(stage, mark.release, sender)
+        moved |= self.watermark.advance(sender, mark.watermark, mark.idle)
+        self.watermark_moved(moved)
+
+    def forward_watermark(
+        self, hold: WatermarkHold | None = None, release: int | None = None
+    ) -> None:
+        """Tell the keyed stages fed how far this instance's event time is (after the results
+        of the windows it has fired)."""
+        if not self.outputs.routers or self.outputs.paused:
+            return  # a paused sender sends nothing; its resume sends the watermark then
+        current = self.watermark.current
+        if current is not None and current >= WatermarkTracker.FINAL:
+            current = None  # their END tells them that
+        if current is None and hold is None and release is None:
+            return
+        self.outputs.watermark(Watermark(watermark=current, hold=hold, release=release))
 
     def watermark_moved(self, moved: bool) -> None:
         """The instance's watermark, the minimum over its live sources', went forward."""
@@ -482,6 +514,7 @@ class KeyedStage:
         if current < WatermarkTracker.FINAL:
             self.ctx.watermark_us = current
         self.fire_windows()
+        self.forward_watermark()
 
     def fire_windows(self) -> None:
         """Send the results of the windows the watermark has passed."""

@@ -161,3 +161,73 @@ def test_windows_fire_once_through_kill_minus_9(tmp_path: Path) -> None:
         assert code == 0, run.output.text()
     assert "recovered from checkpoint" in run.output.text()
     check_fired_once(tmp_path, out)
+
+
+# -- two windowed stages: the first's watermark goes on to the second ---------------------------
+
+
+def top_counts(out: Path) -> Counter[tuple[int, float]]:
+    """(window start, highest count) of every result q5-top fired, counted."""
+    table = OutputLogReader(out).read_all()
+    pairs = zip(table.column("key").to_pylist(), table.column("value").to_pylist(), strict=True)
+    return Counter(pairs)
+
+
+def check_top_fired_once(tmp_path: Path, out: Path) -> None:
+    results = top_counts(out)
+    twice = [row for row, n in results.items() if n > 1]
+    assert not twice, f"{len(twice)} windows fired more than once, e.g. {twice[:3]}"
+    events = source_events(SOURCE, SOURCES)
+    expected = run_query("q5_top_count", write_events(events, tmp_path / "events.parquet"))
+    assert len(expected) > 20, "too few windows: the test would prove little"
+    assert sorted(results) == expected
+
+
+@pytest.mark.slow
+@pytest.mark.live
+def test_a_second_windowed_stage_fires_on_the_first_ones_watermark(tmp_path: Path) -> None:
+    """q5-top fires windows while events still flow (not only when the input ends): q5's
+    watermark reaches it."""
+    out = tmp_path / "out"
+
+    def top(local: Any) -> dict[str, Any]:
+        stages = local.status()["stages"]
+        instance: dict[str, Any] = next(s for s in stages if s["name"] == "q5-top")["instances"][0]
+        return instance["stats"]
+
+    def fires_while_running(local: Any, client: JsonClient) -> None:
+        wait_for(lambda: top(local).get("records_out", 0) > 0, 30, "q5-top to fire a window")
+        assert local.status()["phase"] == "running"
+        assert top(local)["watermark_us"] < 1 << 62  # a watermark, not the input's end
+
+    job = example("q5_top_count", out, profile={"rate": 5000})  # 12 s of events
+    run_query_job(tmp_path, job, fires_while_running)
+    check_top_fired_once(tmp_path, out)
+
+
+@pytest.mark.slow
+@pytest.mark.live
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_two_windowed_stages_fire_once_under_live_rescales_of_both(
+    tmp_path: Path, strategy: str
+) -> None:
+    """q5 goes 2 -> 3 -> 1 and q5-top 2 -> 1 while events flow (30 s of them, one scale-out:
+    see above): q5's moved windows fire at their new owners, and q5-top waits for them (the
+    move holds its watermark)."""
+    out = tmp_path / "out"
+    job = example("q5_top_count", out, profile={"rate": 2000})
+    next(stage for stage in job["graph"] if stage["name"] == "q5-top")["parallelism"] = 2
+
+    def rescales(local: Any, client: JsonClient) -> None:
+        for stage, parallelism in (("q5", 3), ("q5-top", 1), ("q5", 1)):
+            flowed = sum_out(local)
+
+            def more(f: int = flowed) -> bool:
+                return sum_out(local) > f + 2000
+
+            wait_for(more, 30, "events to flow")
+            result = rescale_via(local, client, parallelism, strategy, stage=stage)
+            assert result["groups_moved"] == result["groups_to_move"] > 0, result
+
+    run_query_job(tmp_path, job, rescales)
+    check_top_fired_once(tmp_path, out)
