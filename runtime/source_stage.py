@@ -144,7 +144,10 @@ class Watermarks:
         """Between batches: note an idle spell, and tell new keyed instances the watermark."""
         if self.generator is None:
             return
-        self.generator.check_idle(time.monotonic())
+        if self.outputs.paused:
+            self.generator.paused(time.monotonic())
+        else:
+            self.generator.check_idle(time.monotonic())
         self.send()
 
     def send(self) -> None:

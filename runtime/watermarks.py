@@ -51,6 +51,13 @@ class WatermarkGenerator:
         """None until a record is seen."""
         return None if self.highest_us is None else self.highest_us - self.bound_us
 
+    def paused(self, now: float) -> None:
+        """The instance may not emit now (a rescale paused it): a quiet spell that is not the
+        input's, so not idleness. Else its receivers would go on with the other sources, past
+        the records it sends when it resumes."""
+        if not self.idle:
+            self.last_active = now
+
     def check_idle(self, now: float) -> bool:
         """Whether the instance has just become idle (nothing emitted for the timeout); true
         once per quiet spell."""
