@@ -15,8 +15,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-from keyshift.runtime.job import JobError, parse_job
+from keyshift.runtime.job import JobError, WindowOperator, parse_job
 from keyshift.runtime.output_log import OutputLogReader
+from keyshift.runtime.pipeline import Dataflow, source
 from keyshift.runtime.protocol import STRATEGIES
 from keyshift.runtime.transport import JsonClient
 from keyshift.runtime.windows import WindowShape
@@ -87,6 +88,29 @@ def test_bad_windows_are_refused_at_load(
 ) -> None:
     with pytest.raises(JobError, match=reason):
         parse_job(windowed_job(window, event_time, **operator))
+
+
+@pytest.mark.parametrize(
+    ("window", "event_time", "reason"),
+    [
+        ({"kind": "sliding", "size_ms": 5, "slide_ms": 10}, {}, "must not exceed size_ms"),
+        ({"kind": "tumbling", "size_ms": -1}, {}, "size_ms: Input should be greater than 0"),
+        ({"kind": "tumbling", "size_ms": 5}, None, "a window needs event time"),
+    ],
+)
+def test_the_python_api_builds_windows_and_refuses_bad_ones(
+    window: dict[str, Any], event_time: dict[str, Any] | None, reason: str
+) -> None:
+    def job(window: dict[str, Any], event_time: dict[str, Any] | None) -> Dataflow:
+        events = source("events", {"kind": "nexmark", "total": 10}, event_time=event_time)
+        counts = events.key_by("auction").window(window, "max", "price", name="k")
+        return Dataflow("w", counts.sink_log(name="out"))
+
+    built = job({"kind": "tumbling", "size_ms": 5}, {}).build()
+    operator = built.keyed_step("k").stage.operator
+    assert isinstance(operator, WindowOperator) and operator.size_and_slide_us() == (5000, 5000)
+    with pytest.raises(JobError, match=reason):
+        job(window, event_time).build()
 
 
 def fired(out: Path) -> Counter[tuple[int, int, int]]:
