@@ -8,20 +8,24 @@ from __future__ import annotations
 import os
 import random
 import signal
+import urllib.request
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pyarrow as pa
 import pytest
 
+from keyshift.runtime.ingest_client import IngestClient
 from keyshift.runtime.job import JobError, WindowOperator, parse_job
+from keyshift.runtime.metrics import MetricName
 from keyshift.runtime.output_log import OutputLogReader
 from keyshift.runtime.pipeline import Dataflow, source
 from keyshift.runtime.protocol import STRATEGIES
 from keyshift.runtime.transport import JsonClient
 from keyshift.runtime.windows import WindowShape
-from tests.conftest import wait_for
+from tests.conftest import count_job, running_job, wait_for
 from tests.nexmark_reference import run_query, source_events, write_events
 from tests.test_nexmark_queries import SOURCE, SOURCES, example, run_query_job
 from tests.test_recovery import Run, start_run
@@ -113,7 +117,7 @@ def test_the_python_api_builds_windows_and_refuses_bad_ones(
         job(window, event_time).build()
 
 
-def fired(out: Path) -> Counter[tuple[int, int, int]]:
+def fired(out: Path) -> Counter[tuple[Any, int, int]]:
     """(auction, window start, bids) of every window result in the output log, counted."""
     table = OutputLogReader(out).read_all()
     return Counter(
@@ -255,3 +259,47 @@ def test_two_windowed_stages_fire_once_under_live_rescales_of_both(
 
     run_query_job(tmp_path, job, rescales)
     check_top_fired_once(tmp_path, out)
+
+
+# -- late records ---------------------------------------------------------------------------------
+
+
+@pytest.mark.live
+def test_records_later_than_their_fired_window_are_counted_and_not_applied(tmp_path: Path) -> None:
+    """Rows of a 1 s window, then rows 5 s later (the watermark passes the window, which
+    fires), then rows of the fired window again: those are late, counted under the reason
+    'late' and kept out of the window's result (fired once, with the rows in time)."""
+    out = tmp_path / "out"
+    job = count_job(
+        fields={"user": "str", "clicks": "int", "at": "int"},
+        source={"config": {"kind": "ingest"}, "event_time": {"field": "at",
+                                                             "max_out_of_orderness_ms": 0}},
+        keyed={"name": "per-user", "parallelism": 1, "key_by": "user",
+               "operator": {"kind": "window", "window": {"kind": "tumbling", "size_ms": 1000}}},
+        sink={"config": {"kind": "log", "path": str(out)}},
+    )  # fmt: skip
+    start = 1_700_000_000_000_000  # a window's start: a multiple of 1 s
+    with running_job(tmp_path, job) as local:
+        wait_for(lambda: local.status()["phase"] == "running", 30, "the job to run")
+
+        def address() -> str | None:
+            (source,) = local.status()["stages"][0]["instances"] or [None]
+            return None if source is None else source["stats"].get("ingest_address")
+
+        with IngestClient(wait_for(address, 30, "the ingest endpoint")) as client:
+            for n, (rows, at) in enumerate([(10, start), (2, start + 5_000_000), (3, start + 1)]):
+                table = pa.table({"user": ["a"] * rows, "clicks": [1] * rows, "at": [at] * rows})
+                assert client.push(table, batch_id=f"b{n}").accepted == rows
+
+        def late() -> float:
+            (keyed,) = local.status()["stages"][1]["instances"]
+            text = urllib.request.urlopen(f"http://{keyed['metrics']}/metrics").read().decode()
+            name = MetricName.INVALID_RECORDS
+            lines = [line for line in text.splitlines() if line.startswith(name + "{")]
+            return sum(float(line.rsplit(" ", 1)[1]) for line in lines if 'reason="late"' in line)
+
+        wait_for(lambda: late() == 3, 30, "the late rows counted")
+        local.drain()
+        wait_for(lambda: local.status()["phase"] == "finished", 30, "the job to drain")
+    results = sorted(fired(out).elements())
+    assert results == [("a", start, 10), ("a", start + 5_000_000, 2)]
