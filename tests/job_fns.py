@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import time
 from dataclasses import dataclass
@@ -107,3 +108,20 @@ def track_until_seq_3000(state: Any, record: dict[str, Any]) -> tuple[Any, Any]:
     if record["source"] == 0 and record["seq"] == 3000:
         raise RuntimeError("record 3000 of source 0 cannot be taken")
     return track(state, record)
+
+
+PAD_BYTES = 4096
+
+
+def key_pad(key: int) -> bytes:
+    """`PAD_BYTES` of a key's own, as random as a hash: no compression shrinks them."""
+    return hashlib.shake_128(key.to_bytes(8, "little", signed=True)).digest(PAD_BYTES)
+
+
+def padded_count(state: Any, record: dict[str, Any]) -> tuple[Any, Any]:
+    """Count a key's records beside a pad of `PAD_BYTES` derived from the key: wide state per
+    key (as a feature vector or a session would be), whose bytes are checked on every record,
+    so a value damaged by a move or a restore shows: the count is emitted negated then."""
+    pad = key_pad(record["key"])
+    count, kept = state if state is not None else (0, pad)
+    return [count + 1, pad], count + 1 if kept == pad else -(count + 1)
