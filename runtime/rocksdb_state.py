@@ -487,6 +487,11 @@ def _hits(values: list[bytes]) -> np.ndarray:
 class RocksAggregateState(RocksStore):
     """Running aggregates per key in RocksDB, updated a batch at a time."""
 
+    def expire_keys(self, keys: Sequence[Any]) -> int:
+        """Delete keys whose state is done with (a window that fired): its checkpoints are
+        native database snapshots, which a deletion reaches as it is."""
+        return self.drop_keys(keys)
+
     def __init__(
         self,
         function: str,
