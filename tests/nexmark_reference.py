@@ -24,16 +24,20 @@ SQL = Path(__file__).resolve().parent.parent / "examples" / "nexmark" / "sql"
 QUERIES = tuple(f"q{n}" for n in range(9))
 
 
-def source_events(config: dict[str, Any], parallelism: int) -> pa.Table:
+def source_events(
+    config: dict[str, Any], parallelism: int, emitted: list[int] | None = None
+) -> pa.Table:
     """Every event a nexmark source of `parallelism` instances makes, as the instances number
-    them (each instance's share of the `total`)."""
+    them: each instance's share of the `total`, or its first `emitted[i]` events (a source
+    without a total that was drained)."""
     source = NexmarkSource.model_validate({"kind": "nexmark", **config})
-    if source.total is None:
-        raise ValueError("the reference engine needs a source with a total")
-    numbers = [
-        nexmark.event_numbers(i, parallelism, 0, instance_total(source.total, i, parallelism) or 0)
-        for i in range(parallelism)
-    ]
+    if emitted is None:
+        if source.total is None:
+            raise ValueError("the reference engine needs a source with a total or its counts")
+        emitted = [instance_total(source.total, i, parallelism) or 0 for i in range(parallelism)]
+    if len(emitted) != parallelism:
+        raise ValueError(f"{len(emitted)} counts for a source of {parallelism} instances")
+    numbers = [nexmark.event_numbers(i, parallelism, 0, n) for i, n in enumerate(emitted)]
     return pa.Table.from_batches([nexmark.events(source.model(), np.concatenate(numbers))])
 
 

@@ -81,23 +81,63 @@ def rows_of(query: str, out: Path) -> list[tuple[Any, ...]]:
     raise AssertionError(f"no reading of {query}'s output")
 
 
-def truth(tmp_path: Path, query: str, **source: Any) -> list[tuple[Any, ...]]:
-    events = source_events({**SOURCE, **source}, SOURCES)
+def truth(tmp_path: Path, query: str, emitted: list[int] | None = None) -> list[tuple[Any, ...]]:
+    """DuckDB's answer over the events the job's sources emitted (`emitted`, by instance), or
+    over all of SOURCE's `total`."""
+    events = source_events(SOURCE, SOURCES, emitted)
     return run_query(query, write_events(events, tmp_path / "events.parquet"))
 
 
 def run_query_job(
-    tmp_path: Path, job: dict[str, Any], during: Callable[[Any, JsonClient], None]
-) -> None:
-    """Run `job` to its end with the local host, calling `during` once records flow."""
+    tmp_path: Path,
+    job: dict[str, Any],
+    during: Callable[[Any, JsonClient], None],
+    drain: bool = False,
+) -> list[int]:
+    """Run `job` with the local host, calling `during` once records flow, until it finishes:
+    by itself, or with `drain` once `during` returns (how a source without a total ends).
+    Returns the events each source instance emitted."""
     with running_job(tmp_path, job) as local:
         client = JsonClient(local.address, SERVICE)
         try:
             wait_for(lambda: local.status()["phase"] == "running", 30, "the job to run")
             during(local, client)
-            wait_for(lambda: local.status()["phase"] == "finished", 120, "the job to finish")
+            if drain:
+                local.drain()
+            final = wait_for(
+                lambda: (s := local.status())["phase"] == "finished" and s, 120, "the job to end"
+            )
         finally:
             client.close()
+    return [int(i["stats"]["emitted"]) for i in final["stages"][0]["instances"]]
+
+
+def rescaling_mid_stream(
+    steps: list[tuple[str, int]], strategy: str, flow: int
+) -> Callable[[Any, JsonClient], None]:
+    """`during` for a job whose source has no total (run it with `drain`): each rescale of
+    `steps` (stage, parallelism) once `flow` more records left the sources, then TOTAL events
+    at least, so the drained job has windows enough whatever time the rescales took. The
+    events never run out before the test is done with them: it is the test that ends them."""
+
+    def rescales(local: Any, client: JsonClient) -> None:
+        for stage, parallelism in steps:
+            flowed = sum_out(local)
+
+            def more(f: int = flowed) -> bool:
+                return sum_out(local) > f + flow
+
+            wait_for(more, 60, "records to flow")
+            result = rescale_via(local, client, parallelism, strategy, stage=stage)
+            assert result["groups_moved"] == result["groups_to_move"] > 0, result
+
+        def emitted() -> int:
+            instances = local.status()["stages"][0]["instances"]
+            return sum(int(i["stats"].get("emitted", 0)) for i in instances)
+
+        wait_for(lambda: emitted() >= TOTAL, 60, f"{TOTAL} events")
+
+    return rescales
 
 
 @pytest.mark.parametrize("query", ["q0", "q1", "q2", "q3", "q7", "q8"])
@@ -114,24 +154,13 @@ def test_the_windowed_query_under_live_rescales_answers_what_duckdb_answers(
     tmp_path: Path, strategy: str
 ) -> None:
     """Q8, keyed per person and window (thousands of keys): its keyed stage goes 2 -> 3 -> 1
-    while events flow (20 s of them, so both rescales happen mid-stream)."""
+    while events flow; they flow until the rescales are done, then the job is drained."""
     out = tmp_path / "out"
-    job = example("q8", out, profile={"rate": 3000})
-
-    def rescales(local: Any, client: JsonClient) -> None:
-        for parallelism in (3, 1):
-            flowed = sum_out(local)
-
-            # People and auctions pass the source's filter: 4 of every 50 events.
-            def more(f: int = flowed) -> bool:
-                return sum_out(local) > f + 400
-
-            wait_for(more, 30, "events to flow")
-            result = rescale_via(local, client, parallelism, strategy, stage="q8")
-            assert result["groups_moved"] == result["groups_to_move"] > 0, result
-
-    run_query_job(tmp_path, job, rescales)
-    assert rows_of("q8", out) == truth(tmp_path, "q8")
+    job = example("q8", out, total=None, profile={"rate": 4000})
+    # People and auctions pass the source's filter: 4 of every 50 events.
+    during = rescaling_mid_stream([("q8", 3), ("q8", 1)], strategy, flow=400)
+    emitted = run_query_job(tmp_path, job, during, drain=True)
+    assert rows_of("q8", out) == truth(tmp_path, "q8", emitted)
 
 
 def test_a_join_query_through_kill_minus_9_answers_what_duckdb_answers(tmp_path: Path) -> None:

@@ -27,9 +27,14 @@ from keyshift.runtime.transport import JsonClient
 from keyshift.runtime.windows import WindowShape
 from tests.conftest import count_job, running_job, wait_for
 from tests.nexmark_reference import run_query, source_events, write_events
-from tests.test_nexmark_queries import SOURCE, SOURCES, example, run_query_job
+from tests.test_nexmark_queries import (
+    SOURCE,
+    SOURCES,
+    example,
+    rescaling_mid_stream,
+    run_query_job,
+)
 from tests.test_recovery import Run, coordinator_pids, start_run
-from tests.test_rescale import rescale_via, sum_out
 
 
 def test_each_event_time_falls_in_every_window_that_covers_it() -> None:
@@ -130,11 +135,11 @@ def fired(out: Path) -> Counter[tuple[Any, int, int]]:
     )
 
 
-def check_fired_once(tmp_path: Path, out: Path) -> None:
+def check_fired_once(tmp_path: Path, out: Path, emitted: list[int] | None) -> None:
     results = fired(out)
     twice = [row for row, n in results.items() if n > 1]
     assert not twice, f"{len(twice)} windows fired more than once, e.g. {twice[:3]}"
-    events = source_events(SOURCE, SOURCES)
+    events = source_events(SOURCE, SOURCES, emitted)
     expected = run_query("q5_counts", write_events(events, tmp_path / "events.parquet"))
     assert sorted(results) == expected
 
@@ -143,34 +148,22 @@ def check_fired_once(tmp_path: Path, out: Path) -> None:
 @pytest.mark.live
 def test_a_windowed_query_fires_each_window_once_as_duckdb_counts(tmp_path: Path) -> None:
     out = tmp_path / "out"
-    run_query_job(tmp_path, example("q5_counts", out), lambda local, client: None)
-    check_fired_once(tmp_path, out)
+    emitted = run_query_job(tmp_path, example("q5_counts", out), lambda local, client: None)
+    check_fired_once(tmp_path, out, emitted)
 
 
 @pytest.mark.slow
 @pytest.mark.live
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_windows_fire_once_under_live_rescales(tmp_path: Path, strategy: str) -> None:
-    """q5 goes 2 -> 3 -> 1 while events flow. The events last 30 s: on this shared machine a
-    scale-out's new process has taken up to 16 s to start, and the second rescale needs
-    events still flowing after the first (with 20 s of events and 5000 more awaited, that
-    wait timed out, which looked like a rescale stuck in 'moving', its last logged phase)."""
+    """q5 goes 2 -> 3 -> 1 while events flow. They flow until the rescales are done (on this
+    shared machine a scale-out's new process has taken up to 27 s to start), then the job is
+    drained and DuckDB counts the events the sources emitted."""
     out = tmp_path / "out"
-    job = example("q5_counts", out, profile={"rate": 2000})
-
-    def rescales(local: Any, client: JsonClient) -> None:
-        for parallelism in (3, 1):
-            flowed = sum_out(local)
-
-            def more(f: int = flowed) -> bool:
-                return sum_out(local) > f + 2000
-
-            wait_for(more, 30, "events to flow")
-            result = rescale_via(local, client, parallelism, strategy, stage="q5")
-            assert result["groups_moved"] == result["groups_to_move"] > 0, result
-
-    run_query_job(tmp_path, job, rescales)
-    check_fired_once(tmp_path, out)
+    job = example("q5_counts", out, total=None, profile={"rate": 4000})
+    during = rescaling_mid_stream([("q5", 3), ("q5", 1)], strategy, flow=2000)
+    emitted = run_query_job(tmp_path, job, during, drain=True)
+    check_fired_once(tmp_path, out, emitted)
 
 
 @pytest.mark.slow
@@ -196,7 +189,7 @@ def test_windows_fire_once_through_kill_minus_9(tmp_path: Path, victim: str) -> 
             run.client.close()
         assert code == 0, run.output.text()
     assert "recovered from checkpoint" in run.output.text()
-    check_fired_once(tmp_path, out)
+    check_fired_once(tmp_path, out, None)
 
 
 # -- two windowed stages: the first's watermark goes on to the second ---------------------------
@@ -209,11 +202,11 @@ def top_counts(out: Path) -> Counter[tuple[int, float]]:
     return Counter(pairs)
 
 
-def check_top_fired_once(tmp_path: Path, out: Path) -> None:
+def check_top_fired_once(tmp_path: Path, out: Path, emitted: list[int]) -> None:
     results = top_counts(out)
     twice = [row for row, n in results.items() if n > 1]
     assert not twice, f"{len(twice)} windows fired more than once, e.g. {twice[:3]}"
-    events = source_events(SOURCE, SOURCES)
+    events = source_events(SOURCE, SOURCES, emitted)
     expected = run_query("q5_top_count", write_events(events, tmp_path / "events.parquet"))
     assert len(expected) > 20, "too few windows: the test would prove little"
     assert sorted(results) == expected
@@ -237,8 +230,8 @@ def test_a_second_windowed_stage_fires_on_the_first_ones_watermark(tmp_path: Pat
         assert top(local)["watermark_us"] < 1 << 62  # a watermark, not the input's end
 
     job = example("q5_top_count", out, profile={"rate": 5000})  # 12 s of events
-    run_query_job(tmp_path, job, fires_while_running)
-    check_top_fired_once(tmp_path, out)
+    emitted = run_query_job(tmp_path, job, fires_while_running)
+    check_top_fired_once(tmp_path, out, emitted)
 
 
 @pytest.mark.slow
@@ -247,26 +240,16 @@ def test_a_second_windowed_stage_fires_on_the_first_ones_watermark(tmp_path: Pat
 def test_two_windowed_stages_fire_once_under_live_rescales_of_both(
     tmp_path: Path, strategy: str
 ) -> None:
-    """q5 goes 2 -> 3 -> 1 and q5-top 2 -> 1 while events flow (30 s of them, one scale-out:
-    see above): q5's moved windows fire at their new owners, and q5-top waits for them (the
-    move holds its watermark)."""
+    """q5 goes 2 -> 3 -> 1 and q5-top 2 -> 1 while events flow (until the rescales are done,
+    then the job is drained: see above): q5's moved windows fire at their new owners, and
+    q5-top waits for them (the move holds its watermark)."""
     out = tmp_path / "out"
-    job = example("q5_top_count", out, profile={"rate": 2000})
+    job = example("q5_top_count", out, total=None, profile={"rate": 4000})
     next(stage for stage in job["graph"] if stage["name"] == "q5-top")["parallelism"] = 2
-
-    def rescales(local: Any, client: JsonClient) -> None:
-        for stage, parallelism in (("q5", 3), ("q5-top", 1), ("q5", 1)):
-            flowed = sum_out(local)
-
-            def more(f: int = flowed) -> bool:
-                return sum_out(local) > f + 2000
-
-            wait_for(more, 30, "events to flow")
-            result = rescale_via(local, client, parallelism, strategy, stage=stage)
-            assert result["groups_moved"] == result["groups_to_move"] > 0, result
-
-    run_query_job(tmp_path, job, rescales)
-    check_top_fired_once(tmp_path, out)
+    steps = [("q5", 3), ("q5-top", 1), ("q5", 1)]
+    during = rescaling_mid_stream(steps, strategy, flow=2000)
+    emitted = run_query_job(tmp_path, job, during, drain=True)
+    check_top_fired_once(tmp_path, out, emitted)
 
 
 # -- late records ---------------------------------------------------------------------------------
