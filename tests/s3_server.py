@@ -1,7 +1,8 @@
 """moto's S3 server as a real HTTP process on loopback, for the tests of storage on S3
-(checkpoints, the ingest log). Import `s3_endpoint` into a test module to use the fixture;
-`s3_bucket` makes a fresh bucket and `s3_options` gives the fsspec options to reach it.
-`MotoServer` is one a test stops and starts again on the same port: an outage of S3."""
+(checkpoints, the ingest log). The `s3_endpoint` fixture (tests/conftest.py) is one server per
+test process, shared by its tests; `s3_bucket` makes each test a fresh bucket and `s3_options`
+gives the fsspec options to reach it. `MotoServer` is one a test stops and starts again on the
+same port: an outage of S3."""
 
 from __future__ import annotations
 
@@ -9,12 +10,10 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import boto3
-import pytest
 
 from tests.prometheus_server import free_port
 
@@ -61,19 +60,16 @@ class MotoServer:
         self.stop()
 
 
-@pytest.fixture(scope="module")
-def s3_endpoint() -> Iterator[str]:
-    """moto's S3 server as its own process on a free loopback port."""
-    with MotoServer() as server:
-        yield server.url
-
-
 def s3_options(endpoint: str) -> dict[str, Any]:
     return {
         "key": "testing",
         "secret": "testing",
         "use_listings_cache": False,
         "client_kwargs": {"endpoint_url": endpoint, "region_name": "us-east-1"},
+        # botocore's default retries a refused connection four times with backoff, ~9 s per
+        # call; one retry is enough on loopback, and the outage tests, whose calls to a stopped
+        # server must fail, then wait a second per call instead of ten.
+        "config_kwargs": {"retries": {"max_attempts": 1}},
     }
 
 
