@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from pathlib import Path
@@ -16,6 +17,8 @@ from typing import Any
 import boto3
 
 from tests.prometheus_server import free_port
+
+START_TIMEOUT = 90.0
 
 
 class MotoServer:
@@ -30,21 +33,28 @@ class MotoServer:
 
     def start(self) -> None:
         moto = str(Path(sys.executable).with_name("moto_server"))
-        self.process = subprocess.Popen(
-            [moto, "-H", "127.0.0.1", "-p", str(self.port)],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                urllib.request.urlopen(self.url, timeout=1).close()
-                return
-            except OSError:
-                if time.monotonic() > deadline or self.process.poll() is not None:
-                    self.stop()
-                    raise RuntimeError("moto_server did not start") from None
-                time.sleep(0.1)
+        # What it says, for when it does not start (it keeps its own handle to the file).
+        with tempfile.TemporaryFile() as log:
+            self.process = subprocess.Popen(
+                [moto, "-H", "127.0.0.1", "-p", str(self.port)], stdout=log, stderr=log
+            )
+            # moto imports for a second and a half of CPU: on a machine as busy as the suite's
+            # (two test processes beside the jobs they run) a start has taken 30 s.
+            deadline = time.monotonic() + START_TIMEOUT
+            while True:
+                try:
+                    urllib.request.urlopen(self.url, timeout=1).close()
+                    return
+                except OSError:
+                    code = self.process.poll()
+                    if code is None and time.monotonic() < deadline:
+                        time.sleep(0.1)
+                        continue
+                self.stop()
+                log.seek(0)
+                said = log.read().decode(errors="replace")[-2000:]
+                why = f"exited with {code}" if code is not None else "did not answer in time"
+                raise RuntimeError(f"moto_server on port {self.port} {why}:\n{said}")
 
     def stop(self) -> None:
         if self.process is not None:
