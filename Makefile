@@ -11,7 +11,7 @@ JAVA := /usr/bin/java
 SUDO := $(shell [ "$$(id -u)" -eq 0 ] || command -v sudo)
 APT_INSTALL := $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends
 
-.PHONY: demo demo-autoscale test test-fast lint typecheck prometheus java bench bench-rescale bench-autoscaling bench-spark bench-checkpoints clean
+.PHONY: demo demo-autoscale test test-fast lint typecheck prometheus java bench bench-rescale bench-autoscaling bench-ds2-graph bench-spark bench-checkpoints clean
 
 # `python -m` puts the working directory first on sys.path, where our operator/ folder would
 # shadow the standard library's `operator`; so venv and pip run from / and by their scripts.
@@ -81,6 +81,9 @@ bench-rescale: $(STAMP)
 
 bench-autoscaling: $(STAMP)
 	$(PY) bench/autoscaling_sim.py
+
+bench-ds2-graph: $(STAMP)
+	$(PY) bench/ds2_graph.py
 
 bench-spark: $(STAMP) java
 	$(PY) bench/spark_io.py

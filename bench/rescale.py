@@ -363,14 +363,24 @@ def wait_flowing(probe: Probe) -> None:
     )
 
 
-def rescale(probe: Probe, client: JsonClient, parallelism: int, strategy: str) -> dict[str, Any]:
-    """Rescale live and wait for it, polling (and starting wanted instances) meanwhile."""
+def rescale(
+    probe: Probe,
+    client: JsonClient,
+    parallelism: int,
+    strategy: str,
+    options: dict[str, float] | None = None,
+) -> dict[str, Any]:
+    """Rescale live with the strategy's `options` and wait for it, polling (and starting wanted
+    instances) meanwhile."""
     state = keyed_stats(probe.status)
     state_bytes = sum(s.get("state_bytes", 0) for s in state.values())
     state_keys = sum(s.get("state_keys", 0) for s in state.values())
     called = time.time()
     request = protocol.RescaleRequest(
-        stage=KEYED, parallelism=parallelism, strategy=protocol.parse_strategy(strategy)
+        stage=KEYED,
+        parallelism=parallelism,
+        strategy=protocol.parse_strategy(strategy),
+        options=options or {},
     )
     started = protocol.parse(protocol.RescaleReport, client.call("Rescale", request.wire()))
     result: dict[str, Any] = probe.until(

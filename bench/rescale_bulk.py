@@ -3,9 +3,12 @@ RocksDB and on the memory state backend, under load.
 
 One generator instance (uniform keys, so that the state grows to `--keys` keys quickly, or
 `--distribution sequential`: each key once, so a fill of `--keys` records builds them all) -> a
-keyed `count` -> one sink (no output log: the sink only measures latency). The source runs a
+keyed `count` (or, with `--padded`, a count beside a 4 KiB pad per key,
+`tests.job_fns:padded_count`: wide state, so a few GB take a million keys) -> one sink (no
+output log: the sink only measures latency). The source runs a
 step profile: `--fill-rate` records/s for `--fill` seconds, which builds the state, then
-`--rate` records/s, the load during the rescale. After the fill and `--settle` seconds, a
+`--rate` records/s, the load during the rescale (with sequential keys the run first waits until
+the state holds every key). After the fill and `--settle` seconds, a
 steady window of `--steady` seconds, then a live hot-first rescale 1 -> 2 (this script plays
 the host, as bench/rescale.py does, whose probe and rescale helpers it reuses), then
 `--steady` seconds more and a drain.
@@ -53,11 +56,14 @@ from keyshift.runtime.transport import JsonClient
 
 BACKENDS = ("rocksdb", "memory")
 DRAIN_TIMEOUT = 120.0
+FILL_TIMEOUT = 1800.0
 
 
 def bulk_job(backend: str, args: argparse.Namespace, work: Path) -> dict[str, Any]:
     spec = job(args.keys, args.rate, None, distribution=args.distribution)
     spec["name"] = "bench-bulk"
+    if args.padded:
+        spec["keyed"]["operator"] = {"kind": "process", "function": "tests.job_fns:padded_count"}
     spec["source"]["config"]["profile"] = {
         "kind": "step",
         "rate": args.fill_rate,
@@ -81,6 +87,13 @@ def run_backend(backend: str, args: argparse.Namespace, root: Path) -> dict[str,
         began = time.time()
         probe = Probe(local, began)
         wait_flowing(probe)
+        if args.distribution == "sequential":
+            # Every key is built once its record is in, however long the fill takes here.
+            probe.until(
+                lambda s: sum(i.get("state_keys", 0) for i in keyed_stats(s).values()) >= args.keys,
+                FILL_TIMEOUT,
+                f"{args.keys:,} keys in the state",
+            )
         probe.run_for(max(0.0, args.fill + args.settle - (time.time() - began)))
         steady_start = time.time()
         probe.run_for(args.steady)
@@ -92,7 +105,8 @@ def run_backend(backend: str, args: argparse.Namespace, root: Path) -> dict[str,
         )
         client = JsonClient(local.address, COORDINATOR_SERVICE, local.security)
         try:
-            moved = rescale(probe, client, 2, "hot-first")
+            options = {"chunk_keys": args.chunk_keys} if args.chunk_keys else None
+            moved = rescale(probe, client, 2, "hot-first", options)
         finally:
             client.close()
         probe.run_for(args.steady)
@@ -131,10 +145,19 @@ def main() -> int:
     parser.add_argument("--rate", type=float, default=50_000, help="records/s from then on")
     parser.add_argument("--steady", type=float, default=10.0, help="steady window seconds")
     parser.add_argument("--block-cache-mb", type=int, default=256)
+    parser.add_argument("--padded", action="store_true", help="4 KiB of state per key")
+    parser.add_argument(
+        "--chunk-keys", type=int, help="keys per state chunk (hot-first's default: 32,768)"
+    )
     parser.add_argument("--backends", default=",".join(BACKENDS), help="comma list")
     parser.add_argument("--rounds", type=int, default=1, help="runs per backend, alternated")
     parser.add_argument("--out-dir", type=Path, default=Path(__file__).parent / "reports")
     args = parser.parse_args()
+    if args.padded:
+        # The job names tests.job_fns, which this process imports to check the job (appended:
+        # the repository's folders must not shadow the standard library's `operator`); the
+        # instances find it from the repository root, where this is run.
+        sys.path.append(str(Path(__file__).resolve().parents[1]))
     backends = [b for b in args.backends.split(",") if b]
     unknown = set(backends) - set(BACKENDS)
     if unknown:

@@ -36,10 +36,12 @@ class AutoscaledJob(JobSpec):
             raise ValueError(
                 f"autoscaler.stages names {unknown}, which are not stages {names}{chained}"
             )
-        ceiling = self.autoscaler.bounds_of(self.keyed.name).max_parallelism
-        if ceiling > self.max_key_groups:
-            raise ValueError(
-                f"the autoscaler's max_parallelism for {self.keyed.name} ({ceiling}) must "
-                f"not exceed max_key_groups ({self.max_key_groups})"
-            )
+        for step in self.keyed_stages():
+            name = step.stage.name
+            ceiling = self.autoscaler.bounds_of(name).max_parallelism
+            if ceiling > self.max_key_groups:
+                raise ValueError(
+                    f"the autoscaler's max_parallelism for {name} ({ceiling}) must "
+                    f"not exceed max_key_groups ({self.max_key_groups})"
+                )
         return self

@@ -1,7 +1,9 @@
 """The autoscaling loop: collect -> decide -> guard -> execute -> record, once per tick.
 
 One object with its parts injected (docs/architecture.md, "Autoscaling"); no Kubernetes and no
-process code. The local host (`keyshift.operator.local_scaling`) and the Kubernetes operator wire
+process code. One tick sizes every stage of the graph in one decision; the executor runs that
+decision's rescales one after another (scale-ups first), and no new decision is taken until the
+last has ended. The local host (`keyshift.operator.local_scaling`) and the Kubernetes operator wire
 their own MetricsSource, RescaleExecutor and EventSink into it. A tick never raises for a
 problem of the job's: no metrics, NaN rates or a failed rescale become a recorded reason, and
 the job runs on.
@@ -15,7 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from keyshift.policies.decide import decide, window
+from keyshift.policies.decide import decide, rescale_order, window
 from keyshift.policies.guards import GuardState
 from keyshift.policies.model import Decision, Policy, ScalingInput
 from keyshift.policies.settings import AutoscalerSettings
@@ -48,19 +50,26 @@ class MetricsSource(Protocol):
 
 
 class RescaleExecutor(Protocol):
+    """Runs the rescales of one decision one after another: the job moves one stage at a
+    time (the coordinator refuses a second rescale while one runs)."""
+
     scalable: frozenset[str]  # the stages this host can rescale live
 
-    def apply(self, stage: str, parallelism: int) -> None:
-        """Start a rescale, with the host's migration strategy and options (the coordinator
-        first, then the workers a scale-out needs); raises RescaleRefused."""
+    def apply(self, steps: Sequence[tuple[str, int]]) -> None:
+        """Start a decision's rescales, (stage, parallelism) in order, with the host's
+        migration strategy and options (the coordinator first, then the workers a scale-out
+        needs): the first now, each next once the one before it has ended done. Raises
+        RescaleRefused if the first is not started (then none is); a later one that fails or
+        is refused is a failed outcome from `finished`, and the ones after it are dropped."""
         ...
 
     def running(self) -> str | None:
-        """The stage being rescaled now, whoever started it, or None."""
+        """The stage being rescaled now, whoever started it, or the next of a decision's
+        rescales still to run; None when nothing is moving or waiting."""
         ...
 
     def finished(self) -> list[RescaleOutcome]:
-        """Rescales that ended since the last call."""
+        """Rescales that ended since the last call (starting the next of a decision's)."""
         ...
 
 
@@ -135,18 +144,20 @@ class AutoscalingLoop:
             self.exported.decided(
                 decision.stage, decision.current, decision.recommended, decision.action
             )
-            if decision.action != "hold" and not self.settings.dry_run:
-                self._execute(decision, now)
+        acted = rescale_order(decisions)
+        if acted and not self.settings.dry_run:
+            self._execute(acted, now)
         self.decisions.extend(decisions)
         self.events.decided(decisions)
         return decisions
 
-    def _execute(self, decision: Decision, now: float) -> None:
+    def _execute(self, acted: list[Decision], now: float) -> None:
         try:
-            self.executor.apply(decision.stage, decision.target)
+            self.executor.apply([(d.stage, d.target) for d in acted])
         except RescaleRefused as exc:
-            self.state = self.state.failed(decision.stage, now, self.settings)
-            self._problem(now, "rescale", f"rescale of {decision.stage} not started: {exc}")
+            first = acted[0].stage
+            self.state = self.state.failed(first, now, self.settings)
+            self._problem(now, "rescale", f"rescale of {first} not started: {exc}")
 
     def _take_outcomes(self, now: float) -> None:
         for outcome in self.executor.finished():

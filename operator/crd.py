@@ -399,13 +399,24 @@ def _keyed_parallelism_rule() -> Schema:
     }
 
 
+def _one_shape_rule() -> Schema:
+    """A graph job has no `keyed`: the scale subresource writes `keyed.parallelism`, so
+    `kubectl scale` of a graph job is refused here, not left to degrade it (`JobSpec` refuses
+    the same)."""
+    return {
+        "rule": "!has(self.graph) || !has(self.keyed)",
+        "message": "a job with a graph sets each keyed stage's parallelism in its graph, not in "
+        "keyed: the scale subresource (kubectl scale) scales only a job of the older shape",
+    }
+
+
 # What the schema alone cannot say about the embedded job: CEL rules, by the path of the object
 # they are evaluated on (`self`). The operator checks the same in `StreamingJobSpec.problems`.
 def _job_rules() -> dict[tuple[str, ...], list[Schema]]:
     return {
         ("autoscaler", "bounds"): [_bounds_rule()],
         ("autoscaler", "stages", "*"): [_bounds_rule()],
-        (): [_keyed_parallelism_rule()],
+        (): [_keyed_parallelism_rule(), _one_shape_rule()],
     }
 
 

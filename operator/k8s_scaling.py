@@ -30,6 +30,7 @@ from keyshift.operator.rescale_executor import (
     LatestStatus,
     MigrationPlan,
     RescaleMark,
+    scalable_stages,
 )
 from keyshift.operator.scaling_metrics import ScrapeSource, metrics_source
 from keyshift.operator.streamingjob import DecisionStatus
@@ -215,7 +216,7 @@ def kube_job(
     client = JsonClient(coordinator, "keyshift.Coordinator", security)
     latest = LatestStatus()
     pool = StatefulSetPool(name, namespace)
-    scalable = frozenset({job.keyed.name})
+    scalable = scalable_stages(job)
     executor = CoordinatorExecutor(client, pool, latest, scalable, plan, memory.handled)
     kept = deque(memory.decisions, maxlen=KEPT_DECISIONS)
     events = KubeEvents(kept=kept, scalable=scalable)

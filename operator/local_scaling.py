@@ -22,6 +22,7 @@ from keyshift.operator.rescale_executor import (
     LatestStatus,
     MigrationPlan,
     WorkerPool,
+    scalable_stages,
 )
 from keyshift.operator.scaling_metrics import ScrapeSource, members_of, metrics_source
 from keyshift.policies import make_policy
@@ -136,7 +137,7 @@ def local_autoscaler(
 
     source, scrape = metrics_source(spec, settings.prometheus_url, latest, clock)
     plan = MigrationPlan(settings.strategy)  # a job file's one place for the loop's strategy
-    executor = CoordinatorExecutor(client, pool, latest, frozenset({spec.keyed.name}), plan)
+    executor = CoordinatorExecutor(client, pool, latest, scalable_stages(spec), plan)
     loop = AutoscalingLoop(
         settings, source, make_policy(settings), executor, events, clock, exported
     )

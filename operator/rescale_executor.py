@@ -10,16 +10,21 @@ the stage's StatefulSet replicas (`keyshift.operator.k8s_scaling`).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections import deque
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from keyshift.operator.autoscaler import RescaleOutcome, RescaleRefused
+from keyshift.runtime.job import JobSpec
 from keyshift.runtime.protocol import (
     DEFAULT_STRATEGY,
+    ProtocolError,
+    RescaleReport,
     RescaleRequest,
     Strategy,
     finished_rescales,
+    parse,
     running_rescale,
 )
 from keyshift.runtime.transport import JsonClient, TransportError
@@ -27,6 +32,12 @@ from keyshift.runtime.transport import JsonClient, TransportError
 Status = Callable[[], Mapping[str, Any]]
 # The coordinator's phases in which its desired parallelism is what the pool must run.
 RECONCILED_PHASES = ("starting", "running")
+
+
+def scalable_stages(spec: JobSpec) -> frozenset[str]:
+    """The stages a host rescales live: every keyed stage (sources stay bounded by their
+    partitions, and rescaling the sink is not built yet)."""
+    return frozenset(step.stage.name for step in spec.keyed_stages())
 
 
 class WorkerPool(Protocol):
@@ -79,7 +90,10 @@ class RescaleMark:
 
 class CoordinatorExecutor:
     """Starts a rescale at the job's coordinator, then the workers a scale-out needs: the
-    coordinator refuses a worker before it expects one. Reads progress from the status.
+    coordinator refuses a worker before it expects one. Reads progress from the status. A
+    decision's rescales run one after another: the next starts in the `finished` call that
+    sees the one before it done (the coordinator takes one rescale at a time per job); one
+    that fails ends the decision, and what it dropped is said in its outcome.
 
     `handled` is the last rescale a predecessor took the outcome of (a restarted host reads it
     back from where it kept it): the rescales after it are reported; without one, what ended
@@ -105,8 +119,18 @@ class CoordinatorExecutor:
         self.handled = handled
         self._incarnation: str | None = None
         self._reconcile = True
+        # The rescale this executor started last whose end the status has not shown yet, and
+        # the rest of its decision's rescales, to start one by one.
+        self._started: RescaleReport | None = None
+        self._queued: deque[tuple[str, int]] = deque()
 
-    def apply(self, stage: str, parallelism: int) -> None:
+    def apply(self, steps: Sequence[tuple[str, int]]) -> None:
+        if not steps:
+            return
+        self._start(*steps[0])
+        self._queued = deque(steps[1:])
+
+    def _start(self, stage: str, parallelism: int) -> None:
         request = RescaleRequest(
             stage=stage,
             parallelism=parallelism,
@@ -114,14 +138,25 @@ class CoordinatorExecutor:
             options=dict(self.plan.options),
         )
         try:
-            self.client.call("Rescale", request.wire(), timeout=10.0)
+            reply = self.client.call("Rescale", request.wire(), timeout=10.0)
         except TransportError as exc:
             raise RescaleRefused(str(exc)) from None
         self.pool.ensure(stage, parallelism)
+        try:
+            self._started = parse(RescaleReport, reply)
+        except ProtocolError as exc:
+            # Started, yet unreadable: the next steps cannot know when it ends.
+            self._queued.clear()
+            raise RescaleRefused(f"started, but its reply is unreadable: {exc}") from None
 
     def running(self) -> str | None:
         rescale = running_rescale(self.status())
-        return rescale.stage if rescale is not None else None
+        if rescale is not None:
+            return rescale.stage
+        # Started by this executor, but the status fetched last is older than the start.
+        if self._started is not None:
+            return self._started.stage
+        return self._queued[0][0] if self._queued else None
 
     def finished(self) -> list[RescaleOutcome]:
         status = self.status()
@@ -133,6 +168,11 @@ class CoordinatorExecutor:
             if self._incarnation is None and self.handled is None:
                 last = max((r.id for r in history), default=0)
                 self.handled = RescaleMark(incarnation, last)
+            if self._incarnation is not None:
+                # A restarted coordinator (restored to a checkpoint's parallelism) ends what
+                # was started of a decision; the loop decides again on what it finds.
+                self._started = None
+                self._queued.clear()
             self._incarnation = incarnation
             self._reconcile = True
         outcomes = []
@@ -145,10 +185,41 @@ class CoordinatorExecutor:
             ok = rescale.phase == "done"
             if ok and rescale.to_parallelism < rescale.from_parallelism:
                 self.pool.shrink(rescale.stage, rescale.to_parallelism)
-            outcomes.append(RescaleOutcome(rescale.stage, ok, rescale.error or rescale.phase))
+            detail = rescale.error or rescale.phase
+            if self._ends_started(rescale) and not ok and self._queued:
+                dropped = ", ".join(f"{stage}→{n}" for stage, n in self._queued)
+                detail += f"; not started after it: {dropped}"
+                self._queued.clear()
+            outcomes.append(RescaleOutcome(rescale.stage, ok, detail))
         if self._reconcile:
             self._match_pool(status)
+        # After matching the pool to `status`, which is older than the next step's start.
+        if self._started is None and self._queued and running_rescale(status) is None:
+            outcomes += self._start_next()
         return outcomes
+
+    def _ends_started(self, rescale: RescaleReport) -> bool:
+        """Whether `rescale` is the one this executor started last (which has now ended)."""
+        started = self._started
+        if started is None or (started.incarnation, started.id) != (
+            rescale.incarnation,
+            rescale.id,
+        ):
+            return False
+        self._started = None
+        return True
+
+    def _start_next(self) -> list[RescaleOutcome]:
+        """Start the decision's next rescale: a refused one is its failed outcome, and the
+        ones after it are dropped."""
+        stage, parallelism = self._queued.popleft()
+        try:
+            self._start(stage, parallelism)
+        except RescaleRefused as exc:
+            dropped = "".join(f"; not started after it: {s}→{n}" for s, n in self._queued)
+            self._queued.clear()
+            return [RescaleOutcome(stage, False, f"not started: {exc}{dropped}")]
+        return []
 
     def _match_pool(self, status: Mapping[str, Any]) -> None:
         """Every stage's pool at the coordinator's desired parallelism, once no rescale runs

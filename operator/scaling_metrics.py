@@ -17,6 +17,7 @@ import urllib.error
 import urllib.request
 from collections import deque
 from collections.abc import Callable, Mapping
+from dataclasses import replace
 from typing import Any
 
 import requests
@@ -36,16 +37,45 @@ GAUGES = (MetricName.SOURCE_TARGET_RATE, MetricName.SOURCE_BACKLOG, MetricName.C
 
 # stage -> {instance label -> metrics address (host:port)}
 Members = Mapping[str, Mapping[str, str]]
-# (stage name, {upstream stage -> share of its output}) in topological order
-Graph = list[tuple[str, dict[str, float]]]
+# (stage name, the stages whose instances send it records) in topological order
+Graph = list[tuple[str, tuple[str, ...]]]
 # (stage, instance) -> series name -> value (a rate for counters, the last value for gauges)
 Series = dict[tuple[str, str], dict[str, float]]
 
 
 def job_graph(spec: JobSpec) -> Graph:
-    """The job's stages as a chain: every stage receives all of its upstream's output."""
-    names = [stage.name for stage in spec.stages()]
-    return [(name, {names[i - 1]: 1.0} if i else {}) for i, name in enumerate(names)]
+    """The stages of processes the job runs, each after its inputs: the source, every keyed
+    stage (its inputs: the source or keyed stages) and the sink (the keyed stages feeding it)."""
+    return [
+        (spec.source.name, ()),
+        *((step.stage.name, step.inputs) for step in spec.keyed_stages()),
+        (spec.sink.name, spec.sink_inputs()),
+    ]
+
+
+def shares(graph: Graph, records_in: Mapping[str, float], records_out: Mapping[str, float]
+           ) -> dict[str, dict[str, float]]:  # fmt: skip
+    """For each stage, the share of each input's output it receives (DS2's edge weights).
+
+    A stage's output counts the records it sent on every route (after each route's filters), and
+    per-edge counts are not exported. So an input that feeds only this stage sends it all of its
+    output (1.0); what the stage takes in beyond those inputs' output came from the inputs it
+    shares with other stages, and each is given that remainder over their output (exact with
+    one shared input; split by output between several; an even split while nothing flows)."""
+    consumers: dict[str, int] = {}
+    for _, inputs in graph:
+        for upstream in inputs:
+            consumers[upstream] = consumers.get(upstream, 0) + 1
+    result: dict[str, dict[str, float]] = {}
+    for name, inputs in graph:
+        weights = {u: 1.0 for u in inputs if consumers[u] == 1}
+        shared = [u for u in inputs if consumers[u] > 1]
+        sent = sum(records_out.get(u, 0.0) for u in shared)
+        rest = max(records_in.get(name, 0.0) - sum(records_out.get(u, 0.0) for u in weights), 0.0)
+        for upstream in shared:
+            weights[upstream] = rest / sent if sent > 0 else 1.0 / consumers[upstream]
+        result[name] = {u: weights[u] for u in inputs}
+    return result
 
 
 def members_of(status: Mapping[str, Any]) -> dict[str, dict[str, str]]:
@@ -65,7 +95,7 @@ def assemble(
 ) -> ScalingInput:
     """A ScalingInput from per-instance series; raises MetricsUnavailable for a missing one."""
     stages = []
-    for name, upstream in graph:
+    for name, inputs in graph:
         instances = []
         offered = backlog = client_backlog = 0.0
         for label in sorted(members.get(name, {}), key=_numeric):
@@ -81,19 +111,22 @@ def assemble(
             client_backlog += values.get(MetricName.CLIENT_BACKLOG, 0.0)
         if not instances:
             raise MetricsUnavailable(f"stage {name} has no live instances")
-        source = not upstream
+        source = not inputs
         stages.append(
             StageRates(
                 name=name,
                 parallelism=len(instances),
                 instances=tuple(instances),
-                upstream=upstream,
                 # A generator's profile says what arrives; without one, what it emits is all.
                 offered=offered if source and (offered > 0 or math.isnan(offered)) else None,
                 backlog=backlog if source else 0.0,
                 client_backlog=client_backlog if source else 0.0,
             )
         )
+    weights = shares(
+        graph, {s.name: s.records_in for s in stages}, {s.name: s.records_out for s in stages}
+    )
+    stages = [replace(s, upstream=weights[s.name]) for s in stages]
     return ScalingInput(now=now, window=window, stages=tuple(stages))
 
 

@@ -280,6 +280,11 @@ class StageStatus(_Model):
     current: int = Field(description="instances registered with the coordinator")
     target: int = Field(description="instances the job should have")
     ready: int = Field(description="pods ready")
+    last_decision: str = Field(
+        default="",
+        alias="lastDecision",
+        description="why the autoscaler's latest decision for this stage was what it was",
+    )
 
 
 class DecisionStatus(_Model):

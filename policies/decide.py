@@ -1,5 +1,6 @@
 """One decision step, as every control loop takes it: reject untrustworthy rates, ask the
-policy, pass its answer through the guards; and the metrics window the step should read.
+policy, pass its answer through the guards; the order its rescales run in; and the metrics
+window the step should read.
 
 Pure. The autoscaling loop (keyshift.operator.autoscaler) and the simulation harness
 (keyshift.policies.simulation) both take their steps here, so the simulation runs exactly the
@@ -8,7 +9,7 @@ loop's logic.
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, replace
 
 from keyshift.policies.guards import GuardState, guard
@@ -33,6 +34,14 @@ def window(state: GuardState, settings: AutoscalerSettings, now: float) -> float
     if not ends:
         return settings.metrics_window
     return max(MIN_WINDOW, min(settings.metrics_window, now - max(ends)))
+
+
+def rescale_order(decisions: Sequence[Decision]) -> list[Decision]:
+    """The rescales of one decision in the order they run, one at a time: every scale-up
+    before any scale-down, so capacity is added before any is taken away; within each, in the
+    graph's order (upstream first)."""
+    acted = [d for d in decisions if d.action != "hold"]
+    return sorted(acted, key=lambda d: d.action != "scale_up")
 
 
 def decide(

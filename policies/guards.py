@@ -1,5 +1,5 @@
 """Guards between a policy's recommendation and a rescale: bounds, warm-up, back-off,
-noise threshold, activation (and a slower scale-down), one rescale at a time, dry run.
+noise threshold, activation (and a slower scale-down), no decision while a rescale runs, dry run.
 
 Pure: the loop passes in what happened so far as a `GuardState` value and gets the next one
 back with the decisions. Called by keyshift.operator.autoscaler and the simulation harness; the
@@ -125,16 +125,16 @@ def guard(
     policy: str,
     rescaling: str | None = None,
 ) -> tuple[list[Decision], GuardState]:
-    """Decide what to do for each stage. `rescaling` names a stage whose rescale is running;
-    while one runs, and after the first stage this tick decides to rescale, the rest hold."""
+    """Decide what to do for each stage. `rescaling` names a stage whose rescale is running (or
+    is the next of a decision's rescales still to run): while one runs, every stage holds.
+    Otherwise each stage is guarded on its own, so one tick may rescale several stages: DS2
+    sizes the whole graph in one decision, and the host's executor runs its rescales one after
+    another (keyshift.operator.autoscaler)."""
     decisions = []
-    busy = rescaling
     for rec in recommendations:
         history = state.of(rec.stage)
-        action, target, why, history = _one(rec, history, settings, now, busy)
+        action, target, why, history = _one(rec, history, settings, now, rescaling)
         state = state.with_stage(rec.stage, history)
-        if action != "hold" and not settings.dry_run:
-            busy = rec.stage
         if action != "hold" and settings.dry_run:
             why = f"dry run, not applied: {why}"
         decisions.append(

@@ -9,9 +9,9 @@ whole pipeline at its bottleneck; what the sources cannot take becomes a backlog
 `settings.interval` seconds, plays the control loop of keyshift.operator.autoscaler: it builds
 the `ScalingInput` a MetricsSource would (rates averaged over the window, cut at the last
 rescale's end; a source's offered rate and backlog as gauges, their latest values), runs the
-policy and the guards, and starts at most one rescale, which takes `Scenario.rescale_duration`
-seconds (the stage keeps `rescale_throughput` of its capacity meanwhile) and is reported to the
-guards at the next tick.
+policy and the guards, and runs the decision's rescales one after another as the loop's executor
+does, each taking `Scenario.rescale_duration` seconds (the stage keeps `rescale_throughput` of
+its capacity meanwhile), reported to the guards at the next tick, the next one started then.
 
 The optimum a run is scored against: for each scalable stage and load level, the fewest
 instances (within the stage's bounds) whose hottest instance stays at or under the target
@@ -36,7 +36,7 @@ from functools import cached_property
 from typing import Literal, NamedTuple, Protocol
 
 from keyshift.policies import make_policy
-from keyshift.policies.decide import decide, window
+from keyshift.policies.decide import decide, rescale_order, window
 from keyshift.policies.guards import GuardState
 from keyshift.policies.model import (
     Decision,
@@ -432,6 +432,7 @@ class _Simulation:
         self.limit = [1.0] * len(self.stages)
         self.state = GuardState()
         self.running: _Running | None = None
+        self.queued: deque[Decision] = deque()  # the running decision's rescales still to run
         self.rescales: list[Rescale] = []
         self.rng = random.Random(scenario.seed)
         self.ticks = 0
@@ -525,19 +526,23 @@ class _Simulation:
         self.ticks += 1
         self._finish_rescale(now)
         if self.running is not None and self.running.applied:
-            # As the loop: the end of a rescale is seen at the first tick after it.
+            # As the loop: the end of a rescale is seen at the first tick after it, and the
+            # executor starts the decision's next rescale then.
             self.state = self.state.rescaled(self.stages[self.running.stage].name, now)
             self.running = None
+            if self.queued:
+                self._start(self.queued.popleft(), now)
         observed = self._measure(now, window(self.state, self.settings, now))
         rescaling = self.stages[self.running.stage].name if self.running is not None else None
         step = decide(observed, self.policy, self.state, self.settings, now, rescaling)
         self.state, decisions = step.state, step.decisions
-        acted = [d for d in decisions if d.action != "hold"]
+        acted = rescale_order(decisions)
         if self.settings.dry_run or not acted:
             return
-        if len(acted) > 1 or self.running is not None:
-            raise RuntimeError(f"the guards let two rescales run at once: {acted}")
+        if self.running is not None:
+            raise RuntimeError(f"the guards let a rescale start while one runs: {acted}")
         self._start(acted[0], now)
+        self.queued.extend(acted[1:])
 
     def _start(self, decision: Decision, now: float) -> None:
         i = self.index[decision.stage]

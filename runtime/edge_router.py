@@ -21,7 +21,16 @@ import pyarrow as pa
 
 from keyshift.runtime.job import Chained, FieldType, Route, resolve_function
 from keyshift.runtime.keyspace import Assignment, key_groups
-from keyshift.runtime.protocol import Ack, Barrier, Command, Pause, Reroute, Resume, Topology
+from keyshift.runtime.protocol import (
+    Ack,
+    Barrier,
+    Command,
+    Pause,
+    Reroute,
+    Resume,
+    Topology,
+    Watermark,
+)
 from keyshift.runtime.records import (
     EVENT_TIME,
     GROUP,
@@ -36,7 +45,7 @@ from keyshift.runtime.records import (
 )
 from keyshift.runtime.schema_check import check_records
 from keyshift.runtime.stage_context import InstanceContext
-from keyshift.runtime.transport import BARRIER, END, MARKER, TransportError
+from keyshift.runtime.transport import BARRIER, END, MARKER, WATERMARK, TransportError
 
 log = logging.getLogger("keyshift.routing")
 Function = tuple[str, Callable[..., Any]]
@@ -198,6 +207,8 @@ class Outputs:
         self.ctx = ctx
         self.routers = {route.target: EdgeRouter(ctx, route) for route in routes}
         self.paused = False
+        # The last watermark message each keyed instance got, by its stage and index.
+        self.watermarks: dict[tuple[str, int], bytes] = {}
 
     def prepare(
         self, batch: pa.RecordBatch, stamp: Stamp = lambda batch: batch
@@ -233,6 +244,20 @@ class Outputs:
     def barrier(self, barrier: Barrier) -> None:
         for router in self.routers.values():
             router.barrier(barrier)
+
+    def watermark(self, message: Watermark) -> None:
+        """`message` to every keyed instance fed that has not had it yet (called again between
+        batches, it reaches instances that joined meanwhile)."""
+        payload = json.dumps(message.wire()).encode()
+        # Only to the instances that own key groups now: one that is leaving owns none, and may
+        # have stopped reading (a watermark for it would wait for credit forever).
+        for stage, router in self.routers.items():
+            for index in np.unique(router.assignment.owners).tolist():
+                outlet = router.outlets.get(index)
+                sent = self.watermarks.get((stage, index))
+                if outlet is not None and index not in router.dead and sent != payload:
+                    self.ctx.send(outlet, payload, kind=WATERMARK)
+                    self.watermarks[(stage, index)] = payload
 
     def finish(self, kind: bytes = END) -> None:
         for router in self.routers.values():

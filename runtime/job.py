@@ -401,10 +401,64 @@ class ProcessOperator(_Model):
     _check = field_validator("function")(_process_function)
 
 
+class TumblingWindow(_Model):
+    kind: Literal["tumbling"]
+    size_ms: float = Field(gt=0, le=365 * 86_400_000, description="window length")
+
+
+class SlidingWindow(_Model):
+    kind: Literal["sliding"]
+    size_ms: float = Field(gt=0, le=365 * 86_400_000, description="window length")
+    slide_ms: float = Field(gt=0, description="a window starts every slide_ms")
+
+    @model_validator(mode="after")
+    def _no_gaps(self) -> SlidingWindow:
+        if self.slide_ms > self.size_ms:
+            raise ValueError(
+                f"slide_ms ({self.slide_ms}) must not exceed size_ms ({self.size_ms}): records "
+                "between the windows would belong to none"
+            )
+        return self
+
+
+class SessionWindow(_Model):
+    kind: Literal["session"]
+    gap_ms: float = Field(gt=0)
+
+    @model_validator(mode="after")
+    def _not_yet(self) -> SessionWindow:
+        raise ValueError("not supported yet: session windows (tumbling and sliding are)")
+
+
+WindowConfig = Annotated[
+    Annotated[TumblingWindow, Tag(_tag("tumbling"))]
+    | Annotated[SlidingWindow, Tag(_tag("sliding"))]
+    | Annotated[SessionWindow, Tag(_tag("session"))],
+    _kind_or("tumbling", "tumbling", "sliding", "session"),
+]
+
+
+class WindowOperator(_Model):
+    """An aggregate per key and event-time window, fired once the watermark passes the
+    window's end (keyshift.runtime.windows); the source needs `event_time` settings."""
+
+    kind: Literal["window"]
+    window: WindowConfig
+    function: AggregateFunction = "count"
+    field: str | None = Field(default=None, description="numeric field aggregated (not for count)")
+
+    def size_and_slide_us(self) -> tuple[int, int]:
+        window = self.window
+        size = round(window.size_ms * 1000) if not isinstance(window, SessionWindow) else 0
+        slide = round(window.slide_ms * 1000) if isinstance(window, SlidingWindow) else size
+        return size, slide
+
+
 OperatorConfig = Annotated[
     Annotated[AggregateOperator, Tag(_tag("aggregate"))]
-    | Annotated[ProcessOperator, Tag(_tag("process"))],
-    _kind_or("aggregate", "aggregate", "process"),
+    | Annotated[ProcessOperator, Tag(_tag("process"))]
+    | Annotated[WindowOperator, Tag(_tag("window"))],
+    _kind_or("aggregate", "aggregate", "process", "window"),
 ]
 
 
@@ -662,7 +716,7 @@ def _node(stage: SourceNode | TransformNode | KeyedNode | SinkNode) -> Node:
         return Node(stage.name, "source", stage.parallelism, fields=stage.record_fields())
     if isinstance(stage, KeyedNode):
         op = stage.operator
-        aggregate = op if isinstance(op, AggregateOperator) else None
+        aggregate = op if isinstance(op, AggregateOperator | WindowOperator) else None
         return Node(
             stage.name,
             "keyed",
@@ -671,6 +725,7 @@ def _node(stage: SourceNode | TransformNode | KeyedNode | SinkNode) -> Node:
             key_by=stage.key_by,
             aggregate=aggregate.function if aggregate else None,
             aggregate_field=aggregate.field if aggregate else None,
+            window=isinstance(op, WindowOperator),
             function=None if aggregate else op.function,
         )
     role: Role = "sink" if isinstance(stage, SinkNode) else stage.kind
@@ -920,7 +975,7 @@ class JobSpec(_Model):
                 )
             )
         op = keyed.operator
-        aggregate = op if isinstance(op, AggregateOperator) else None
+        aggregate = op if isinstance(op, AggregateOperator | WindowOperator) else None
         nodes.append(
             Node(
                 keyed.name,
@@ -930,6 +985,7 @@ class JobSpec(_Model):
                 key_by=keyed.key_by,
                 aggregate=aggregate.function if aggregate else None,
                 aggregate_field=aggregate.field if aggregate else None,
+                window=isinstance(op, WindowOperator),
                 function=None if aggregate else op.function,
             )
         )
@@ -957,7 +1013,12 @@ class JobSpec(_Model):
         if self.fields[self.keyed.key_by] not in ("int", "str"):
             raise ValueError("keyed.key_by must name an 'int' or 'str' field")
         op = self.keyed.operator
-        if isinstance(op, AggregateOperator):
+        if isinstance(op, WindowOperator) and self.source.event_time is None:
+            raise ValueError(
+                "keyed.operator: a window needs event time: give the source `event_time` "
+                "settings (its watermarks fire the windows)"
+            )
+        if isinstance(op, AggregateOperator | WindowOperator):
             if op.function == "count":
                 if op.field is not None and op.field not in self.fields:
                     raise ValueError(f"keyed.operator.field {op.field!r} is not a field")

@@ -24,17 +24,22 @@ PARTITIONINGS: tuple[Partitioning, ...] = ("forward", "key_by", "rebalance", "br
 KEY_TYPES = ("int", "str")
 
 # The record fields a keyed stage emits (record metadata, which every record carries, left
-# out): the columns of `keyshift.runtime.state.aggregate_output_schema` and
+# out): the columns of `keyshift.runtime.state.aggregate_output_schema`,
+# `keyshift.runtime.windows.window_output_schema` and
 # `keyshift.runtime.keyed_stage.process_output_schema`, which tests/test_job_graph.py compares.
 KEY_FIELD = "key"
 
 
-def keyed_output(key_type: FieldType, aggregate: str | None) -> dict[str, FieldType]:
-    """What a keyed stage sends downstream: one update per changed key."""
+def keyed_output(
+    key_type: FieldType, aggregate: str | None, window: bool = False
+) -> dict[str, FieldType]:
+    """What a keyed stage sends downstream: one update per changed key, or one result per key
+    and window when it fires."""
     if aggregate is None:
         return {KEY_FIELD: key_type, "value": "str"}
     value: FieldType = "int" if aggregate == "count" else "float"
-    return {KEY_FIELD: key_type, "value": value, "n": "int", "version": "int"}
+    bounds: dict[str, FieldType] = {"window_start": "int", "window_end": "int"} if window else {}
+    return {KEY_FIELD: key_type, **bounds, "value": value, "n": "int", "version": "int"}
 
 
 class GraphError(ValueError):
@@ -49,7 +54,8 @@ class Node:
     same as its input). `partitioning` is how records reach this stage on each of its input
     edges; a keyed stage is always partitioned by its `key_by`, other stages by `key_by` only
     when `partitioning` says so. `aggregate` names a keyed stage's aggregate function (none
-    for a process function), `aggregate_field` the field it reads.
+    for a process function), `aggregate_field` the field it reads; `window`: the aggregate is
+    per event-time window.
     """
 
     name: str
@@ -61,6 +67,7 @@ class Node:
     fields: Schema | None = None
     aggregate: str | None = None
     aggregate_field: str | None = None
+    window: bool = False
     function: str | None = None
 
 
@@ -192,7 +199,7 @@ def _keyed_schema(node: Node, schema: Schema) -> Schema:
             raise GraphError(f"{_stage(node)}: the aggregate {function!r} needs a field")
         if schema.get(field) not in ("int", "float"):
             raise GraphError(f"{_stage(node)}: aggregate field {field!r} must be int or float")
-    return keyed_output(key_type, function)
+    return keyed_output(key_type, function, node.window)
 
 
 def _output_schema(node: Node, schemas: Mapping[str, Schema]) -> Schema:

@@ -21,7 +21,13 @@ import pyarrow as pa
 
 from keyshift.runtime.checkpointing import BarrierAligner, KeyedCheckpointer
 from keyshift.runtime.edge_router import Outputs, Routed
-from keyshift.runtime.job import AggregateOperator, JobSpec, KeyedStep, resolve_function
+from keyshift.runtime.job import (
+    AggregateOperator,
+    JobSpec,
+    KeyedStep,
+    WindowOperator,
+    resolve_function,
+)
 from keyshift.runtime.metrics import MetricName
 from keyshift.runtime.migration import MoveIn, MoveOut, ProtocolError
 from keyshift.runtime.protocol import (
@@ -38,6 +44,7 @@ from keyshift.runtime.protocol import (
     Retire,
     Topology,
     Watermark,
+    WatermarkHold,
     parse,
 )
 from keyshift.runtime.records import (
@@ -79,6 +86,7 @@ from keyshift.runtime.transport import (
     Outlet,
 )
 from keyshift.runtime.watermarks import WatermarkTracker
+from keyshift.runtime.windows import KeyedWindows, WindowShape, window_output_schema
 
 IDLE_WAIT = 0.05
 PUSH_SLICE = 0.05  # seconds of state pushing between two batches of records, at most
@@ -89,8 +97,10 @@ def make_state(
     spec: JobSpec, step: KeyedStep, seal: StateSeal, owner: str
 ) -> AggregateState | ProcessState | RocksAggregateState | RocksProcessState:
     """Keyed stage `step`'s state store for instance `owner` ("<stage>-<index>")."""
-    key_type = ARROW_TYPES[step.fields[step.stage.key_by]]
     op = step.stage.operator
+    # A window's state is keyed by (key, window) in one string (keyshift.runtime.windows).
+    windowed = isinstance(op, WindowOperator)
+    key_type = pa.string() if windowed else ARROW_TYPES[step.fields[step.stage.key_by]]
     # Pickled values are only safe to keep when every state byte that arrives is authenticated.
     codec = ValueCodec(allow_pickle=seal.authenticated)
     settings = step.stage.state
@@ -100,11 +110,11 @@ def make_state(
         # Its checkpoints are native (keyshift.runtime.rocksdb_checkpoint): no change marks,
         # which would grow with the keys.
         track = False
-        if isinstance(op, AggregateOperator):
+        if isinstance(op, AggregateOperator | WindowOperator):
             return RocksAggregateState(op.function, spec.max_key_groups, key_type, db, track)
         function = resolve_function(op.function)
         return RocksProcessState(function, spec.max_key_groups, key_type, db, codec, track)
-    if isinstance(op, AggregateOperator):
+    if isinstance(op, AggregateOperator | WindowOperator):
         return AggregateState(op.function, spec.max_key_groups, key_type)
     return ProcessState(resolve_function(op.function), spec.max_key_groups, key_type, codec)
 
@@ -129,7 +139,9 @@ def sink_schema(spec: JobSpec) -> pa.Schema:
     last = spec.keyed_step(spec.sink_inputs()[0])
     key_type = ARROW_TYPES[last.fields[last.stage.key_by]]
     op = last.stage.operator
-    if isinstance(op, AggregateOperator):
+    if isinstance(op, WindowOperator):
+        schema = window_output_schema(op.function, key_type)
+    elif isinstance(op, AggregateOperator):
         schema = aggregate_output_schema(op.function, key_type)
     else:
         schema = process_output_schema(key_type)
@@ -159,8 +171,20 @@ class KeyedStage:
         ctx.state_size = lambda: (self.state.key_count, self.state.bytes_estimate())
         ctx.group_hits = self.state.group_hits
         op = step.stage.operator
-        self.value_field = op.field if isinstance(op, AggregateOperator) else None
+        self.value_field = op.field if isinstance(op, AggregateOperator | WindowOperator) else None
         self.key_field = step.stage.key_by
+        self.windows = (
+            KeyedWindows(
+                WindowShape(*op.size_and_slide_us()),
+                op.function,
+                self.key_field,
+                ARROW_TYPES[step.fields[self.key_field]],
+                self.state,  # type: ignore[arg-type]
+                spec.max_key_groups,
+            )
+            if isinstance(op, WindowOperator)
+            else None
+        )
         self.out_schema = process_output_schema(self.state.key_type)
         # The stages whose instances send here (a union when several), and where the updates
         # go: to other keyed stages (routed by their assignments, as a source routes) and/or
@@ -196,6 +220,8 @@ class KeyedStage:
                 ctx.restore.id,
                 self.watermark.current,
             )
+            if self.windows is not None:
+                self.windows.rebuild(np.flatnonzero(self.owned).tolist())
         ctx.fetch_served.set()
 
     # -- records ---------------------------------------------------------------------------
@@ -205,29 +231,70 @@ class KeyedStage:
         if batch.num_rows == 0:
             return
         t0 = time.perf_counter()
-        if isinstance(self.state, AggregateState | RocksAggregateState):
+        received = batch.num_rows
+        out: pa.RecordBatch | None
+        if self.windows is not None:
+            self.apply_to_windows(batch)
+            out = None
+        elif isinstance(self.state, AggregateState | RocksAggregateState):
             out = self.state.apply(batch, self.key_field, self.value_field).batch
         else:
             rows, _ = self.state.apply(batch, self.key_field)
             for row in rows:
                 row["value"] = json.dumps(row["value"])
             out = pa.RecordBatch.from_pylist(rows, schema=self.out_schema)
+        self.ctx.metrics.count(MetricName.RECORDS_IN, received)
+        self.send_out(out, t0)
+
+    def drop_late(self, batch: pa.RecordBatch, watermark: int | None) -> pa.RecordBatch:
+        """Window rows (keyshift.runtime.windows) but those of windows complete at `watermark`
+        or at the instance their group came from, which are late: counted and dropped."""
+        assert self.windows is not None
+        groups = batch.column(GROUP).to_numpy()
+        late = self.windows.late(batch, self.windows.threshold(watermark, groups))
+        if not late.any():
+            return batch
+        self.ctx.reject(
+            "late window row(s)",
+            batch.filter(pa.array(late)).slice(0, 1).to_pylist(),
+            int(late.sum()),
+        )
+        return batch.filter(pa.array(~late))
+
+    def apply_to_windows(self, batch: pa.RecordBatch) -> None:
+        """Window rows into their windows' state. They were judged late or not against the
+        watermark when they arrived (`records`): parked records of a group moving in are
+        applied later, when the watermark may have passed their window, which has not fired
+        (a group's windows fire here once it is in). Only the old owner's watermark, known by
+        then, is checked again: what it fired is complete."""
+        assert self.windows is not None and isinstance(
+            self.state, AggregateState | RocksAggregateState
+        )
+        batch = self.drop_late(batch, None)
+        if batch.num_rows:
+            update = self.state.apply(batch, self.key_field, self.value_field).batch
+            self.windows.track(update.column(KEY_COL), update.column(GROUP).to_numpy())
+
+    def send_out(self, out: pa.RecordBatch | None, started: float) -> None:
+        """Updates to the sink instance of each one's key group and to the keyed stages fed."""
         parts: list[tuple[int, bytes]] = []
         sent = 0
         routed: list[Routed] = []
-        if out.num_rows and self.sinks:
+        if out is None or not out.num_rows:
+            self.ctx.metrics.count(MetricName.BUSY_SECONDS, time.perf_counter() - started)
+            return
+        if self.sinks:
             sinks = len(self.sinks)
             owners = (out.column(GROUP).to_numpy() % sinks).astype(np.int64)
             parts = [(o, encode(p)) for o, p in split_by_owner(out, owners, sinks)]
             sent += out.num_rows
-        if out.num_rows and self.outputs.routers:
+        if self.outputs.routers:
             routed_out, routed = self.outputs.prepare(with_record_ids(out))
             sent += routed_out
-        self.ctx.metrics.count(MetricName.BUSY_SECONDS, time.perf_counter() - t0)
+        self.ctx.metrics.count(MetricName.BUSY_SECONDS, time.perf_counter() - started)
         for owner, payload in parts:
             self.ctx.send(self.sinks[owner], payload)
         self.outputs.send(routed)
-        self.ctx.metrics.count(MetricName.RECORDS_IN, batch.num_rows)
         self.ctx.metrics.count(MetricName.RECORDS_OUT, sent)
 
     def senders(self) -> set[str]:
@@ -236,6 +303,10 @@ class KeyedStage:
 
     def records(self, batch: pa.RecordBatch, sender: str) -> None:
         """A batch from upstream: split it by what this instance does with each group."""
+        if self.windows is not None:
+            batch = self.drop_late(self.windows.expand(batch), self.watermark.current)
+            if not batch.num_rows:
+                return
         groups = batch.column(GROUP).to_numpy()
         rest = np.ones(batch.num_rows, dtype=bool)
         if self.move_out is not None:
@@ -266,6 +337,7 @@ class KeyedStage:
             self.checkpoint_if_aligned()
             return
         if self.outputs.handle(command):
+            self.forward_watermark()  # to instances that joined a stage downstream
             return  # a rescale of a keyed stage downstream
         if isinstance(command, MigrateIn):
             if self.move_in is not None:
@@ -278,6 +350,13 @@ class KeyedStage:
                 raise ProtocolError("migrate_out while another move out is running")
             move = MoveOut(self.ctx, self.state, command, self.seal)
             self.move_out = move
+            current = self.watermark.current
+            if self.windows is not None and current is not None:
+                # Windows fired here are late at the new owners too (keyshift.runtime.windows).
+                move.tell(WATERMARK, json.dumps(Watermark(watermark=current).wire()).encode())
+            # Downstream, nothing may go past this instance's watermark until the new owners
+            # have sent what the moving groups still hold (parked records, unfired windows).
+            self.forward_watermark(hold=WatermarkHold(epoch=move.epoch, until=sorted(move.outlets)))
             for ended in self.ended:
                 move.marker(ended, None)
             self.owned &= move.target < 0
@@ -314,7 +393,11 @@ class KeyedStage:
                 groups = batch.column(GROUP).to_numpy()
                 leaving = move.leaving(groups)
                 if leaving.any():
-                    move.forward(batch.filter(pa.array(leaving)), groups[leaving])
+                    moving = batch.filter(pa.array(leaving))
+                    if self.windows is not None:
+                        # What stays is expanded when it is delivered, as any batch is.
+                        moving = self.windows.expand(moving)
+                    move.forward(moving, moving.column(GROUP).to_numpy())
                     batch = batch.filter(pa.array(~leaving))
                 payload = batch
             self.backlog.append((delivery.sender, delivery.kind, payload))
@@ -340,8 +423,12 @@ class KeyedStage:
             self.move_in.handle_replies()
             if self.move_in.done():
                 move_in = self.move_in
-                move_in.close()
                 self.move_in = None
+                if self.windows is not None:
+                    self.windows.rebuild(np.flatnonzero(move_in.source_of >= 0).tolist())
+                    self.fire_windows()
+                self.forward_watermark(release=move_in.epoch)
+                move_in.close()
                 self.ctx.emit(InDone(epoch=move_in.epoch, stats=dict(move_in.stats)))
         live: Counter[str] = Counter()
         for move_stats in (m.stats for m in (self.move_out, self.move_in) if m is not None):
@@ -377,8 +464,9 @@ class KeyedStage:
             self.aligner.arrive(sender, parse(Barrier, json.loads(payload)))
             self.checkpoint_if_aligned()
         elif kind == WATERMARK:
-            mark = parse(Watermark, json.loads(payload))
-            self.watermark_moved(self.watermark.advance(sender, mark.watermark, mark.idle))
+            self.watermark_message(sender, parse(Watermark, json.loads(payload)))
+        elif kind == LEAVE and sender.rsplit("/", 1)[0] in self.upstream:
+            self.watermark_moved(self.watermark.leave(sender))
         elif kind == END and sender in self.senders():
             self.ended.add(sender)
             self.watermark_moved(self.watermark.end(sender))
@@ -386,11 +474,58 @@ class KeyedStage:
                 self.move_out.marker(sender, None)
             self.checkpoint_if_aligned()
 
+    def watermark_message(self, sender: str, mark: Watermark) -> None:
+        """A watermark from upstream, or from the old owner of groups moving here."""
+        stage, index = sender.rsplit("/", 1)
+        if stage == self.ctx.stage:
+            if mark.watermark is not None and self.windows is not None and self.move_in is not None:
+                # Its windows that fired are late here.
+                coming = self.move_in.source_of == int(index)
+                self.windows.hand_over(np.flatnonzero(coming), mark.watermark)
+            return
+        if mark.hold is not None:
+            until = {f"{stage}/{i}" for i in mark.hold.until}
+            self.watermark.hold(stage, mark.hold.epoch, mark.watermark, until)
+        moved = False
+        if mark.release is not None:
+            moved = self.watermark.release(stage, mark.release, sender)
+        moved |= self.watermark.advance(sender, mark.watermark, mark.idle)
+        self.watermark_moved(moved)
+
+    def forward_watermark(
+        self, hold: WatermarkHold | None = None, release: int | None = None
+    ) -> None:
+        """Tell the keyed stages fed how far this instance's event time is (after the results
+        of the windows it has fired)."""
+        if not self.outputs.routers or self.outputs.paused:
+            return  # a paused sender sends nothing; its resume sends the watermark then
+        current = self.watermark.current
+        if current is not None and current >= WatermarkTracker.FINAL:
+            current = None  # their END tells them that
+        if current is None and hold is None and release is None:
+            return
+        self.outputs.watermark(Watermark(watermark=current, hold=hold, release=release))
+
     def watermark_moved(self, moved: bool) -> None:
         """The instance's watermark, the minimum over its live sources', went forward."""
         current = self.watermark.current
-        if moved and current is not None and current < WatermarkTracker.FINAL:
+        if not moved or current is None:
+            return
+        if current < WatermarkTracker.FINAL:
             self.ctx.watermark_us = current
+        self.fire_windows()
+        self.forward_watermark()
+
+    def fire_windows(self) -> None:
+        """Send the results of the windows the watermark has passed."""
+        current = self.watermark.current
+        if self.windows is not None and current is not None:
+            t0 = time.perf_counter()
+            # Windows of groups still moving in wait for all their records: until in_done.
+            ready = (
+                self.owned if self.move_in is None else self.owned & (self.move_in.source_of < 0)
+            )
+            self.send_out(self.windows.fire(current, ready), t0)
 
     def checkpoint_if_aligned(self) -> None:
         """Once every live sender's barrier is in: snapshot the owned groups (their upload

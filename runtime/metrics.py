@@ -100,7 +100,8 @@ HELP: dict[MetricName, str] = {
     MetricName.STATE_KEYS: "Keys held in this instance's keyed state.",
     MetricName.STATE_BYTES: "Estimated bytes of this instance's keyed state.",
     MetricName.PARALLELISM: "Instances of this instance's stage (its parallelism).",
-    MetricName.INVALID_RECORDS: "Records rejected because they do not fit the job's schema.",
+    MetricName.INVALID_RECORDS: "Records rejected because they do not fit the job's schema, or "
+    "(reason late) rows of event-time windows the watermark had passed when they arrived.",
     MetricName.SOURCE_TARGET_RATE: "Records per second the source's load profile asks for now.",
     MetricName.SOURCE_BACKLOG: "Records that arrived (or fell due) but the source has not "
     "taken in yet.",

@@ -103,6 +103,11 @@ class MoveOut:
         result: np.ndarray = self.target[groups] >= 0
         return result
 
+    def tell(self, kind: bytes, payload: bytes) -> None:
+        """A message for every new owner, before anything this move sends them."""
+        for dst in self.outlets:
+            self._send(dst, kind, payload)
+
     def _send(self, dst: int, kind: bytes, payload: bytes) -> None:
         """Queue a message for a new owner and send what credits allow. Never blocks: two
         instances may be moving groups to each other, and blocked sends would deadlock them."""

@@ -564,6 +564,25 @@ class KeyedStream:
         operator = {"kind": "process", "function": function_path(fn, "process()")}
         return self._keyed("process", operator, name, parallelism, state)
 
+    def window(
+        self,
+        window: Mapping[str, Any],
+        function: Literal["count", "sum", "min", "max", "mean"] = "count",
+        field: str | None = None,
+        *,
+        name: str | None = None,
+        parallelism: int | None = None,
+        state: Mapping[str, Any] | None = None,
+    ) -> Stream:
+        """A count/sum/min/max/mean of `field` per key and event-time window (`window` as a
+        job file's: `{"kind": "tumbling", "size_ms": ...}` or `{"kind": "sliding",
+        "size_ms": ..., "slide_ms": ...}`), each result sent once the watermark passes the
+        window's end; the source needs `event_time` settings."""
+        operator = {"kind": "window", "window": dict(window), "function": function} | _given(
+            field=field
+        )
+        return self._keyed("window", operator, name, parallelism, state)
+
 
 def source(
     name: str,

@@ -427,14 +427,28 @@ class Barrier(Message):
     previous: int | None
 
 
+class WatermarkHold(Message):
+    """An old owner of a move of its keyed stage (assignment `epoch`) tells the stages it feeds:
+    the windows of the groups it hands over fire at their new owners (`until`, indexes), whose
+    results may come later than any watermark the stage has sent; wait for each new owner's
+    release before going past this one's watermark."""
+
+    epoch: int
+    until: list[int]
+
+
 class Watermark(Message):
     """A WATERMARK's body on a data stream: the sender emits no record with an event time
     below `watermark` (epoch µs; none before its first record), unless late; `idle`: it has
     emitted nothing for its idle timeout, so receivers do not wait for it until it emits
-    again (keyshift.runtime.watermarks)."""
+    again (keyshift.runtime.watermarks). A keyed instance's may also carry a `hold` (it starts
+    moving groups away) or a `release` (the epoch whose groups it has taken in, their windows
+    fired and sent before this message)."""
 
     watermark: int | None
     idle: bool = False
+    hold: WatermarkHold | None = None
+    release: int | None = None
 
 
 class FetchBody(Message):

@@ -7,7 +7,6 @@ Called by `keyshift.runtime.instance` for instances of the job's source stage.
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from collections.abc import Callable
@@ -45,7 +44,6 @@ from keyshift.runtime.records import (
 from keyshift.runtime.stage_context import InstanceContext
 from keyshift.runtime.storage import StorageError
 from keyshift.runtime.transport import (
-    WATERMARK,
     PortInUseError,
     start_server,
 )
@@ -123,8 +121,6 @@ class Watermarks:
                 last_active=time.monotonic(),
             )
         )
-        # The last watermark message each keyed instance got, by its stage and index.
-        self.sent: dict[tuple[str, int], bytes] = {}
 
     def stamp(self, batch: pa.RecordBatch) -> pa.RecordBatch:
         """Records whose event time is a field of theirs carry it as their event time."""
@@ -148,22 +144,17 @@ class Watermarks:
         """Between batches: note an idle spell, and tell new keyed instances the watermark."""
         if self.generator is None:
             return
-        self.generator.check_idle(time.monotonic())
+        if self.outputs.paused:
+            self.generator.paused(time.monotonic())
+        else:
+            self.generator.check_idle(time.monotonic())
         self.send()
 
     def send(self) -> None:
         assert self.generator is not None
-        message = Watermark(watermark=self.generator.watermark, idle=self.generator.idle)
-        payload = json.dumps(message.wire()).encode()
-        # Only to the instances that own key groups now: one that is leaving owns none, and may
-        # have stopped reading (a watermark for it would wait for credit forever).
-        for stage, router in self.outputs.routers.items():
-            for index in np.unique(router.assignment.owners).tolist():
-                outlet = router.outlets.get(index)
-                sent = self.sent.get((stage, index))
-                if outlet is not None and index not in router.dead and sent != payload:
-                    self.ctx.send(outlet, payload, kind=WATERMARK)
-                    self.sent[(stage, index)] = payload
+        self.outputs.watermark(
+            Watermark(watermark=self.generator.watermark, idle=self.generator.idle)
+        )
         if self.generator.watermark is not None:
             self.ctx.watermark_us = self.generator.watermark
 

@@ -222,6 +222,7 @@ class AggregateState:
         self._min = np.zeros(0)
         self._changed = np.zeros(0, dtype=np.bool_)  # slots updated since clear_changes
         self._restored: set[int] = set()
+        self._expired: dict[int, set[Any]] = {}  # per group, keys expire_keys deleted
         self._max = np.zeros(0)
         self._hits = np.zeros(0, dtype=np.int64)
         self._group = np.zeros(0, dtype=np.int32)
@@ -387,16 +388,30 @@ class AggregateState:
         self._drop_slots(slots)
         return len(slots)
 
+    def expire_keys(self, keys: Sequence[Any]) -> int:
+        """Delete keys whose state is done with (a window that fired); unlike `drop_keys` (a
+        key that moved away), the next incremental checkpoint records their deletion."""
+        slots = self._key_slots(keys)
+        taken = self._keys.take(slots)
+        gone = taken.tolist() if isinstance(taken, np.ndarray) else taken
+        for group, key in zip(self._group[slots].tolist(), gone, strict=True):
+            self._expired.setdefault(group, set()).add(key)
+        self._drop_slots(slots)
+        return len(slots)
+
     def changes(self, groups: Iterable[int]) -> StateChanges:
-        """Keys only ever leave an aggregate with their whole group, so nothing is deleted."""
-        slots = self._group_slots(groups)
+        """Keys leave an aggregate with their whole group, or expire (`expire_keys`)."""
+        wanted = list(groups)
+        slots = self._group_slots(wanted)
+        deleted = {g: sorted(self._expired[g]) for g in wanted if self._expired.get(g)}
         return StateChanges(
-            self._snapshot_slots(slots[self._changed[slots]]), {}, set(self._restored)
+            self._snapshot_slots(slots[self._changed[slots]]), deleted, set(self._restored)
         )
 
     def clear_changes(self) -> None:
         self._changed[:] = False
         self._restored.clear()
+        self._expired.clear()
 
     def group_sizes(self) -> np.ndarray:
         """Keys per key group."""

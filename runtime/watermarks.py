@@ -5,7 +5,10 @@ complete. Pure code: no clock reads (`now` is passed in) and no I/O.
   time seen less the bound) and an idle timeout, after which the instance tells its receivers
   not to wait for it until it emits again.
 - `WatermarkTracker`, at each receiving instance: the minimum over its live, non-idle inputs,
-  never moving backwards; an input that ended no longer holds it back.
+  never moving backwards; an input that ended or left no longer holds it back. A keyed stage
+  upstream that moves key groups holds it (`hold`) at the old owner's watermark until every
+  new owner has released it (`release`): the moved windows fire at the new owners, later than
+  the watermarks of the stage may have gone.
 
 The source stage loop (`keyshift.runtime.source_stage`) sends what its generator says as
 `WATERMARK` messages (`keyshift.runtime.protocol.Watermark`); the keyed stage loop
@@ -48,6 +51,13 @@ class WatermarkGenerator:
         """None until a record is seen."""
         return None if self.highest_us is None else self.highest_us - self.bound_us
 
+    def paused(self, now: float) -> None:
+        """The instance may not emit now (a rescale paused it): a quiet spell that is not the
+        input's, so not idleness. Else its receivers would go on with the other sources, past
+        the records it sends when it resumes."""
+        if not self.idle:
+            self.last_active = now
+
     def check_idle(self, now: float) -> bool:
         """Whether the instance has just become idle (nothing emitted for the timeout); true
         once per quiet spell."""
@@ -71,6 +81,10 @@ class WatermarkTracker:
     _marks: dict[str, int] = field(default_factory=dict)
     _idle: set[str] = field(default_factory=set)
     _ended: set[str] = field(default_factory=set)
+    # (stage, epoch) -> the holder's watermark (None: it had none) and the new owners not yet
+    # released; releases that overtook their hold (they travel on other streams).
+    _holds: dict[tuple[str, int], tuple[int | None, set[str]]] = field(default_factory=dict)
+    _released: dict[tuple[str, int], set[str]] = field(default_factory=dict)
 
     def advance(self, sender: str, watermark: int | None, idle: bool = False) -> bool:
         """A watermark from `sender` (none: it has not seen a record yet; idle: it has gone
@@ -90,6 +104,32 @@ class WatermarkTracker:
         self._ended.add(sender)
         return self._recompute()
 
+    def leave(self, sender: str) -> bool:
+        """`sender` left its stage (a rescale retired it): it holds nothing back, until an
+        instance of its name joins again and sends a watermark."""
+        self.inputs.discard(sender)
+        self._marks.pop(sender, None)
+        self._idle.discard(sender)
+        return self._recompute()
+
+    def hold(self, stage: str, epoch: int, watermark: int | None, until: set[str]) -> None:
+        """Stay at or below `watermark` until every instance in `until` (named as senders
+        are) has released `stage`'s move of `epoch`."""
+        waiting = until - self._released.pop((stage, epoch), set())
+        if waiting:
+            self._holds[(stage, epoch)] = (watermark, waiting)
+
+    def release(self, stage: str, epoch: int, sender: str) -> bool:
+        """`sender`, a new owner of `stage`'s move of `epoch`, has sent what the move held."""
+        held = self._holds.get((stage, epoch))
+        if held is None:
+            self._released.setdefault((stage, epoch), set()).add(sender)
+            return False
+        held[1].discard(sender)
+        if not held[1]:
+            del self._holds[(stage, epoch)]
+        return self._recompute()
+
     def _recompute(self) -> bool:
         live = self.inputs - self._ended
         if not live:
@@ -102,6 +142,10 @@ class WatermarkTracker:
             if any(m is None for m in marks):
                 return False
             candidate = min(m for m in marks if m is not None)
+            for held, _ in self._holds.values():
+                if held is None:
+                    return False
+                candidate = min(candidate, held)
         if candidate is None or (self.current is not None and candidate <= self.current):
             return False
         self.current = candidate

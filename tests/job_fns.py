@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import time
 from dataclasses import dataclass
@@ -107,3 +108,52 @@ def track_until_seq_3000(state: Any, record: dict[str, Any]) -> tuple[Any, Any]:
     if record["source"] == 0 and record["seq"] == 3000:
         raise RuntimeError("record 3000 of source 0 cannot be taken")
     return track(state, record)
+
+
+PAD_BYTES = 4096
+
+
+def key_pad(key: int) -> bytes:
+    """`PAD_BYTES` of a key's own, as random as a hash: no compression shrinks them."""
+    return hashlib.shake_128(key.to_bytes(8, "little", signed=True)).digest(PAD_BYTES)
+
+
+def padded_count(state: Any, record: dict[str, Any]) -> tuple[Any, Any]:
+    """Count a key's records beside a pad of `PAD_BYTES` derived from the key: wide state per
+    key (as a feature vector or a session would be), whose bytes are checked on every record,
+    so a value damaged by a move or a restore shows: the count is emitted negated then."""
+    pad = key_pad(record["key"])
+    count, kept = state if state is not None else (0, pad)
+    return [count + 1, pad], count + 1 if kept == pad else -(count + 1)
+
+
+# The two load phases of the DS2 graph test (tests/test_autoscaling_live.py) and benchmark
+# (bench/ds2_graph.py): the first PHASE_SEQ records of the source are phase 1, the rest phase 2.
+# A record's cost, in seconds, at each keyed stage of the chain in each phase: `second` costs
+# more in phase 2, so the bottleneck moves from `first` to it. The cost is a wait (a slow
+# service, as `slow_track`), so it counts as busy time without burning the machine's cores.
+PHASE_SEQ = 15_000
+COSTS = {"first": (0.001, 0.001), "second": (0.0002, 0.00165)}
+_owed = 0.0
+
+
+def _pay(stage: str, record: dict[str, Any]) -> None:
+    """Wait for this record's cost, in waits of 5 ms at least (a sleep per record would cost
+    more than the record)."""
+    global _owed
+    _owed += COSTS[stage][0 if record["seq"] < PHASE_SEQ else 1]
+    if _owed >= 0.005:
+        time.sleep(_owed)
+        _owed = 0.0
+
+
+def costly_first(state: Any, record: dict[str, Any]) -> tuple[Any, Any]:
+    """`track` at the first stage's cost for the record's phase."""
+    _pay("first", record)
+    return track(state, record)
+
+
+def costly_second(state: Any, record: dict[str, Any]) -> tuple[Any, Any]:
+    """`nest` at the second stage's cost for the record's phase."""
+    _pay("second", record)
+    return nest(state, record)

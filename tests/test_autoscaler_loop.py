@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from prometheus_client import generate_latest
 
@@ -17,11 +18,13 @@ from keyshift.operator.autoscaler import (
     RescaleOutcome,
     RescaleRefused,
 )
-from keyshift.operator.scaling_metrics import _rate
+from keyshift.operator.scaling_metrics import _rate, job_graph, shares
 from keyshift.policies import make_policy
 from keyshift.policies.model import Decision, InstanceRates, ScalingInput, StageRates
 from keyshift.policies.settings import AutoscalerSettings
+from keyshift.runtime.job import parse_job
 from keyshift.runtime.metrics import JOB_LABEL, NAMESPACE_LABEL, AutoscalerMetrics, MetricName
+from tests.test_graph_rescale import fan_out_and_in
 
 SETTINGS = AutoscalerSettings(activation=1, warmup=10, metrics_window=30, failure_backoff=20)
 
@@ -52,14 +55,15 @@ class ScriptedExecutor:
     outcomes: list[RescaleOutcome] = field(default_factory=list)
     applied: list[tuple[str, int]] = field(default_factory=list)
     scalable: frozenset[str] = frozenset({"keyed"})
+    moving: str | None = None
 
-    def apply(self, stage: str, parallelism: int) -> None:
+    def apply(self, steps: Sequence[tuple[str, int]]) -> None:
         if self.refuse:
             raise RescaleRefused(self.refuse)
-        self.applied.append((stage, parallelism))
+        self.applied += steps
 
     def running(self) -> str | None:
-        return None
+        return self.moving
 
     def finished(self) -> list[RescaleOutcome]:
         done, self.outcomes = self.outcomes, []
@@ -122,6 +126,34 @@ def test_an_overloaded_stage_is_scaled_in_one_step_and_the_decision_exported() -
     scaled_up = {**keyed_stage, "action": "scale_up"}
     assert exported_value(exported, MetricName.AUTOSCALER_DECISIONS, scaled_up) == 1
     assert events.decisions == decisions
+
+
+def test_one_tick_sizes_every_stage_and_hands_the_executor_its_rescales_in_order() -> None:
+    """A chain of two keyed stages: `a` over-provisioned, `b` the bottleneck. One DS2 decision
+    sizes both, and the executor gets the scale-up first (capacity before it is taken away)."""
+    source = StageRates("source", 1, (InstanceRates(10_000, 10_000, 0.1),), offered=12_000)
+    a = StageRates("a", 4, (InstanceRates(2_500, 2_500, 0.1),) * 4, {"source": 1})
+    b = StageRates("b", 1, (InstanceRates(10_000, 10_000, 1.0),), {"a": 1})
+    executor = ScriptedExecutor(scalable=frozenset({"a", "b"}))
+    settings = SETTINGS.model_copy(update={"scale_down_activation": 1})
+    observed = ScriptedMetrics([ScalingInput(0, 30, (source, a, b))])
+    loop, events, _ = make_loop(observed, executor, settings)
+    decisions = loop.tick(0.0)
+    assert [(d.stage, d.action, d.target) for d in decisions] == [
+        ("source", "hold", 1),
+        ("a", "scale_down", 1),  # 12k/s at 25k/s per instance and 0.8
+        ("b", "scale_up", 2),  # 12k/s at 10k/s per instance and 0.8
+    ]
+    assert executor.applied == [("b", 2), ("a", 1)]
+    assert events.problems == []
+
+
+def test_while_a_decisions_rescales_run_every_stage_holds() -> None:
+    executor = ScriptedExecutor(moving="keyed")
+    loop, _, _ = make_loop(ScriptedMetrics([overloaded()]), executor)
+    keyed = next(d for d in loop.tick(0.0) if d.stage == "keyed")
+    assert keyed.action == "hold" and "a rescale of keyed is running" in keyed.reason
+    assert executor.applied == []
 
 
 def test_no_metrics_or_nan_rates_mean_no_decision_and_a_recorded_reason() -> None:
@@ -205,3 +237,32 @@ def test_poll_ticks_once_per_interval() -> None:
 def test_counter_rates_survive_a_restart() -> None:
     samples = [(0.0, {"c": 100.0}), (1.0, {"c": 150.0}), (2.0, {"c": 20.0}), (3.0, {"c": 70.0})]
     assert _rate(samples, "c") == (50 + 20 + 50) / 3
+
+
+def test_the_metrics_graph_is_the_jobs_and_its_shares_come_from_observed_rates() -> None:
+    """clicks feeds users and (through a filter) odds; users feeds regions and the sink; odds
+    feeds regions. Each stage's share of an input's output: all of it from an input it alone
+    reads; from one it shares with other stages, what it takes in beyond the other inputs'
+    output, over that input's output."""
+    spec = parse_job(fan_out_and_in(Path("out")))
+    graph = job_graph(spec)
+    assert graph == [
+        ("clicks", ()),
+        ("users", ("clicks",)),
+        ("odds", ("clicks",)),
+        ("regions", ("users", "odds")),
+        ("zones", ("regions",)),
+        ("out", ("users", "zones")),
+    ]
+    out = {"clicks": 1500.0, "users": 2000.0, "odds": 500.0, "regions": 2500.0, "zones": 2500.0}
+    taken = {"users": 1000.0, "odds": 500.0, "regions": 1500.0, "zones": 2500.0, "out": 3500.0}
+    assert shares(graph, taken, out) == {
+        "clicks": {},
+        "users": {"clicks": 1000 / 1500},
+        "odds": {"clicks": 500 / 1500},
+        "regions": {"users": 0.5, "odds": 1.0},  # 1,000 of users' 2,000, and odds' 500
+        "zones": {"regions": 1.0},
+        "out": {"users": 0.5, "zones": 1.0},
+    }
+    idle = shares(graph, {}, {})
+    assert idle["users"] == {"clicks": 0.5} and idle["regions"] == {"users": 0.5, "odds": 1.0}

@@ -1,7 +1,8 @@
 """Autoscaling with real processes: `keyshift run` under a load step, DS2 deciding from a real
 Prometheus server (or from scraping the instances), live rescales, output checked exactly-once;
-and the loop's failure paths against real parts (Prometheus down, a query that finds nothing,
-invalid settings)."""
+DS2 sizing both keyed stages of a chain as its bottleneck moves from one to the other; and the
+loop's failure paths against real parts (Prometheus down, a query that finds nothing, invalid
+settings)."""
 
 from __future__ import annotations
 
@@ -32,10 +33,12 @@ from keyshift.runtime.ingest_backlog import ClientBacklog
 from keyshift.runtime.ingest_client import IngestClient
 from keyshift.runtime.job import JobSpec, parse_job
 from keyshift.runtime.metrics import MetricName
+from keyshift.runtime.output_log import OutputLogReader
 from tests.conftest import KEYSHIFT, REPO, cli, count_job, running_job, wait_for, write_job
+from tests.job_fns import PHASE_SEQ
 from tests.prometheus_server import PrometheusServer, free_port
 from tests.test_poison_rows import ingest_address
-from tests.test_rescale import applied_once, check_output
+from tests.test_rescale import applied_once, check_output, truth
 
 STEP_AT = 10.0
 
@@ -366,3 +369,92 @@ def test_a_job_whose_ingest_client_is_behind_is_scaled_for_the_backlog(tmp_path:
     source = [d for d in decisions("source") if d["inputs"].get("client_backlog")]
     assert source and source[-1]["inputs"]["client_backlog"] == CLIENT_BACKLOG
     assert "clients' backlog 60,000 records" in source[-1]["reason"]
+
+
+# --- DS2 over a graph: the bottleneck moves from one keyed stage to the other -----------------
+
+# Records/s in the two phases. With the costs of tests.job_fns.COSTS (1 ms a record at `first`
+# in both, 0.2 ms then 1.65 ms at `second`) and the runtime's own 0.05-0.3 ms a record (more on
+# a loaded machine), at 0.8 utilization: phase 1 needs `first` at 2 instances (1.2-1.4 worth)
+# and `second` at 1, phase 2 `first` at 2 (1.5-1.7) and `second` at 3 (2.3-2.6). The
+# bottleneck moves from `first` to `second`.
+PHASE_RATES = (900, 1100)
+PHASE_2_SECONDS = 18
+
+
+def moving_bottleneck(
+    out: Path, prometheus_url: str | None = None, phase_2_seconds: float = PHASE_2_SECONDS
+) -> dict[str, Any]:
+    """source -> first (track) -> second (nest) -> out, each keyed stage at one instance; the
+    autoscaler reads `prometheus_url`, else scrapes the instances (bench/ds2_graph.py runs it
+    too)."""
+    phase_1 = PHASE_SEQ / PHASE_RATES[0]
+    total = PHASE_SEQ + round(PHASE_RATES[1] * phase_2_seconds)
+    points = [[0, PHASE_RATES[0]], [phase_1, PHASE_RATES[1]]]
+    source = {"kind": "generator", "keys": 2000, "distribution": "zipf", "seed": 9,
+              "profile": {"kind": "points", "points": points}, "total": total}  # fmt: skip
+
+    def keyed(name: str, input: str, function: str) -> dict[str, Any]:
+        operator = {"kind": "process", "function": f"tests.job_fns:{function}"}
+        return {"name": name, "kind": "keyed", "input": input, "key_by": "key",
+                "parallelism": 1, "operator": operator}  # fmt: skip
+
+    sink = {"kind": "log", "path": str(out), "format": "jsonl"}
+    # Three ticks in a row before a scale-up: the step is out of the window by the third, whose
+    # answer the scale-up takes, so a stage is not sized for a mix of both phases' costs.
+    settings: dict[str, Any] = {"interval": 1, "metrics_window": 5, "warmup": 4, "activation": 3}
+    if prometheus_url is not None:
+        settings["prometheus_url"] = prometheus_url
+    return {
+        "name": "moving",
+        "graph": [
+            {"name": "clicks", "kind": "source", "parallelism": 1, "config": source},
+            keyed("first", "clicks", "costly_first"),
+            keyed("second", "first", "costly_second"),
+            {"name": "out", "kind": "sink", "input": "second", "config": sink},
+        ],
+        "batching": {"max_records": 512, "linger_ms": 20, "credits": 4},
+        "autoscaler": settings,
+    }
+
+
+@pytest.mark.live
+def test_ds2_sizes_every_keyed_stage_as_the_bottleneck_moves(
+    tmp_path: Path, prometheus: PrometheusServer
+) -> None:
+    out, logs = tmp_path / "out", tmp_path / "logs"
+    job = moving_bottleneck(out, prometheus.url)
+    args = ["run", str(write_job(tmp_path, job)), "--no-view", "--log-dir", str(logs),
+            "--prometheus-targets", str(prometheus.targets_file)]  # fmt: skip
+    with cli(args) as run:
+        output = Output(run)
+        run.wait(timeout=150)  # the generator's total: the job ends by itself
+        output.join()
+    text = output.text()
+    assert run.returncode == 0, text
+    lines = (logs / "decisions.jsonl").read_text().splitlines()
+    acted = [d for line in lines if (d := json.loads(line)).get("action", "hold") != "hold"]
+    by_stage = {
+        stage: [(d["from"], d["to"]) for d in acted if d["stage"] == stage]
+        for stage in ("first", "second")
+    }
+    # `first` sized in phase 1, `second` in phase 2 (in two decisions at most, the first of
+    # which may still see some of phase 1's cost in its window), never back.
+    assert by_stage["first"] == [(1, 2)], (acted, text)
+    assert len(by_stage["second"]) <= 2 and by_stage["second"][-1][1] == 3, (acted, text)
+    assert all(before < after for before, after in by_stage["second"]), (acted, text)
+    first, second = (next(d for d in acted if d["stage"] == s) for s in ("first", "second"))
+    assert first["inputs"]["target_rate"] == pytest.approx(PHASE_RATES[0], rel=0.1), first
+    assert second["inputs"]["target_rate"] == pytest.approx(PHASE_RATES[1], rel=0.1), second
+    assert "failed" not in text, text
+    source = job["graph"][0]["config"]
+    check_output(out, source, [source["total"]], track_output=lambda value: value[1])
+    counts_truth, _ = truth(source, [source["total"]])
+    at_second: dict[int, list[int]] = {}
+    table = OutputLogReader(out).read_all()
+    rows = zip(table.column("key").to_pylist(), table.column("value").to_pylist(), strict=True)
+    for key, value in rows:
+        at_second.setdefault(key, []).append(json.loads(value)[0])
+    assert {k: sorted(v) for k, v in at_second.items()} == {
+        k: list(range(1, n + 1)) for k, n in counts_truth.items()
+    }

@@ -182,6 +182,11 @@ BAD: dict[str, tuple[Callable[[dict[str, Any]], None], str, str]] = {
         "keyed.parallelism must be within the autoscaler's bounds",
         ".spec.job",
     ),
+    "a graph job scaled as the older shape": (
+        setting("spec.job.graph", [{"name": "clicks", "kind": "source"}]),
+        "scales only a job of the older shape",
+        ".spec.job",
+    ),
     "privileged": (
         setting(f"{POD}.containers.1.securityContext", {"privileged": True}),
         "may not run privileged containers",

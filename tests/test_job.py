@@ -296,8 +296,8 @@ def test_resolve_function_follows_dotted_qualnames() -> None:
             ["keyed.operator", "function", "'count', 'sum', 'min', 'max' or 'mean'"],
         ),
         (
-            job(keyed={"operator": {"kind": "window"}}),
-            ["keyed.operator", "unknown kind 'window'", "'aggregate', 'process'"],
+            job(keyed={"operator": {"kind": "join"}}),
+            ["keyed.operator", "unknown kind 'join'", "'aggregate', 'process', 'window'"],
         ),
         (
             job(

@@ -18,6 +18,7 @@ from keyshift.runtime.job_graph import Edge, GraphError, Node, build_graph, keye
 from keyshift.runtime.keyed_stage import process_output_schema
 from keyshift.runtime.records import ARROW_TYPES, METADATA_FIELDS
 from keyshift.runtime.state import aggregate_output_schema
+from keyshift.runtime.windows import window_output_schema
 from tests.conftest import cli, write_job
 
 REPO = Path(__file__).resolve().parents[1]
@@ -145,16 +146,22 @@ def test_the_older_shapes_transforms_become_chained_stages() -> None:
     assert [e.partitioning for e in graph.edges] == ["forward", "forward", "key_by", "key_by"]
 
 
-@pytest.mark.parametrize("function", ["count", "sum", None])
-def test_keyed_output_fields_are_the_columns_the_keyed_stage_emits(function: str | None) -> None:
-    arrow = (
-        process_output_schema(pa.string())
-        if function is None
-        else aggregate_output_schema(function, pa.string())
-    )
+@pytest.mark.parametrize(
+    ("function", "window"), [("count", False), ("sum", False), (None, False), ("count", True),
+                             ("max", True)]
+)  # fmt: skip
+def test_keyed_output_fields_are_the_columns_the_keyed_stage_emits(
+    function: str | None, window: bool
+) -> None:
+    if function is None:
+        arrow = process_output_schema(pa.string())
+    elif window:
+        arrow = window_output_schema(function, pa.string())
+    else:
+        arrow = aggregate_output_schema(function, pa.string())
     columns = {f.name: f.type for f in arrow if f.name not in METADATA_FIELDS}
     columns.pop("_group")
-    fields = keyed_output("str", function)
+    fields = keyed_output("str", function, window)
     assert {name: ARROW_TYPES[kind] for name, kind in fields.items()} == columns
 
 

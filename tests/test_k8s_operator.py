@@ -687,3 +687,64 @@ async def test_a_replicas_handover_cut_short_is_finished_before_the_next_apply(
         sts = stored(emu, "apps/v1/statefulsets", NS, "clicks-counts") or {}
         assert sts["spec"]["replicas"] == 3
         assert managers_of(sts, ("spec", "replicas")) == {"keyshift-scaler"}
+
+
+async def test_every_keyed_stage_of_a_graph_job_rescales_and_the_status_shows_each(
+    emu: Emulator, tmp_path: Path
+) -> None:
+    """A graph job with two keyed stages: an edit of both stages' parallelism in
+    spec.job.graph rescales them live, one after the other, each StatefulSet follows, and the
+    status shows every stage's parallelism and the autoscaler's latest decision for it (dry
+    run: decided, never applied)."""
+
+    def keyed(name: str, input: str, function: str) -> dict[str, Any]:
+        operator = {"kind": "process", "function": f"tests.job_fns:{function}"}
+        return {"name": name, "kind": "keyed", "input": input, "key_by": "key",
+                "parallelism": 1, "operator": operator}  # fmt: skip
+
+    source = {"kind": "generator", "keys": 500, "profile": {"rate": 500}}
+    graph = [
+        {"name": "clicks", "kind": "source", "config": source},
+        keyed("users", "clicks", "track"),
+        keyed("nested", "users", "nest"),
+        {"name": "out", "kind": "sink", "input": "nested", "config": {"kind": "log"}},
+    ]
+    job = {"name": "clicks", "graph": graph, "autoscaler": {"interval": 1, "dry_run": True}}
+    body = streaming_job()
+    body["spec"]["job"] = job
+    async with job_running_in_cluster(emu, tmp_path, body):
+        edited = copy.deepcopy(graph)
+        edited[1]["parallelism"], edited[2]["parallelism"] = 2, 3
+        patch = {"spec": {"job": {"graph": edited}}}
+        reply = await emu.patch(f"{CR_API}/namespaces/{NS}/streamingjobs/clicks", json=patch,
+                                headers=MERGE)  # fmt: skip
+        assert reply.status == 200, await reply.text()
+
+        def stages() -> dict[str, dict[str, Any]]:
+            return {s["name"]: s for s in job_object(emu)["status"].get("stages", [])}
+
+        def replicas(stage: str) -> int | None:
+            sts = stored(emu, "apps/v1/statefulsets", NS, f"clicks-{stage}") or {}
+            return sts.get("spec", {}).get("replicas")
+
+        def rescales() -> list[tuple[str, int, str]]:
+            done = job_object(emu)["status"].get("rescales", [])
+            return [(r["stage"], r["to"], r["phase"]) for r in done]
+
+        try:
+            await eventually(
+                lambda: [(s.get("current"), s.get("ready")) for s in
+                         (stages().get("users", {}), stages().get("nested", {}))]
+                == [(2, 2), (3, 3)] and (replicas("users"), replicas("nested")) == (2, 3)
+                and len(rescales()) == 2,
+                120, "both keyed stages rescaled",
+            )  # fmt: skip
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}: {job_object(emu)['status']}") from None
+        assert rescales() == [("users", 2, "done"), ("nested", 3, "done")]
+        assert any(e["reason"] == "ManualRescale" for e in events_of(emu))
+        await eventually(
+            lambda: all(stages()[s].get("lastDecision") for s in ("users", "nested")),
+            30, "each stage's latest decision in the status",
+        )  # fmt: skip
+        assert stages()["users"]["lastDecision"].startswith("users: ")

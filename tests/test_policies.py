@@ -665,16 +665,15 @@ def test_guard_scale_down_is_slower_and_takes_the_highest_of_the_ticks() -> None
     assert (defaults.activation, defaults.scale_down_activation) == (2, 6)
 
 
-def test_guard_one_rescale_at_a_time() -> None:
+def test_guard_decides_every_stage_in_one_tick_and_none_while_a_rescale_runs() -> None:
     config = guard_settings()
-    decisions, state = guard([rec("a"), rec("b")], GuardState(), config, 1.0, "ds2")
-    assert [d.action for d in decisions] == ["scale_up", "hold"]
-    assert "a rescale of a is running" in decisions[1].reason
-    # A stage held for another's rescale keeps its history as it was.
-    assert state.of("b") == StageHistory()
-    running, _ = guard([rec("a"), rec("b")], GuardState(), config, 1.0, "ds2", rescaling="c")
+    decisions, _ = guard([rec("a"), rec("b", 3, 1)], GuardState(), config, 1.0, "ds2")
+    assert [(d.action, d.target) for d in decisions] == [("scale_up", 4), ("scale_down", 1)]
+    running, state = guard([rec("a"), rec("b")], GuardState(), config, 1.0, "ds2", rescaling="c")
     assert [d.action for d in running] == ["hold", "hold"]
     assert all("a rescale of c is running" in d.reason for d in running)
+    # A stage held for another's rescale keeps its history as it was.
+    assert state.of("b") == StageHistory()
 
 
 def test_guard_held_stage_keeps_its_streak_while_another_rescales() -> None:
@@ -687,7 +686,7 @@ def test_guard_held_stage_keeps_its_streak_while_another_rescales() -> None:
     assert acted.action == "scale_up"
 
 
-def test_guard_dry_run_reports_without_claiming_the_rescale_slot() -> None:
+def test_guard_dry_run_reports_every_stage() -> None:
     config = guard_settings(dry_run=True)
     decisions, _ = guard([rec("a"), rec("b")], GuardState(), config, 1.0, "ds2")
     assert [d.action for d in decisions] == ["scale_up", "scale_up"]

@@ -70,9 +70,12 @@ def truth(source: dict[str, Any], emitted: list[int]) -> tuple[Counter[int], set
     return counts, records
 
 
-def applied_once(out: Path) -> tuple[Counter[int], set[tuple[int, int]]]:
+def applied_once(
+    out: Path, track_output: Callable[[Any], Any] = lambda value: value
+) -> tuple[Counter[int], set[tuple[int, int]]]:
     """Check that every record in the output was applied once, in order per key and sender;
-    the records applied per key, and the (source, seq) of every record.
+    the records applied per key, and the (source, seq) of every record. `track_output` finds
+    the `track` update in an output's decoded value (a later stage may wrap it).
 
     Each output carries the key's count after applying one record, so sorting a key's outputs
     by count gives the order its records were applied in, wherever the key lived meanwhile
@@ -82,7 +85,7 @@ def applied_once(out: Path) -> tuple[Counter[int], set[tuple[int, int]]]:
     keys = table.column("key").to_pylist()
     applied: dict[int, list[tuple[int, int, int]]] = {}
     for key, value in zip(keys, table.column("value").to_pylist(), strict=True):
-        count, sender, seq = json.loads(value)
+        count, sender, seq = track_output(json.loads(value))
         applied.setdefault(key, []).append((count, sender, seq))
     seen: Counter[tuple[int, int]] = Counter()
     for key, outputs in applied.items():
@@ -98,9 +101,14 @@ def applied_once(out: Path) -> tuple[Counter[int], set[tuple[int, int]]]:
     return Counter({k: len(v) for k, v in applied.items()}), set(seen)
 
 
-def check_output(out: Path, source: dict[str, Any], emitted: list[int]) -> None:
+def check_output(
+    out: Path,
+    source: dict[str, Any],
+    emitted: list[int],
+    track_output: Callable[[Any], Any] = lambda value: value,
+) -> None:
     """Exactly once, in order per key and sender, and the final counts equal the truth."""
-    counts, seen = applied_once(out)
+    counts, seen = applied_once(out, track_output)
     counts_truth, records = truth(source, emitted)
     assert seen == records, f"{len(records - seen)} records lost"
     assert counts == counts_truth

@@ -190,7 +190,7 @@ def test_the_plan_travels_with_every_rescale_to_the_coordinator(tmp_path: Path) 
         latest = LatestStatus()
         plan = MigrationPlan("batched", {"batch_groups": 64, "chunk_keys": 1000})
         made = CoordinatorExecutor(local.client, local, latest, frozenset({"counts"}), plan)
-        made.apply("counts", 3)
+        made.apply([("counts", 3)])
         done = wait_for(
             lambda: (s := local.status())["rescales"] and s["rescales"][-1], 90, "the rescale"
         )
@@ -205,7 +205,54 @@ def test_the_plan_travels_with_every_rescale_to_the_coordinator(tmp_path: Path) 
             MigrationPlan("lazy", {"batch_groups": 64}),
         )  # fmt: skip
         with pytest.raises(RescaleRefused, match="'batch_groups' does not apply to lazy"):
-            refused.apply("counts", 2)
+            refused.apply([("counts", 2)])
         after = local.status()
         assert len(after["rescales"]) == 1 and after["rescale"] is None
         assert after["stages"][1]["desired"] == 3
+
+
+@pytest.mark.live
+def test_a_decisions_rescales_run_one_after_another_and_a_refused_one_ends_it(
+    tmp_path: Path,
+) -> None:
+    """A real coordinator of a chain of two keyed stages: the executor starts the second
+    stage's rescale once the first's is done; a step the coordinator refuses is that stage's
+    failed outcome, and the steps after it are not started."""
+    source = {"kind": "generator", "keys": 500, "profile": {"rate": 500}}
+    job = {
+        "name": "pair",
+        "graph": [
+            {"name": "src", "kind": "source", "config": source},
+            {"name": "a", "kind": "keyed", "input": "src", "key_by": "key",
+             "operator": {"kind": "process", "function": "tests.job_fns:track"}},
+            {"name": "b", "kind": "keyed", "input": "a", "key_by": "key",
+             "operator": {"kind": "process", "function": "tests.job_fns:nest"}},
+            {"name": "out", "kind": "sink", "input": "b", "config": {"kind": "log"}},
+        ],
+    }  # fmt: skip
+    with running_job(tmp_path, job) as local:
+        assert local.client is not None
+        wait_for(lambda: local.status()["phase"] == "running", 60, "the job to run")
+        latest = LatestStatus()
+        made = CoordinatorExecutor(local.client, local, latest, frozenset({"a", "b"}))
+        outcomes: list[RescaleOutcome] = []
+
+        def ended(n: int) -> bool:
+            latest.value = local.status()
+            outcomes.extend(made.finished())
+            return len(outcomes) >= n
+
+        made.apply([("a", 2), ("b", 2), ("nope", 2), ("a", 1)])
+        assert made.running() == "a"  # started, though the status read last is older
+        wait_for(lambda: ended(1), 60, "a's rescale")
+        assert made.running() == "b"
+        wait_for(lambda: ended(3), 60, "b's rescale, and the next step refused")
+        assert outcomes[:2] == [RescaleOutcome(s, True, "done") for s in ("a", "b")]
+        failed = outcomes[2]
+        assert (failed.stage, failed.ok) == ("nope", False), failed
+        assert failed.detail.startswith("not started: ") and "nope" in failed.detail, failed
+        assert failed.detail.endswith("; not started after it: a→1"), failed
+        assert made.running() is None
+        assert [(r["stage"], r["to"]) for r in local.status()["rescales"]] == [("a", 2), ("b", 2)]
+        stages = {s["name"]: s["desired"] for s in local.status()["stages"]}
+        assert (stages["a"], stages["b"]) == (2, 2)

@@ -17,7 +17,9 @@ import yaml
 from keyshift.runtime.checkpointing import KeyedCheckpointer
 from keyshift.runtime.job import CheckpointSettings, JobError, parse_job
 from keyshift.runtime.protocol import Barrier
+from keyshift.runtime.records import GROUP
 from keyshift.runtime.rocksdb_state import (
+    COPY_CHUNK,
     MARKER,
     RocksAggregateState,
     RocksStateError,
@@ -128,3 +130,27 @@ def test_a_marker_that_cannot_be_read_is_refused_and_kept(tmp_path: Path) -> Non
     with pytest.raises(RocksStateError, match=r"cannot be read.*refusing to use or delete it"):
         counts(tmp_path / "keyed-0")
     assert (tmp_path / "keyed-0" / "db").is_dir()
+
+
+def test_a_checkpoints_groups_are_copied_whole_in_bounded_batches(tmp_path: Path) -> None:
+    """A group larger than a copy batch (COPY_CHUNK keys) arrives whole, and only the groups
+    asked for: the range read stops at the group's end."""
+    groups = 2
+    keys = list(range(3 * COPY_CHUNK))
+    batch = make_batch(keys + keys[:7], [0.0] * (len(keys) + 7), max_key_groups=groups)
+
+    def store(owner: str) -> RocksAggregateState:
+        path = prepare_directory(tmp_path / owner, owner)
+        db = open_database(path, block_cache_mb=8, write_buffer_mb=1)
+        return RocksAggregateState("count", groups, pa.int64(), db, track_changes=False)
+
+    state = store("keyed-0")
+    state.apply(batch, "key", None)
+    sizes = state.group_sizes()
+    assert sizes.min() > COPY_CHUNK  # each group takes several copy batches
+    state.checkpoint_into(tmp_path / "copy")
+    state.close()
+    restored = store("keyed-1")
+    assert restored.copy_groups(tmp_path / "copy", [0]) == sizes[0] == restored.key_count
+    in_group = batch.column(GROUP).to_numpy()[: len(keys)] == 0
+    assert restored.items() == {k: 2 if k < 7 else 1 for k in np.asarray(keys)[in_group].tolist()}

@@ -19,7 +19,7 @@ from keyshift.runtime.checkpoint_store import CheckpointStore
 from keyshift.runtime.ingest_client import IngestClient
 from keyshift.runtime.job import JobError, parse_job
 from keyshift.runtime.metrics import MetricName
-from keyshift.runtime.protocol import ProtocolError, Watermark, parse
+from keyshift.runtime.protocol import ProtocolError, Watermark, WatermarkHold, parse
 from keyshift.runtime.transport import JsonClient
 from keyshift.runtime.watermarks import WatermarkGenerator, WatermarkTracker
 from tests.conftest import BATCHING, count_job, running_job, wait_for
@@ -49,6 +49,17 @@ def test_a_quiet_source_becomes_idle_once_per_spell_and_active_when_it_emits() -
     assert marks.check_idle(8.0)
     never = WatermarkGenerator(bound_us=0, idle_timeout=None, last_active=0.0)
     assert not never.check_idle(1e9)
+
+
+def test_a_paused_source_does_not_become_idle() -> None:
+    """A rescale that pauses the sources (all-at-once) is not a quiet input: were it idle, the
+    receivers would follow the other sources past the records it sends on resuming."""
+    generator = WatermarkGenerator(bound_us=0, idle_timeout=1.0, last_active=0.0)
+    generator.observe(100, now=0.0)
+    generator.paused(now=0.9)
+    generator.paused(now=1.8)
+    assert not generator.check_idle(now=2.5) and not generator.idle
+    assert generator.check_idle(now=2.9)  # quiet for a second after the pause: idle
 
 
 @pytest.mark.parametrize(
@@ -88,6 +99,37 @@ def test_idle_inputs_do_not_hold_it_back_and_ended_ones_release_it() -> None:
     assert tracker.end("a") and tracker.current == FINAL
 
 
+def test_a_move_upstream_holds_the_watermark_until_every_new_owner_releases_it() -> None:
+    """A keyed stage upstream moves groups from a/1 to a/0 and a/2: whatever the instances'
+    watermarks say, it stays at a/1's until both new owners have sent the moved windows."""
+    tracker = WatermarkTracker({"a/0", "a/1"})
+    tracker.advance("a/0", 120)
+    assert tracker.advance("a/1", 100) and tracker.current == 100
+    tracker.hold("a", 7, 100, {"a/0", "a/2"})
+    assert not tracker.advance("a/1", 130) and tracker.current == 100
+    assert not tracker.release("a", 7, "a/0")  # a/2 has not released yet
+    assert not tracker.release("b", 7, "a/2")  # another stage's epoch 7: not this hold
+    assert tracker.release("a", 7, "a/2") and tracker.current == 120
+    # A release that overtakes its hold (they come on different streams) is kept for it.
+    assert not tracker.release("a", 8, "a/0")
+    tracker.hold("a", 8, 120, {"a/0"})
+    assert tracker.advance("a/0", 200) and tracker.current == 130
+    # A holder with no watermark yet holds everything.
+    tracker.hold("a", 9, None, {"a/2"})
+    assert not tracker.advance("a/1", 300) and tracker.current == 130
+    assert tracker.release("a", 9, "a/2") and tracker.current == 200
+
+
+def test_an_input_that_left_holds_nothing_back_until_it_joins_again() -> None:
+    tracker = WatermarkTracker({"a/0", "a/1"})
+    tracker.advance("a/0", 500)
+    tracker.advance("a/1", 100)
+    assert tracker.leave("a/1") and tracker.current == 500
+    assert not tracker.advance("a/1", 400)  # joined again, behind: it holds from now on
+    assert not tracker.advance("a/0", 900) and tracker.current == 500
+    assert tracker.advance("a/1", 800) and tracker.current == 800
+
+
 def test_a_watermark_message_is_checked_when_parsed() -> None:
     assert parse(Watermark, {"watermark": 5, "idle": True}) == Watermark(watermark=5, idle=True)
     assert parse(Watermark, {"watermark": None}).idle is False
@@ -95,6 +137,12 @@ def test_a_watermark_message_is_checked_when_parsed() -> None:
         parse(Watermark, {"watermark": "5"})
     with pytest.raises(ProtocolError, match="late"):
         parse(Watermark, {"watermark": 5, "late": 1})
+    held = parse(Watermark, {"watermark": 5, "hold": {"epoch": 3, "until": [0, 2]}})
+    assert held.hold == WatermarkHold(epoch=3, until=[0, 2])
+    with pytest.raises(ProtocolError, match="until"):
+        parse(Watermark, {"watermark": 5, "hold": {"epoch": 3, "until": "0"}})
+    with pytest.raises(ProtocolError, match="release"):
+        parse(Watermark, {"watermark": 5, "release": "3"})
 
 
 def event_time_job(out: Path, event_time: dict[str, Any], sources: int = 2) -> dict[str, Any]:
