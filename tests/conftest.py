@@ -68,7 +68,7 @@ def children_of(host_pid: int) -> list[psutil.Process]:
     return found
 
 
-def coordinator_pids(host_pid: int) -> list[int]:
+def coordinators_of(host_pid: int) -> list[int]:
     """The coordinator among the host's processes: one, or none while the host restarts it."""
     found = []
     for proc in children_of(host_pid):

@@ -33,7 +33,7 @@ from keyshift.runtime.ingest_client import IngestClient, IngestError
 from keyshift.runtime.metrics import JOB_LABEL, MetricName
 from keyshift.runtime.output_log import OutputLogReader
 from keyshift.runtime.transport import JsonClient, TransportError
-from tests.conftest import STATE_BACKENDS, cli, coordinator_pids, state_settings, wait_for
+from tests.conftest import STATE_BACKENDS, cli, coordinators_of, state_settings, wait_for
 from tests.prometheus_server import free_port
 from tests.test_autoscaling_live import Output
 from tests.test_rescale import SERVICE, applied_once, check_output, tracked_job
@@ -155,10 +155,14 @@ def test_a_recovery_waits_for_checkpoint_storage_that_is_down(tmp_path: Path) ->
 
 def test_a_killed_coordinator_recovers_from_the_checkpoint_metadata(tmp_path: Path) -> None:
     def crash(run: Run) -> None:
-        (coordinator,) = coordinator_pids(run.proc.pid)
+        (coordinator,) = coordinator_pids(run)
         os.kill(coordinator, signal.SIGKILL)
 
     run_and_crash(tmp_path, crash)
+
+
+def coordinator_pids(run: Run) -> list[int]:
+    return coordinators_of(run.proc.pid)
 
 
 def test_a_coordinator_killed_during_a_recovery_is_restarted_again(tmp_path: Path) -> None:
@@ -167,10 +171,10 @@ def test_a_coordinator_killed_during_a_recovery_is_restarted_again(tmp_path: Pat
     restarts the job once more, after the restart strategy's delay."""
 
     def crash(run: Run) -> None:
-        (first,) = coordinator_pids(run.proc.pid)
+        (first,) = coordinator_pids(run)
         os.kill(run.pid_of("track", 0), signal.SIGKILL)
         restarted = wait_for(
-            lambda: [p for p in coordinator_pids(run.proc.pid) if p != first], 30, "the restart"
+            lambda: [p for p in coordinator_pids(run) if p != first], 30, "the restart"
         )
         os.kill(restarted[0], signal.SIGKILL)
 

@@ -20,7 +20,7 @@ from tests.conftest import (
     REPO,
     children_of,
     cli,
-    coordinator_pids,
+    coordinators_of,
     count_job,
     wait_for,
     write_job,
@@ -129,7 +129,7 @@ def test_a_coordinator_restart_during_the_wait_is_reported_not_taken_for_the_res
 
         try:
             wait_for(rescaling, 60, "the rescale to start")
-            (coordinator,) = coordinator_pids(run.pid)
+            (coordinator,) = coordinators_of(run.pid)
             os.kill(coordinator, signal.SIGKILL)
             output, _ = waiting.communicate(timeout=120)
         finally:
