@@ -31,6 +31,7 @@ from keyshift.runtime.output_log import OutputLogReader
 from keyshift.runtime.protocol import Empty
 from keyshift.runtime.transport import start_server
 from tests.prometheus_server import PrometheusServer
+from tests.s3_server import MotoServer
 
 REPO = Path(__file__).resolve().parent.parent
 KEYSHIFT = str(Path(sys.executable).with_name("keyshift"))
@@ -63,6 +64,18 @@ def children_of(host_pid: int) -> list[psutil.Process]:
             if ours and proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE:
                 found.append(proc)
         except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            continue
+    return found
+
+
+def coordinators_of(host_pid: int) -> list[int]:
+    """The coordinator among the host's processes: one, or none while the host restarts it."""
+    found = []
+    for proc in children_of(host_pid):
+        try:
+            if "keyshift.runtime.coordinator" in proc.cmdline():
+                found.append(proc.pid)
+        except psutil.Error:  # it exited since it was listed
             continue
     return found
 
@@ -223,6 +236,15 @@ def prometheus(tmp_path: Path) -> Iterator[PrometheusServer]:
     """A real Prometheus server (tests/prometheus_server.py), ready; stopped after the test."""
     with PrometheusServer(tmp_path / "prometheus") as server:
         yield server
+
+
+@pytest.fixture(scope="session")
+def s3_endpoint() -> Iterator[str]:
+    """moto's S3 server (tests/s3_server.py) on a free loopback port, one per test process for
+    all its tests (each makes its own bucket): a start costs seconds of a busy machine. The
+    tests that stop S3 start their own `MotoServer`."""
+    with MotoServer() as server:
+        yield server.url
 
 
 def latest_by_version(out: Path) -> dict[Any, tuple[int, Any]]:

@@ -1,22 +1,24 @@
 """moto's S3 server as a real HTTP process on loopback, for the tests of storage on S3
-(checkpoints, the ingest log). Import `s3_endpoint` into a test module to use the fixture;
-`s3_bucket` makes a fresh bucket and `s3_options` gives the fsspec options to reach it.
-`MotoServer` is one a test stops and starts again on the same port: an outage of S3."""
+(checkpoints, the ingest log). The `s3_endpoint` fixture (tests/conftest.py) is one server per
+test process, shared by its tests; `s3_bucket` makes each test a fresh bucket and `s3_options`
+gives the fsspec options to reach it. `MotoServer` is one a test stops and starts again on the
+same port: an outage of S3."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import boto3
-import pytest
 
 from tests.prometheus_server import free_port
+
+START_TIMEOUT = 90.0
 
 
 class MotoServer:
@@ -31,21 +33,28 @@ class MotoServer:
 
     def start(self) -> None:
         moto = str(Path(sys.executable).with_name("moto_server"))
-        self.process = subprocess.Popen(
-            [moto, "-H", "127.0.0.1", "-p", str(self.port)],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                urllib.request.urlopen(self.url, timeout=1).close()
-                return
-            except OSError:
-                if time.monotonic() > deadline or self.process.poll() is not None:
-                    self.stop()
-                    raise RuntimeError("moto_server did not start") from None
-                time.sleep(0.1)
+        # What it says, for when it does not start (it keeps its own handle to the file).
+        with tempfile.TemporaryFile() as log:
+            self.process = subprocess.Popen(
+                [moto, "-H", "127.0.0.1", "-p", str(self.port)], stdout=log, stderr=log
+            )
+            # moto imports for a second and a half of CPU: on a machine as busy as the suite's
+            # (two test processes beside the jobs they run) a start has taken 30 s.
+            deadline = time.monotonic() + START_TIMEOUT
+            while True:
+                try:
+                    urllib.request.urlopen(self.url, timeout=1).close()
+                    return
+                except OSError:
+                    code = self.process.poll()
+                    if code is None and time.monotonic() < deadline:
+                        time.sleep(0.1)
+                        continue
+                self.stop()
+                log.seek(0)
+                said = log.read().decode(errors="replace")[-2000:]
+                why = f"exited with {code}" if code is not None else "did not answer in time"
+                raise RuntimeError(f"moto_server on port {self.port} {why}:\n{said}")
 
     def stop(self) -> None:
         if self.process is not None:
@@ -61,19 +70,16 @@ class MotoServer:
         self.stop()
 
 
-@pytest.fixture(scope="module")
-def s3_endpoint() -> Iterator[str]:
-    """moto's S3 server as its own process on a free loopback port."""
-    with MotoServer() as server:
-        yield server.url
-
-
 def s3_options(endpoint: str) -> dict[str, Any]:
     return {
         "key": "testing",
         "secret": "testing",
         "use_listings_cache": False,
         "client_kwargs": {"endpoint_url": endpoint, "region_name": "us-east-1"},
+        # botocore's default retries a refused connection four times with backoff, ~9 s per
+        # call; one retry is enough on loopback, and the outage tests, whose calls to a stopped
+        # server must fail, then wait a second per call instead of ten.
+        "config_kwargs": {"retries": {"max_attempts": 1}},
     }
 
 

@@ -35,13 +35,7 @@ from keyshift.runtime.state_checkpoint import (
 )
 from keyshift.runtime.storage import retrying
 from tests.conftest import wait_for
-from tests.s3_server import (  # noqa: F401 (a fixture)
-    MotoServer,
-    create_bucket,
-    s3_bucket,
-    s3_endpoint,
-    s3_options,
-)
+from tests.s3_server import MotoServer, create_bucket, s3_bucket, s3_options
 from tests.test_state import (  # noqa: F401 (backend is a fixture)
     AggregateStore,
     G,

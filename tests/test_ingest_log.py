@@ -25,13 +25,7 @@ from keyshift.runtime.ingest import REMEMBERED_BATCH_IDS, IngestRefused, IngestS
 from keyshift.runtime.ingest_client import encode_rows
 from keyshift.runtime.ingest_log import IngestLog, IngestLogError
 from tests.conftest import wait_for
-from tests.s3_server import (  # noqa: F401 (a fixture)
-    MotoServer,
-    create_bucket,
-    s3_bucket,
-    s3_endpoint,
-    s3_options,
-)
+from tests.s3_server import MotoServer, create_bucket, s3_bucket, s3_options
 
 FIELDS = {"user": "str", "clicks": "int"}
 

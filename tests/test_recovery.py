@@ -33,7 +33,7 @@ from keyshift.runtime.ingest_client import IngestClient, IngestError
 from keyshift.runtime.metrics import JOB_LABEL, MetricName
 from keyshift.runtime.output_log import OutputLogReader
 from keyshift.runtime.transport import JsonClient, TransportError
-from tests.conftest import STATE_BACKENDS, children_of, cli, state_settings, wait_for
+from tests.conftest import STATE_BACKENDS, cli, coordinators_of, state_settings, wait_for
 from tests.prometheus_server import free_port
 from tests.test_autoscaling_live import Output
 from tests.test_rescale import SERVICE, applied_once, check_output, tracked_job
@@ -162,10 +162,7 @@ def test_a_killed_coordinator_recovers_from_the_checkpoint_metadata(tmp_path: Pa
 
 
 def coordinator_pids(run: Run) -> list[int]:
-    return [
-        p.pid for p in children_of(run.proc.pid)
-        if "keyshift.runtime.coordinator" in " ".join(p.cmdline())
-    ]  # fmt: skip
+    return coordinators_of(run.proc.pid)
 
 
 def test_a_coordinator_killed_during_a_recovery_is_restarted_again(tmp_path: Path) -> None:

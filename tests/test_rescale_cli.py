@@ -13,7 +13,19 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import KEYSHIFT, REPO, children_of, cli, count_job, wait_for, write_job
+from keyshift.operator.job_registry import lookup
+from keyshift.runtime.transport import JsonClient, TransportError
+from tests.conftest import (
+    KEYSHIFT,
+    REPO,
+    children_of,
+    cli,
+    coordinators_of,
+    count_job,
+    wait_for,
+    write_job,
+)
+from tests.test_rescale import SERVICE
 
 pytestmark = pytest.mark.live
 
@@ -22,6 +34,23 @@ def keyshift(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [KEYSHIFT, *args], cwd=REPO, capture_output=True, text=True, timeout=120, check=False
     )
+
+
+def status_of(job: str) -> dict[str, Any]:
+    """The job's status from its coordinator, found by name in the registry as `keyshift
+    status` finds it; empty while it cannot be had (starting, restarting). For polling: a
+    `keyshift` process per poll costs a busy machine seconds of CPU each."""
+    record = lookup(job)
+    if record is None:
+        return {}
+    client = JsonClient(record["coordinator"], SERVICE)
+    try:
+        status: dict[str, Any] = client.call("Status", timeout=5.0)
+        return status
+    except TransportError:
+        return {}
+    finally:
+        client.close()
 
 
 def test_rescale_a_running_job_by_name(tmp_path: Path) -> None:
@@ -33,14 +62,7 @@ def test_rescale_a_running_job_by_name(tmp_path: Path) -> None:
     )
     with cli(["run", str(write_job(tmp_path, job)), "--no-view"]) as run:
         wait_for(lambda: len(children_of(run.pid)) == 4, 30, "the job's processes")
-        wait_for(
-            lambda: (
-                json.loads(keyshift("status", "clicks-cli").stdout or "{}").get("phase")
-                == "running"
-            ),
-            30,
-            "the job to run",
-        )
+        wait_for(lambda: status_of("clicks-cli").get("phase") == "running", 30, "the job to run")
         out = keyshift("rescale", "clicks-cli", "counts", "3")
         assert out.returncode == 0, out.stdout + out.stderr
         assert "1->3 (hot-first): done" in out.stdout
@@ -91,14 +113,8 @@ def test_a_coordinator_restart_during_the_wait_is_reported_not_taken_for_the_res
         checkpoints={"interval": 2, "storage": str(tmp_path / "checkpoints")},
     )  # fmt: skip
     with cli(["run", str(write_job(tmp_path, job)), "--no-view"]) as run:
-
-        def status() -> dict[str, Any]:
-            """The job's status; empty while it cannot be had (starting, restarting)."""
-            out = keyshift("status", "restarted")
-            return json.loads(out.stdout) if out.returncode == 0 else {}
-
-        wait_for(lambda: (status().get("checkpoints") or {}).get("completed", 0) >= 1, 60,
-                 "a checkpoint")  # fmt: skip
+        checkpoints = lambda: status_of("restarted").get("checkpoints") or {}  # noqa: E731
+        wait_for(lambda: checkpoints().get("completed", 0) >= 1, 60, "a checkpoint")
         # A trickle of 20 keys/s: the move of thousands of keys lasts long enough to kill inside it.
         waiting = subprocess.Popen(
             [KEYSHIFT, "rescale", "restarted", "counts", "2", "--option", "chunk_keys=4",
@@ -109,15 +125,12 @@ def test_a_coordinator_restart_during_the_wait_is_reported_not_taken_for_the_res
         def rescaling() -> bool:
             if waiting.poll() is not None:
                 pytest.fail(f"keyshift rescale ended early: {waiting.communicate()[0]}")
-            return status().get("rescale") is not None
+            return status_of("restarted").get("rescale") is not None
 
         try:
             wait_for(rescaling, 60, "the rescale to start")
-            (coordinator,) = [
-                p for p in children_of(run.pid)
-                if "keyshift.runtime.coordinator" in " ".join(p.cmdline())
-            ]  # fmt: skip
-            coordinator.send_signal(signal.SIGKILL)
+            (coordinator,) = coordinators_of(run.pid)
+            os.kill(coordinator, signal.SIGKILL)
             output, _ = waiting.communicate(timeout=120)
         finally:
             waiting.kill()

@@ -32,11 +32,7 @@ from keyshift.runtime.records import GROUP
 from keyshift.runtime.rocksdb_state import RocksAggregateState, open_database, prepare_directory
 from keyshift.runtime.state import AggregateState
 from tests.conftest import wait_for
-from tests.s3_server import (  # noqa: F401 (a fixture)
-    s3_bucket,
-    s3_endpoint,
-    s3_options,
-)
+from tests.s3_server import s3_bucket, s3_options
 from tests.test_state import G, make_batch
 
 EVERY = np.ones(G, dtype=bool)
