@@ -73,8 +73,10 @@ def migrate_handler(ctx_holder: list[InstanceContext]) -> grpc.GenericRpcHandler
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"fetch refused: {exc}")
             raise AssertionError("unreachable") from None
         ctx.fetches.put(item)
-        if not item.done.wait(FETCH_TIMEOUT):
+        if not item.done.wait(FETCH_TIMEOUT) and item.cancel():
+            # Nothing was handed over: the new owner may ask again.
             context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "fetch not served in time")
+        item.done.wait()  # the loop took it just now: its reply is moments away
         return item.reply
 
     return grpc.method_handlers_generic_handler(

@@ -580,7 +580,8 @@ class KeyedStage:
             while (command := ctx.next_command()) is not None:
                 self.command(command)
             while request := ctx.fetches.get_nowait() if not ctx.fetches.empty() else None:
-                self.fetch(request)
+                if request.take():
+                    self.fetch(request)
             if self.move_out is not None:
                 self.move_out.flush()
                 self.move_out.push_for(PUSH_SLICE)

@@ -253,6 +253,7 @@ MIGRATION_KINDS: dict[str, tuple[MetricName, str]] = {
     "ms_in": (MetricName.MIGRATION_SECONDS, "in"),
     "ms_out": (MetricName.MIGRATION_SECONDS, "out"),
     "fetch_requests": (MetricName.MIGRATION_FETCHES, "requested"),
+    "fetch_retries": (MetricName.MIGRATION_FETCHES, "retried"),
     "fetches": (MetricName.MIGRATION_FETCHES, "served"),
     "records_parked": (MetricName.MIGRATION_RECORDS, "parked"),
     "records_forwarded": (MetricName.MIGRATION_RECORDS, "forwarded"),

@@ -266,7 +266,7 @@ class MoveIn:
         self.parked_in: dict[bool, dict[int, set[int]]] = {True: {}, False: {}}
         self.parked_keys: dict[bool, Counter[Any]] = {True: Counter(), False: Counter()}
         self.arrivals = 0
-        self.replies: queue.Queue[tuple[int, bytes | Exception]] = queue.Queue()
+        self.replies: queue.Queue[tuple[int, dict[Any, int], bytes | Exception]] = queue.Queue()
         self.channels = {
             int(src): ctx.security.channel(command.peers[src], GRPC_OPTIONS)
             for src in command.groups
@@ -346,27 +346,34 @@ class MoveIn:
             self.awaiting_from.setdefault(int(self.source_of[group]), set()).add(key)
             by_owner.setdefault(int(self.source_of[group]), {})[key] = group
         for owner, wanted in by_owner.items():
-            body = FetchBody(epoch=self.epoch, keys=list(wanted), groups=list(wanted.values()))
-            call = self.channels[owner].unary_unary(f"/{MIGRATE_SERVICE}/Fetch", None, None)
-            future = call.future(json.dumps(body.wire()).encode(), timeout=30.0)
-            future.add_done_callback(partial(self._fetched, owner))
-            self.stats["fetch_requests"] += 1
+            self._fetch(owner, wanted)
 
-    def _fetched(self, owner: int, future: Any) -> None:
+    def _fetch(self, owner: int, wanted: dict[Any, int]) -> None:
+        """Ask `owner` for `wanted` (key -> group). No deadline here: the old owner's handler
+        has one, and only it knows whether the state was handed over before it gave up (a
+        lost reply to a served fetch would be lost state). A dead owner fails the call
+        UNAVAILABLE; a hung one is the coordinator's to find by its silence."""
+        body = FetchBody(epoch=self.epoch, keys=list(wanted), groups=list(wanted.values()))
+        call = self.channels[owner].unary_unary(f"/{MIGRATE_SERVICE}/Fetch", None, None)
+        future = call.future(json.dumps(body.wire()).encode())
+        future.add_done_callback(partial(self._fetched, owner, wanted))
+        self.stats["fetch_requests"] += 1
+
+    def _fetched(self, owner: int, wanted: dict[Any, int], future: Any) -> None:
         try:
-            self.replies.put((owner, future.result()))
+            self.replies.put((owner, wanted, future.result()))
         except grpc.RpcError as exc:
-            self.replies.put((owner, exc))
+            self.replies.put((owner, wanted, exc))
 
     def handle_replies(self) -> None:
         changed: set[int] = set()
         while True:
             try:
-                owner, reply = self.replies.get_nowait()
+                owner, wanted, reply = self.replies.get_nowait()
             except queue.Empty:
                 break
             if isinstance(reply, Exception):
-                self._fetch_failed(owner, reply)
+                self._fetch_failed(owner, wanted, reply)
                 continue
             what = f"fetch reply from {self.ctx.stage}/{owner}"
             body, snapshot = unpack(self.seal.open(reply, what))
@@ -385,12 +392,18 @@ class MoveIn:
         if changed:
             self.release(changed)
 
-    def _fetch_failed(self, owner: int, error: Exception) -> None:
-        """An old owner that cannot be reached is gone (or going): that is for the coordinator
-        to act on, with that instance lost as the reason; its keys stay parked until the
-        coordinator aborts the move or stops the job. Any other failure is this move's."""
+    def _fetch_failed(self, owner: int, wanted: dict[Any, int], error: Exception) -> None:
+        """An old owner too busy to serve the fetch in time handed nothing over: ask again. One
+        that cannot be reached is gone (or going): that is for the coordinator to act on, with
+        that instance lost as the reason; its keys stay parked until the coordinator aborts
+        the move or stops the job. Any other failure is this move's."""
         peer = f"{self.ctx.stage}/{owner}"
         code = error.code() if isinstance(error, grpc.Call) else None
+        if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+            log.info("fetch from %s not served in time; asking again", peer)
+            self.stats["fetch_retries"] += 1
+            self._fetch(owner, {k: g for k, g in wanted.items() if k in self.awaiting})
+            return
         if code != grpc.StatusCode.UNAVAILABLE:
             raise ProtocolError(f"fetch from {peer} failed: {error}")
         if owner in self.unreachable or owner in self.lost:

@@ -55,11 +55,31 @@ MIGRATE_SERVICE = "keyshift.Migrate"
 
 @dataclass
 class FetchRequest:
-    """An on-demand state fetch from a new owner, answered by this instance's stage loop."""
+    """An on-demand state fetch from a new owner, answered by this instance's stage loop.
+
+    Serving a fetch hands the keys' state over (the old owner drops it), so a fetch the server
+    gave up on must never be served afterwards: `take` (the loop) and `cancel` (the server's
+    handler, at its deadline) decide under one lock which of them has it."""
 
     body: FetchBody
     done: threading.Event = field(default_factory=threading.Event)
     reply: bytes = b""
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+    _owner: str = ""  # "", "loop" or "cancelled"
+
+    def take(self) -> bool:
+        """The stage loop's claim: False once the handler has cancelled the fetch."""
+        return self._claim("loop")
+
+    def cancel(self) -> bool:
+        """The handler's claim at its deadline: False once the loop is serving the fetch."""
+        return self._claim("cancelled")
+
+    def _claim(self, who: str) -> bool:
+        with self._lock:
+            if not self._owner:
+                self._owner = who
+            return self._owner == who
 
 
 class Stopped(Exception):

@@ -14,6 +14,7 @@ from typing import Any
 import grpc
 import pytest
 
+from keyshift.runtime import instance
 from keyshift.runtime.coordinator import SERVICE, Coordinator
 from keyshift.runtime.instance import migrate_handler
 from keyshift.runtime.job import parse_job
@@ -50,7 +51,7 @@ from keyshift.runtime.protocol import (
     parse_command,
     parse_event,
 )
-from keyshift.runtime.stage_context import MIGRATE_SERVICE, InstanceContext
+from keyshift.runtime.stage_context import MIGRATE_SERVICE, FetchRequest, InstanceContext
 from keyshift.runtime.transport import (
     Inbox,
     JsonClient,
@@ -239,6 +240,36 @@ def test_a_malformed_fetch_is_refused_and_a_good_one_reaches_the_stage_loop() ->
         assert request.body == FetchBody(epoch=2, keys=[1, "a"], groups=[3, 4])
         request.done.set()
         answered.join(timeout=10)
+    finally:
+        channel.close()
+        nowhere.close()
+        server.stop(None)
+
+
+def test_a_fetch_not_served_in_time_hands_nothing_over_and_one_taken_is_answered(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Serving a fetch hands state over: one the handler gave up on (DEADLINE_EXCEEDED, which
+    the new owner answers by asking again) must never be served later, and one the stage loop
+    took before the deadline cannot be given up on."""
+    monkeypatch.setattr(instance, "FETCH_TIMEOUT", 0.2)
+    spec = parse_job(count_job(keyed={"parallelism": 1}, sink={"parallelism": 1}))
+    nowhere = JsonClient("127.0.0.1:1", SERVICE)
+    ctx = InstanceContext(spec, "counts", 0, nowhere, Inbox())
+    ctx.fetch_served.set()
+    server, port = start_server("127.0.0.1:0", [migrate_handler([ctx])])
+    channel = ctx.security.channel(f"127.0.0.1:{port}", [])
+    fetch = channel.unary_unary(f"/{MIGRATE_SERVICE}/Fetch", None, None)
+    body = b'{"epoch": 2, "keys": [1], "groups": [3]}'
+    try:
+        with pytest.raises(grpc.RpcError) as raised:
+            fetch(body, timeout=10)
+        assert raised.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert not ctx.fetches.get(timeout=10).take()  # the loop skips it: nothing handed over
+
+        # The other order: the loop took it first, so the handler's deadline cannot cancel it.
+        taken = FetchRequest(FetchBody(epoch=2, keys=[1], groups=[3]))
+        assert taken.take() and not taken.cancel()
     finally:
         channel.close()
         nowhere.close()
