@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import grpc
@@ -212,9 +213,10 @@ def test_an_instance_handed_a_malformed_command_stops_and_says_why(
         server.stop(None)
 
 
-def test_a_malformed_fetch_is_refused_and_a_good_one_reaches_the_stage_loop() -> None:
-    """The Migrate/Fetch call between keyed instances: its body is parsed before the stage
-    loop sees it (the loop alone touches the state)."""
+@contextmanager
+def fetch_server() -> Iterator[tuple[InstanceContext, Any]]:
+    """A keyed instance's Migrate/Fetch server on loopback (its stage loop played by the test),
+    and a call to it."""
     spec = parse_job(count_job(keyed={"parallelism": 1}, sink={"parallelism": 1}))
     nowhere = JsonClient("127.0.0.1:1", SERVICE)
     ctx = InstanceContext(spec, "counts", 0, nowhere, Inbox())
@@ -223,6 +225,17 @@ def test_a_malformed_fetch_is_refused_and_a_good_one_reaches_the_stage_loop() ->
     channel = ctx.security.channel(f"127.0.0.1:{port}", [])
     fetch = channel.unary_unary(f"/{MIGRATE_SERVICE}/Fetch", None, None)
     try:
+        yield ctx, fetch
+    finally:
+        channel.close()
+        nowhere.close()
+        server.stop(None)
+
+
+def test_a_malformed_fetch_is_refused_and_a_good_one_reaches_the_stage_loop() -> None:
+    """The Migrate/Fetch call between keyed instances: its body is parsed before the stage
+    loop sees it (the loop alone touches the state)."""
+    with fetch_server() as (ctx, fetch):
         for body, message in [
             (b"not json", "fetch refused"),
             (b'{"epoch": 2, "keys": [1.5], "groups": [3]}', "keys.0"),
@@ -240,10 +253,6 @@ def test_a_malformed_fetch_is_refused_and_a_good_one_reaches_the_stage_loop() ->
         assert request.body == FetchBody(epoch=2, keys=[1, "a"], groups=[3, 4])
         request.done.set()
         answered.join(timeout=10)
-    finally:
-        channel.close()
-        nowhere.close()
-        server.stop(None)
 
 
 def test_a_fetch_not_served_in_time_hands_nothing_over_and_one_taken_is_answered(
@@ -253,15 +262,8 @@ def test_a_fetch_not_served_in_time_hands_nothing_over_and_one_taken_is_answered
     the new owner answers by asking again) must never be served later, and one the stage loop
     took before the deadline cannot be given up on."""
     monkeypatch.setattr(instance, "FETCH_TIMEOUT", 0.2)
-    spec = parse_job(count_job(keyed={"parallelism": 1}, sink={"parallelism": 1}))
-    nowhere = JsonClient("127.0.0.1:1", SERVICE)
-    ctx = InstanceContext(spec, "counts", 0, nowhere, Inbox())
-    ctx.fetch_served.set()
-    server, port = start_server("127.0.0.1:0", [migrate_handler([ctx])])
-    channel = ctx.security.channel(f"127.0.0.1:{port}", [])
-    fetch = channel.unary_unary(f"/{MIGRATE_SERVICE}/Fetch", None, None)
     body = b'{"epoch": 2, "keys": [1], "groups": [3]}'
-    try:
+    with fetch_server() as (ctx, fetch):
         with pytest.raises(grpc.RpcError) as raised:
             fetch(body, timeout=10)
         assert raised.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
@@ -270,10 +272,6 @@ def test_a_fetch_not_served_in_time_hands_nothing_over_and_one_taken_is_answered
         # The other order: the loop took it first, so the handler's deadline cannot cancel it.
         taken = FetchRequest(FetchBody(epoch=2, keys=[1], groups=[3]))
         assert taken.take() and not taken.cancel()
-    finally:
-        channel.close()
-        nowhere.close()
-        server.stop(None)
 
 
 def test_the_status_reply_is_a_status_reply_on_the_wire(
