@@ -18,14 +18,17 @@ import pyarrow as pa
 import pytest
 import yaml
 
+from keyshift.runtime.checkpoint_store import CheckpointMeta
 from keyshift.runtime.ingest_client import IngestClient
 from keyshift.runtime.job import JobError, WindowOperator, parse_job
 from keyshift.runtime.metrics import MetricName
 from keyshift.runtime.output_log import OutputLogReader
 from keyshift.runtime.pipeline import Dataflow, source
 from keyshift.runtime.protocol import STRATEGIES
+from keyshift.runtime.records import GROUP, record_schema
+from keyshift.runtime.state import KEY_COL, AggregateState
 from keyshift.runtime.transport import JsonClient
-from keyshift.runtime.windows import WindowShape
+from keyshift.runtime.windows import KeyedWindows, WindowShape
 from tests.conftest import count_job, running_job, wait_for
 from tests.nexmark_reference import run_query, source_events, write_events
 from tests.test_nexmark_queries import (
@@ -412,3 +415,43 @@ def test_late_records_update_their_window_within_the_lateness_and_go_to_the_log_
     assert logged.column("user").to_pylist() == ["a"] * 4
     assert logged.column("window_start").to_pylist() == [start] * 4
     assert logged.column("at").to_pylist() == [start + 2] * 4
+
+
+def test_a_restored_or_moved_window_that_fired_is_known_as_fired_by_its_groups_watermark() -> None:
+    """Two windows in a store with 100 µs of allowed lateness; one fires. A new instance over
+    the store (a restore, or the groups moved in) whose own watermark is lower (a stage's is
+    its slowest instance's) but told the group's old watermark fires only the other one; a
+    late record for the fired window is no too-late one until its lateness ends, when both
+    leave the store."""
+    state = AggregateState("count", 8, pa.string())
+
+    def windows() -> KeyedWindows:
+        return KeyedWindows(WindowShape(10, 10), "count", "user", pa.string(), state, 8, 100)
+
+    def rows(user: str, at: int, group: int) -> pa.RecordBatch:
+        schema = record_schema({"user": "str"})
+        batch = pa.record_batch([[user], [at], [at], [0], [0], [group]], schema=schema)
+        return first.expand(batch)
+
+    first, owned = windows(), np.ones(8, dtype=bool)
+    update = state.apply(pa.concat_batches([rows("a", 5, 1), rows("b", 15, 2)]), "user", None)
+    groups = update.batch.column(GROUP).to_numpy()
+    first.track(update.batch.column(KEY_COL), groups, first.threshold(None, groups))
+    fired = first.fire(10, owned)
+    assert fired is not None and fired.column("key").to_pylist() == ["a"]
+    again = windows()
+    again.hand_over(np.array([1]), 10)  # group 1's instance was at 10 when it handed it on
+    again.rebuild([1, 2], 0)
+    fired = again.fire(20, owned)
+    assert fired is not None and fired.column("key").to_pylist() == ["b"]
+    late = rows("a", 7, 1)
+    assert not again.too_late(late, again.threshold(20, np.array([1]))).any()
+    assert again.too_late(late, again.threshold(110, np.array([1]))).all()
+    assert again.fire(200, owned) is None and state.key_count == 0
+
+
+def test_a_checkpoint_keeps_each_instances_watermark() -> None:
+    meta = CheckpointMeta(id=3, created=1.0, instance_watermarks={"q5": {"0": 10, "1": 12}})
+    assert CheckpointMeta.from_json(meta.to_json()).instance_watermarks == {
+        "q5": {"0": 10, "1": 12}
+    }
