@@ -20,7 +20,8 @@ import yaml
 
 from keyshift.runtime.checkpoint_store import CheckpointMeta
 from keyshift.runtime.ingest_client import IngestClient
-from keyshift.runtime.job import JobError, WindowOperator, parse_job
+from keyshift.runtime.job import JobError, LateRecordsLog, WindowOperator, parse_job
+from keyshift.runtime.late_records import LateRecordsWriter
 from keyshift.runtime.metrics import MetricName
 from keyshift.runtime.output_log import OutputLogReader
 from keyshift.runtime.pipeline import Dataflow, source
@@ -455,3 +456,28 @@ def test_a_checkpoint_keeps_each_instances_watermark() -> None:
     assert CheckpointMeta.from_json(meta.to_json()).instance_watermarks == {
         "q5": {"0": 10, "1": 12}
     }
+
+
+def test_the_late_records_log_keeps_what_the_disk_refused_and_writes_it_with_the_next(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A write the disk refuses (here the partition's directory is a file for a while) loses
+    nothing and stops nothing: the rows wait and go out with the next write."""
+    writer = LateRecordsWriter(LateRecordsLog(path=str(tmp_path)), "per-user", 0)
+    schema = record_schema({"user": "str"})
+
+    def rows(user: str) -> pa.RecordBatch:
+        return pa.record_batch([[user], [7], [7], [0], [0], [3]], schema=schema)
+
+    partition = tmp_path / "per-user" / "part-00000"
+    partition.rmdir()
+    partition.write_text("in the way")
+    writer.write(rows("a"))
+    assert "late records kept in memory for now" in caplog.text
+    partition.unlink()
+    partition.mkdir()
+    writer.write(rows("b"))
+    writer.close()
+    logged = OutputLogReader(tmp_path / "per-user").read_all()
+    assert logged.column("user").to_pylist() == ["a", "b"]
+    assert logged.schema.names == ["offset", "user", "event_time"]  # nothing job-internal
