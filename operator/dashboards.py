@@ -621,6 +621,14 @@ def overview_dashboard() -> Json:
             ],
             "recps",
         ),
+        timeseries(
+            "Late records",
+            "Rows of event-time windows (one per record and window) that came after the "
+            "watermark passed their window's end plus the allowed lateness: not applied, "
+            "written to the job's late-records log if it names one.",
+            [(by("sum", "stage", rate(M.LATE_RECORDS, JOB, STAGE)), "{{stage}}")],
+            "recps",
+        ),
     ]
     return dashboard(
         "keyshift-overview",

@@ -112,6 +112,9 @@ class CheckpointMeta:
     databases: dict[str, dict[str, ShardFile]] = field(default_factory=dict)
     # Per stage, its event-time watermark: the lowest of its instances' when they aligned.
     watermarks: dict[str, int] = field(default_factory=dict)
+    # Per stage, each instance's (by index) when it aligned: a restore takes the windows of its
+    # groups below it as fired (keyshift.runtime.windows).
+    instance_watermarks: dict[str, dict[str, int]] = field(default_factory=dict)
     # The keyed stages after the first in a job of several (the first's are `assignment` and
     # `groups`, as in a job of one), by stage.
     later: dict[str, KeyedGroups] = field(default_factory=dict)
@@ -165,6 +168,10 @@ class CheckpointMeta:
                 for stage, part in data.get("later", {}).items()
             },
             watermarks={str(k): int(v) for k, v in data.get("watermarks", {}).items()},
+            instance_watermarks={
+                str(stage): {str(i): int(mark) for i, mark in marks.items()}
+                for stage, marks in data.get("instance_watermarks", {}).items()
+            },
         )
 
 

@@ -287,6 +287,7 @@ class CheckpointDriver:
         sources: dict[str, Any] = {}
         outputs: dict[str, int] = {}
         keyed_marks: dict[str, list[int | None]] = {}
+        instance_marks: dict[str, dict[str, int]] = {}
         written = 0
         for reported in events:
             event = reported.event
@@ -296,6 +297,9 @@ class CheckpointDriver:
                 groups.setdefault(reported.stage, {}).update(chains_from_json(event.chains))
                 written += event.written
                 keyed_marks.setdefault(reported.stage, []).append(event.watermark)
+                if event.watermark is not None:
+                    marks = instance_marks.setdefault(reported.stage, {})
+                    marks[str(reported.index)] = event.watermark
                 if event.writer is not None and event.database is not None:
                     databases[event.writer] = database_from_json(event.database)
             elif isinstance(event, SinkCheckpointAck) and event.offset is not None:
@@ -324,6 +328,7 @@ class CheckpointDriver:
                 if stage != first
             },
             watermarks=watermarks,
+            instance_watermarks=instance_marks,
         )
 
 

@@ -363,6 +363,13 @@ class LogSink(_Model):
         return self
 
 
+class LateRecordsLog(_Model):
+    """The job's late-records log (keyshift.runtime.late_records)."""
+
+    path: str = Field(description="directory: an output log per keyed stage under it")
+    format: Literal["jsonl", "parquet"] = "jsonl"
+
+
 class FunctionSink(_Model):
     kind: Literal["function"]
     function: str = Field(description="module:function called with each pyarrow.RecordBatch")
@@ -388,13 +395,27 @@ class Transform(_Model):
         return self
 
 
-class AggregateOperator(_Model):
+class _NoWindows(_Model):
+    """An operator that fires no windows: a window's settings on it are refused by name."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_lateness(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "allowed_lateness_ms" in data:
+            raise ValueError(
+                "allowed_lateness_ms is a window's setting: the "
+                f"{data.get('kind', 'aggregate')!r} operator fires no windows to be late for"
+            )
+        return data
+
+
+class AggregateOperator(_NoWindows):
     kind: Literal["aggregate"] = "aggregate"
     function: AggregateFunction = "count"
     field: str | None = Field(default=None, description="numeric field aggregated (not for count)")
 
 
-class ProcessOperator(_Model):
+class ProcessOperator(_NoWindows):
     kind: Literal["process"]
     function: str = Field(description="module:function(state, record) -> (state, output or None)")
 
@@ -446,6 +467,18 @@ class WindowOperator(_Model):
     window: WindowConfig
     function: AggregateFunction = "count"
     field: str | None = Field(default=None, description="numeric field aggregated (not for count)")
+    allowed_lateness_ms: float = Field(
+        default=0,
+        ge=0,
+        le=365 * 86_400_000,
+        description="a fired window is kept until the watermark passes its end by this much; a "
+        "record for it meanwhile sends its updated result (a higher n and version, replacing "
+        "the earlier one by key and window); records later than that go to the job's "
+        "late_records log",
+    )
+
+    def allowed_lateness_us(self) -> int:
+        return round(self.allowed_lateness_ms * 1000)
 
     def size_and_slide_us(self) -> tuple[int, int]:
         window = self.window
@@ -804,6 +837,11 @@ class JobSpec(_Model):
     checkpoints: CheckpointSettings | None = Field(
         default=None, description="periodic checkpoints of the keyed state; none takes none"
     )
+    late_records: LateRecordsLog | None = Field(
+        default=None,
+        description="where records too late for their windows (after the allowed lateness) "
+        "are written; none: they are only counted (keyshift_late_records_total)",
+    )
     restart: RestartStrategy = Field(
         default_factory=RestartStrategy,
         description="how a job with checkpoints is restarted after a failure: exponential "
@@ -1041,6 +1079,14 @@ class JobSpec(_Model):
             if step.stage.parallelism > self.max_key_groups:
                 raise ValueError(
                     f"keyed.parallelism of stage {step.stage.name!r} must not exceed max_key_groups"
+                )
+            op = step.stage.operator
+            feeds_keyed = any(route.target != self.sink.name for route in step.outputs)
+            if isinstance(op, WindowOperator) and op.allowed_lateness_ms and feeds_keyed:
+                raise ValueError(
+                    f"stage {step.stage.name!r}: not supported yet: allowed_lateness_ms on a "
+                    "window that feeds another keyed stage (its updated results would count "
+                    "there as new records); only a window feeding the sink may have it"
                 )
         if self.graph is None:
             try:

@@ -18,7 +18,9 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
+from keyshift.runtime.checkpoint_store import CheckpointMeta
 from keyshift.runtime.checkpointing import BarrierAligner, KeyedCheckpointer
 from keyshift.runtime.edge_router import Outputs, Routed
 from keyshift.runtime.job import (
@@ -28,6 +30,8 @@ from keyshift.runtime.job import (
     WindowOperator,
     resolve_function,
 )
+from keyshift.runtime.keyspace import Assignment
+from keyshift.runtime.late_records import LateRecordsWriter
 from keyshift.runtime.metrics import MetricName
 from keyshift.runtime.migration import MoveIn, MoveOut, ProtocolError
 from keyshift.runtime.protocol import (
@@ -181,8 +185,14 @@ class KeyedStage:
                 ARROW_TYPES[step.fields[self.key_field]],
                 self.state,  # type: ignore[arg-type]
                 spec.max_key_groups,
+                op.allowed_lateness_us(),
             )
             if isinstance(op, WindowOperator)
+            else None
+        )
+        self.late_records = (
+            LateRecordsWriter(spec.late_records, ctx.stage, ctx.index)
+            if self.windows is not None and spec.late_records is not None
             else None
         )
         self.out_schema = process_output_schema(self.state.key_type)
@@ -221,8 +231,17 @@ class KeyedStage:
                 self.watermark.current,
             )
             if self.windows is not None:
-                self.windows.rebuild(np.flatnonzero(self.owned).tolist())
+                self.restore_windows(restore)
         ctx.fetch_served.set()
+
+    def restore_windows(self, restore: CheckpointMeta) -> None:
+        """Each group's windows that fired before the checkpoint, as fired: below the
+        watermark its instance had then (the stage's is the lowest of them)."""
+        assert self.windows is not None
+        owners = Assignment.from_json(restore.assignment).owners
+        for index, mark in restore.instance_watermarks.get(self.ctx.stage, {}).items():
+            self.windows.hand_over(np.flatnonzero(owners == int(index)), mark)
+        self.windows.rebuild(np.flatnonzero(self.owned).tolist(), self.watermark.current)
 
     # -- records ---------------------------------------------------------------------------
 
@@ -247,33 +266,45 @@ class KeyedStage:
         self.send_out(out, t0)
 
     def drop_late(self, batch: pa.RecordBatch, watermark: int | None) -> pa.RecordBatch:
-        """Window rows (keyshift.runtime.windows) but those of windows complete at `watermark`
-        or at the instance their group came from, which are late: counted and dropped."""
+        """Window rows (keyshift.runtime.windows) but those too late for their window at
+        `watermark` or at the instance their group came from (past its end and the allowed
+        lateness): counted, and written to the late-records log if the job has one."""
         assert self.windows is not None
         groups = batch.column(GROUP).to_numpy()
-        late = self.windows.late(batch, self.windows.threshold(watermark, groups))
+        late = self.windows.too_late(batch, self.windows.threshold(watermark, groups))
         if not late.any():
             return batch
-        self.ctx.reject(
-            "late window row(s)",
-            batch.filter(pa.array(late)).slice(0, 1).to_pylist(),
-            int(late.sum()),
-        )
+        self.ctx.metrics.count(MetricName.LATE_RECORDS, int(late.sum()))
+        if self.late_records is not None:
+            self.late_records.write(self.windows.as_records(batch.filter(pa.array(late))))
         return batch.filter(pa.array(~late))
 
     def apply_to_windows(self, batch: pa.RecordBatch) -> None:
-        """Window rows into their windows' state. They were judged late or not against the
+        """Window rows into their windows' state. They were judged too late or not against the
         watermark when they arrived (`records`): parked records of a group moving in are
         applied later, when the watermark may have passed their window, which has not fired
         (a group's windows fire here once it is in). Only the old owner's watermark, known by
-        then, is checked again: what it fired is complete."""
+        then, is checked again: what it fired is complete. A window that has fired (here or
+        at the old owner) and is still within its allowed lateness sends its updated result."""
         assert self.windows is not None and isinstance(
             self.state, AggregateState | RocksAggregateState
         )
+        t0 = time.perf_counter()
         batch = self.drop_late(batch, None)
         if batch.num_rows:
             update = self.state.apply(batch, self.key_field, self.value_field).batch
-            self.windows.track(update.column(KEY_COL), update.column(GROUP).to_numpy())
+            groups = update.column(GROUP).to_numpy()
+            ready = self.ready()[groups]
+            floor = self.windows.threshold(None, groups)
+            current = self.watermark.current
+            # A group still moving in has fired nothing here yet: only its old owner's fires
+            # count for it (its own wait for in_done).
+            threshold = (
+                floor if current is None else np.where(ready, np.maximum(floor, current), floor)
+            )
+            fired = self.windows.track(update.column(KEY_COL), groups, threshold)
+            if len(fired):
+                self.send_out(self.windows.results(pc.unique(fired).to_pylist()), t0)
 
     def send_out(self, out: pa.RecordBatch | None, started: float) -> None:
         """Updates to the sink instance of each one's key group and to the keyed stages fed."""
@@ -425,7 +456,8 @@ class KeyedStage:
                 move_in = self.move_in
                 self.move_in = None
                 if self.windows is not None:
-                    self.windows.rebuild(np.flatnonzero(move_in.source_of >= 0).tolist())
+                    # As fired or not by their old owners' watermarks (hand_over).
+                    self.windows.rebuild(np.flatnonzero(move_in.source_of >= 0).tolist(), None)
                     self.fire_windows()
                 self.forward_watermark(release=move_in.epoch)
                 move_in.close()
@@ -521,11 +553,15 @@ class KeyedStage:
         current = self.watermark.current
         if self.windows is not None and current is not None:
             t0 = time.perf_counter()
-            # Windows of groups still moving in wait for all their records: until in_done.
-            ready = (
-                self.owned if self.move_in is None else self.owned & (self.move_in.source_of < 0)
-            )
-            self.send_out(self.windows.fire(current, ready), t0)
+            self.send_out(self.windows.fire(current, self.ready()), t0)
+
+    def ready(self) -> np.ndarray:
+        """The groups whose windows fire here: owned, and not still moving in (their windows
+        wait for all their records: until in_done)."""
+        ready: np.ndarray = self.owned
+        if self.move_in is not None:
+            ready = ready & (self.move_in.source_of < 0)
+        return ready
 
     def checkpoint_if_aligned(self) -> None:
         """Once every live sender's barrier is in: snapshot the owned groups (their upload
@@ -616,6 +652,8 @@ class KeyedStage:
             self.acknowledge(self.checkpointer.wait())
         # A retired instance only leaves: a later one of its name may join the stage again.
         kind = LEAVE if self.retire else END
+        if self.late_records is not None:
+            self.late_records.close()
         self.outputs.finish(kind)
         for outlet in self.sinks.values():
             outlet.finish(kind=kind)

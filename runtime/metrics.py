@@ -48,6 +48,7 @@ class MetricName(StrEnum):
     STATE_BYTES = "keyshift_state_bytes"
     PARALLELISM = "keyshift_stage_instances"
     INVALID_RECORDS = "keyshift_invalid_records_total"
+    LATE_RECORDS = "keyshift_late_records_total"
     SOURCE_TARGET_RATE = "keyshift_source_target_records_per_second"
     SOURCE_BACKLOG = "keyshift_source_backlog_records"
     CLIENT_BACKLOG = "keyshift_source_client_backlog_records"
@@ -87,6 +88,7 @@ COUNTERS = (
     MetricName.BUSY_SECONDS,
     MetricName.IDLE_SECONDS,
     MetricName.BACKPRESSURED_SECONDS,
+    MetricName.LATE_RECORDS,
 )
 
 HELP: dict[MetricName, str] = {
@@ -100,8 +102,10 @@ HELP: dict[MetricName, str] = {
     MetricName.STATE_KEYS: "Keys held in this instance's keyed state.",
     MetricName.STATE_BYTES: "Estimated bytes of this instance's keyed state.",
     MetricName.PARALLELISM: "Instances of this instance's stage (its parallelism).",
-    MetricName.INVALID_RECORDS: "Records rejected because they do not fit the job's schema, or "
-    "(reason late) rows of event-time windows the watermark had passed when they arrived.",
+    MetricName.INVALID_RECORDS: "Records rejected because they do not fit the job's schema.",
+    MetricName.LATE_RECORDS: "Rows of event-time windows (one per record and window) that came "
+    "after the watermark passed their window's end plus the allowed lateness: not applied, "
+    "written to the job's late-records log if it names one.",
     MetricName.SOURCE_TARGET_RATE: "Records per second the source's load profile asks for now.",
     MetricName.SOURCE_BACKLOG: "Records that arrived (or fell due) but the source has not "
     "taken in yet.",

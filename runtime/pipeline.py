@@ -573,13 +573,16 @@ class KeyedStream:
         name: str | None = None,
         parallelism: int | None = None,
         state: Mapping[str, Any] | None = None,
+        allowed_lateness_ms: float | None = None,
     ) -> Stream:
         """A count/sum/min/max/mean of `field` per key and event-time window (`window` as a
         job file's: `{"kind": "tumbling", "size_ms": ...}` or `{"kind": "sliding",
         "size_ms": ..., "slide_ms": ...}`), each result sent once the watermark passes the
-        window's end; the source needs `event_time` settings."""
+        window's end; the source needs `event_time` settings. With `allowed_lateness_ms`, a
+        late record within it sends the window's updated result; later ones go to the
+        Dataflow's `late_records` log (`Dataflow(..., late_records={"path": ...})`)."""
         operator = {"kind": "window", "window": dict(window), "function": function} | _given(
-            field=field
+            field=field, allowed_lateness_ms=allowed_lateness_ms
         )
         return self._keyed("window", operator, name, parallelism, state)
 

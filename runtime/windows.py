@@ -1,5 +1,6 @@
 """Event-time windows per key in the keyed stage: tumbling and sliding (hopping) windows with
-the built-in aggregates, fired once when the instance's watermark passes a window's end.
+the built-in aggregates, fired once when the instance's watermark passes a window's end, and
+updated by late records within the stage's allowed lateness.
 
 Window state is keyed state like any other: each (key, window) is one entry of the stage's
 aggregate store under a composite string key (`key`, the unit separator, the window's start),
@@ -9,13 +10,22 @@ per window they fall in (vectorised) as they reach the keyed instance; the migra
 then parks, forwards and fetches those rows by their composite key, as it does plain keys.
 
 Which windows wait to fire is an index kept beside the store (window end -> composite keys and
-their groups), rebuilt from the store after a restore and for the groups a move brought in. A
-fired window is deleted from the store (with a tombstone for incremental checkpoints), so a
-recovery that restores a checkpoint taken after it does not fire it again, and one taken
-before it fires it once more into an output log truncated to that checkpoint. Records for a
-window whose end the watermark has passed are late: counted and dropped. An instance that
-hands groups over tells the new owner its watermark first (`floor`), so a window the old owner
-fired is late at the new owner too, never fired twice.
+their groups), rebuilt from the store after a restore and for the groups a move brought in.
+Without allowed lateness a fired window is deleted from the store (with a tombstone for
+incremental checkpoints), so a recovery that restores a checkpoint taken after it does not
+fire it again, and one taken before it fires it once more into an output log truncated to that
+checkpoint. With allowed lateness L a fired window stays in the store (a second index: end + L
+-> its keys) until the watermark reaches end + L; a record for it meanwhile is applied and the
+window's updated result sent at once (more records in it: a higher `n` and `version`, which
+replaces the earlier result by key and window downstream). Records for a window whose end + L
+the watermark has passed are too late: the keyed stage counts them and hands them to the
+job's late-records log.
+
+Whether a window in the store has fired is never stored with it: it has iff its end is at or
+below the group's threshold, the highest of the instance's watermark and the watermark of the
+instance the group came from (`hand_over`: a move tells the new owner its watermark first, and
+a restore tells each group the watermark its instance had at the checkpoint). So a window the
+old owner fired is late at the new owner too, never fired twice.
 
 Called by `keyshift.runtime.keyed_stage` only.
 """
@@ -107,13 +117,17 @@ class KeyedWindows:
         key_type: pa.DataType,
         state: WindowStore,
         max_key_groups: int,
+        lateness_us: int = 0,
     ) -> None:
         self.shape = shape
+        self.lateness_us = lateness_us
         self.function = function
         self.key_field = key_field
         self.key_type = key_type
         self.state = state
         self.pending: dict[int, dict[str, int]] = {}  # window end -> composite key -> group
+        # Fired windows kept for late records: end + lateness -> composite key -> group.
+        self.retained: dict[int, dict[str, int]] = {}
         # Per group, the watermark of the instance that handed it over: its windows that had
         # fired there are late here, whatever this instance's own watermark says.
         self.handed_over = np.full(max_key_groups, np.iinfo(np.int64).min, dtype=np.int64)
@@ -131,6 +145,14 @@ class KeyedWindows:
         index = taken.schema.get_field_index(self.key_field)
         return taken.set_column(index, self.key_field, keys)
 
+    def as_records(self, rows: pa.RecordBatch) -> pa.RecordBatch:
+        """Expanded rows as the records they came from, each with its window's start."""
+        composite = rows.column(self.key_field)
+        index = rows.schema.get_field_index(self.key_field)
+        originals = pc.list_element(pc.split_pattern(composite, SEPARATOR), 0)
+        records = rows.set_column(index, self.key_field, originals.cast(self.key_type))
+        return records.append_column(WINDOW_START, pa.array(_starts(composite)))
+
     def hand_over(self, groups: np.ndarray, watermark: int) -> None:
         """Groups moving here from an instance at `watermark`."""
         self.handed_over[groups] = np.maximum(self.handed_over[groups], watermark)
@@ -140,35 +162,67 @@ class KeyedWindows:
         floor: np.ndarray = self.handed_over[groups]
         return floor if watermark is None else np.maximum(floor, watermark)
 
-    def late(self, batch: pa.RecordBatch, threshold: np.ndarray) -> np.ndarray:
-        """A mask of the expanded rows whose window the threshold has passed."""
-        ends = _starts(batch.column(self.key_field)) + self.shape.size_us
-        result: np.ndarray = ends <= threshold
+    def ends(self, keys: pa.Array) -> np.ndarray:
+        """The end of each composite key's window."""
+        ends: np.ndarray = _starts(keys) + self.shape.size_us
+        return ends
+
+    def too_late(self, batch: pa.RecordBatch, threshold: np.ndarray) -> np.ndarray:
+        """A mask of the expanded rows whose window's end + allowed lateness the threshold has
+        passed: their window is gone (or going), they can change no result."""
+        result: np.ndarray = self.ends(batch.column(self.key_field)) + self.lateness_us <= threshold
         return result
 
-    def track(self, keys: pa.Array, groups: np.ndarray) -> None:
-        """Windows that hold state now wait to fire."""
-        ends = _starts(keys) + self.shape.size_us
-        for end, key, group in zip(ends.tolist(), keys.to_pylist(), groups.tolist(), strict=True):
-            self.pending.setdefault(end, {})[key] = group
+    def track(self, keys: pa.Array, groups: np.ndarray, threshold: np.ndarray) -> pa.Array:
+        """Windows that hold state now: those the threshold has not passed wait to fire, the
+        others have fired and are kept until their lateness ends. Returns the latter's keys."""
+        ends = self.ends(keys)
+        fired = ends <= threshold
+        lists = keys.to_pylist()
+        for end, key, group, done in zip(
+            ends.tolist(), lists, groups.tolist(), fired.tolist(), strict=True
+        ):
+            if done:
+                self.retained.setdefault(end + self.lateness_us, {})[key] = group
+            else:
+                self.pending.setdefault(end, {})[key] = group
+        return keys.filter(pa.array(fired))
 
-    def rebuild(self, groups: Iterable[int]) -> None:
-        """Index the windows `groups` hold (after a restore, or a move in)."""
+    def rebuild(self, groups: Iterable[int], watermark: int | None) -> None:
+        """Index the windows `groups` hold (after a restore, or a move in), as fired or not by
+        `watermark` (None: by the groups' old owners' alone)."""
         snapshot = self.state.snapshot_groups(groups)
         if snapshot.num_rows:
-            self.track(snapshot.column(KEY_COL), snapshot.column(GROUP_COL).to_numpy())
+            owners = snapshot.column(GROUP_COL).to_numpy()
+            self.track(snapshot.column(KEY_COL), owners, self.threshold(watermark, owners))
 
     def fire(self, watermark: int, owned: np.ndarray) -> pa.RecordBatch | None:
-        """Every window of an owned group whose end the watermark has reached, out of the store:
-        their results. Windows of groups no longer owned (moved away) leave the index."""
-        due = sorted(end for end in self.pending if end <= watermark)
-        keys: list[str] = []
-        for end in due:
-            keys += [k for k, group in self.pending.pop(end).items() if owned[group]]
-        if not keys:
+        """Every window of an owned group whose end the watermark has reached: their results;
+        without allowed lateness they leave the store, with it they stay until it ends. Windows
+        of groups no longer owned (moved away) leave the indexes."""
+        self._expire(watermark, owned)
+        due = _due(self.pending, watermark, owned)
+        if not due:
             return None
+        keys = [key for key, _ in due]
+        out = self.results(keys)
+        if self.lateness_us:
+            ends = self.ends(pa.array(keys, pa.string())) + self.lateness_us
+            for (key, group), end in zip(due, ends.tolist(), strict=True):
+                self.retained.setdefault(end, {})[key] = group
+        else:
+            self.state.expire_keys(keys)
+        return out
+
+    def _expire(self, watermark: int, owned: np.ndarray) -> None:
+        """Fired windows whose lateness the watermark has passed leave the store."""
+        due = _due(self.retained, watermark, owned)
+        if due:
+            self.state.expire_keys([key for key, _ in due])
+
+    def results(self, keys: Sequence[str]) -> pa.RecordBatch:
+        """The windows' results as they stand in the store."""
         snapshot = self.state.snapshot_keys(keys)
-        self.state.expire_keys(keys)
         composite = snapshot.column(KEY_COL)
         starts = _starts(composite)
         ends = starts + self.shape.size_us
@@ -193,3 +247,14 @@ class KeyedWindows:
             snapshot.column(GROUP_COL).cast(pa.int32()),
         ]
         return pa.RecordBatch.from_arrays(columns, schema=self.out_schema)
+
+
+def _due(
+    index: dict[int, dict[str, int]], watermark: int, owned: np.ndarray
+) -> list[tuple[str, int]]:
+    """The (key, group) entries of `index` (time -> key -> group) at or below the watermark,
+    out of it: those of owned groups (the others moved away), in time order."""
+    due: list[tuple[str, int]] = []
+    for time in sorted(t for t in index if t <= watermark):
+        due += [(key, group) for key, group in index.pop(time).items() if owned[group]]
+    return due

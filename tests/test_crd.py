@@ -512,6 +512,17 @@ REFUSED = {
     ),
     "a typo in a spec field": (_set("spec.imagePulPolicy", "Always"), "imagePulPolicy"),
     "a job that is no mapping": (_set("spec.job", ["clicks"]), "spec.job: ['clicks']"),
+    "a negative allowed lateness": (
+        _set(
+            "spec.job.keyed.operator",
+            {
+                "kind": "window",
+                "allowed_lateness_ms": -5,
+                "window": {"kind": "tumbling", "size_ms": 1000},
+            },
+        ),
+        "spec.job.keyed.operator.allowed_lateness_ms: -5 is less than the minimum of 0",
+    ),
 }
 
 
@@ -554,6 +565,10 @@ PROBLEMS = {
     "a field of another kind of profile": (
         _set("spec.job.source.config.profile.period", 10),
         "source.config.profile.period: Extra inputs are not permitted",
+    ),
+    "allowed lateness on a stage that fires no windows": (
+        _set("spec.job.keyed.operator", {"kind": "aggregate", "allowed_lateness_ms": 5}),
+        "allowed_lateness_ms is a window's setting: the 'aggregate' operator fires no windows",
     ),
     "the same name for a source and a sink": (
         _set(
