@@ -10,6 +10,7 @@ retired instance's last samples are never mistaken for capacity. Wired by the lo
 
 from __future__ import annotations
 
+import http.client
 import itertools
 import math
 import threading
@@ -274,17 +275,21 @@ def _rate(samples: list[tuple[float, dict[str, float]]], name: str) -> float:
 
 
 def _scrape(address: str, timeout: float) -> dict[str, float] | None:
+    """An instance's counters and gauges, or None when what answers at `address` is not (or not
+    yet, or no longer) its metrics endpoint: a retired instance's port may already be another
+    process's gRPC port, whose bytes are no HTTP reply, and one such answer must not end the
+    scraping thread."""
     wanted = {*COUNTERS, *GAUGES}
     try:
         with urllib.request.urlopen(f"http://{address}/metrics", timeout=timeout) as reply:
             text = reply.read().decode()
-    except (urllib.error.URLError, OSError):
+        values: dict[str, float] = {}
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name in wanted:
+                    values[sample.name] = values.get(sample.name, 0.0) + float(sample.value)
+    except (urllib.error.URLError, OSError, http.client.HTTPException, ValueError):
         return None
-    values: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name in wanted:
-                values[sample.name] = values.get(sample.name, 0.0) + float(sample.value)
     return values
 
 
