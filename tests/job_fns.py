@@ -157,3 +157,28 @@ def costly_second(state: Any, record: dict[str, Any]) -> tuple[Any, Any]:
     """`nest` at the second stage's cost for the record's phase."""
     _pay("second", record)
     return nest(state, record)
+
+
+# Timers (keyshift.runtime.timers): bids per auction per PERIOD_US of event time, each count
+# emitted once by an event-time timer when the watermark passes its period's end.
+PERIOD_US = 2_000_000
+
+
+def count_until_period_end(
+    state: dict[int, int] | None, record: dict[str, Any], timers: Any
+) -> tuple[Any, Any]:
+    """Count the record in its period and have the period's end fire a timer (registering
+    one that exists already changes nothing)."""
+    end = (record["event_time"] // PERIOD_US + 1) * PERIOD_US
+    counts = state or {}
+    counts[end] = counts.get(end, 0) + 1
+    timers.register_event_time_timer(end)
+    return counts, None
+
+
+def emit_period(
+    state: dict[int, int], key: Any, timestamp: int, kind: str, timers: Any
+) -> tuple[Any, Any]:
+    """The period that ended: emit (its end, its count, the timer's kind) and forget it."""
+    count = state.pop(timestamp)
+    return state or None, [timestamp, count, kind]
