@@ -306,8 +306,7 @@ class KeyedStage:
         if self.timers is not None:
             refused = self.timers.take_invalid()
             if refused:
-                self.ctx.metrics.invalid(INVALID_REASON, len(refused))
-                log.warning("%d timers refused, e.g.: %s", len(refused), refused[0])
+                self.ctx.reject(f"{INVALID_REASON} registrations refused", refused[0], len(refused))
         return pa.RecordBatch.from_pylist(rows, schema=self.out_schema)
 
     def fire_timers(self, kind: TimerKind) -> None:

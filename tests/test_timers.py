@@ -28,7 +28,7 @@ from keyshift.runtime.state import KEY_COL, ProcessState
 from keyshift.runtime.state_values import ValueCodec
 from keyshift.runtime.timers import EVENT, PROCESSING, KeyedTimers, TimerService
 from tests import job_fns
-from tests.conftest import STATE_BACKENDS, state_settings
+from tests.conftest import STATE_BACKENDS, count_job, running_job, state_settings, wait_for
 from tests.nexmark_reference import source_events
 from tests.test_nexmark_queries import (
     SOURCE,
@@ -175,6 +175,31 @@ def test_an_event_time_timer_without_event_time_is_refused_and_the_function_goes
     refused = timers.take_invalid()
     assert len(refused) == 2 and "no event time" in refused[0]
     assert timers.take_invalid() == []
+
+
+@pytest.mark.live
+def test_event_time_timers_on_a_stage_without_event_time_are_counted_not_a_crash(
+    tmp_path: Path,
+) -> None:
+    total = 2000
+    job = count_job(
+        source={"config": {"kind": "generator", "keys": 50, "seed": 4, "total": total}},
+        keyed={
+            "parallelism": 1,
+            "operator": {
+                "kind": "process",
+                "function": "tests.job_fns:count_until_period_end",
+                "on_timer": "tests.job_fns:emit_period",
+            },
+        },
+        sink={"config": {"kind": "log", "path": str(tmp_path / "out")}},
+    )
+    with running_job(tmp_path, job) as local:
+        wait_for(lambda: local.status()["phase"] == "finished", 60, "the job to finish")
+        (keyed,) = local.status()["stages"][1]["instances"]
+        assert keyed["stats"]["invalid"] == total
+    log = (tmp_path / "logs" / "counts-0.log").read_text()
+    assert "timer registrations refused" in log and "no event time" in log
 
 
 # -- declaring timers: job file, CR, Python API ------------------------------------------------
