@@ -19,6 +19,7 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
+from keyshift.operator.streamingjob import StreamingJob
 from keyshift.runtime.job import JobError, ProcessOperator, parse_job
 from keyshift.runtime.output_log import OutputLogReader
 from keyshift.runtime.pipeline import Dataflow, Pipeline, source
@@ -30,6 +31,8 @@ from keyshift.runtime.timers import EVENT, PROCESSING, KeyedTimers, TimerService
 from tests import job_fns
 from tests.conftest import STATE_BACKENDS, count_job, running_job, state_settings, wait_for
 from tests.nexmark_reference import source_events
+from tests.test_crd import example as crd_example
+from tests.test_crd import schema_errors
 from tests.test_nexmark_queries import (
     SOURCE,
     SOURCES,
@@ -244,6 +247,22 @@ def test_timer_functions_that_cannot_be_called_so_are_refused_at_load(
 ) -> None:
     with pytest.raises(JobError, match=reason):
         parse_job(process_job(**operator))
+
+
+def test_a_streamingjob_declares_on_timer_and_its_schema_checks_the_form() -> None:
+    """The CR embeds the job: its schema takes on_timer, the operator checks its form (the
+    functions live in the image, so they are not imported)."""
+    obj = crd_example()
+    obj["spec"]["job"] = process_job(function="app.fns:count", on_timer="app.fns:emit")
+    assert schema_errors(obj) == []
+    parsed = StreamingJob.model_validate(obj)
+    op = parsed.spec.job_spec().keyed.operator
+    assert isinstance(op, ProcessOperator) and op.on_timer == "app.fns:emit"
+    obj["spec"]["job"] = process_job(function="app.fns:count", on_timer="emit")
+    problems = StreamingJob.model_validate(obj).spec.problems()
+    assert len(problems) == 1 and "module:function" in problems[0]
+    obj["spec"]["job"]["keyed"]["operator"]["on_timer"] = 7
+    assert any("on_timer" in e for e in schema_errors(obj))
 
 
 def test_the_python_apis_declare_on_timer() -> None:
