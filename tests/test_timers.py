@@ -19,8 +19,10 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
+from examples.nexmark import queries
 from keyshift.operator.streamingjob import StreamingJob
 from keyshift.runtime.job import JobError, ProcessOperator, parse_job
+from keyshift.runtime.keyspace import key_groups
 from keyshift.runtime.output_log import OutputLogReader
 from keyshift.runtime.pipeline import Dataflow, Pipeline, source
 from keyshift.runtime.protocol import STRATEGIES
@@ -28,9 +30,10 @@ from keyshift.runtime.rocksdb_state import RocksProcessState, open_database, pre
 from keyshift.runtime.state import KEY_COL, ProcessState
 from keyshift.runtime.state_values import ValueCodec
 from keyshift.runtime.timers import EVENT, PROCESSING, KeyedTimers, TimerService
+from keyshift.runtime.watermarks import WatermarkTracker
 from tests import job_fns
 from tests.conftest import STATE_BACKENDS, count_job, running_job, state_settings, wait_for
-from tests.nexmark_reference import source_events
+from tests.nexmark_reference import run_query, source_events, write_events
 from tests.test_crd import example as crd_example
 from tests.test_crd import schema_errors
 from tests.test_nexmark_queries import (
@@ -285,6 +288,43 @@ def test_the_python_apis_declare_on_timer() -> None:
     assert step.stage.operator.on_timer == "tests.job_fns:emit_period"
     with pytest.raises(JobError, match="lambda"):
         flow.key_by("key").process(job_fns.count_until_period_end, on_timer=lambda *a: a)
+
+
+# -- Q3 as a join with a state TTL (examples/nexmark/q3_ttl.yaml) -----------------------------
+
+
+def test_q3s_join_with_a_state_ttl_forgets_both_sides_and_answers_what_duckdb_answers(
+    tmp_path: Path,
+) -> None:
+    """The join's functions over SOURCE's events in arrival order (out of order by up to
+    50 ms), a batch at a time, with event-time timers fired at a watermark 50 ms behind, in
+    this process: the answer is DuckDB's, smaller than Q3's without a TTL (the TTL matters);
+    the state holds a fraction of the people at any time, and none once the input ends."""
+    events = source_events(SOURCE, 1)
+    wanted = [queries.q3_by_person(r) | {"event_time": r["event_time"]}
+              for r in events.to_pylist() if queries.is_q3_input(r)]  # fmt: skip
+    timers = KeyedTimers(queries.q3_ttl, queries.q3_expire, "person", pa.int64(), True)
+    store = ProcessState(timers, G, pa.int64())
+    people = pa.array([r["person"] for r in wanted], pa.int64())
+    for record, group in zip(wanted, key_groups(people, G).tolist(), strict=True):
+        record.update(ingest_time=0, source=0, seq=0, _group=group)
+    outputs: list[dict[str, Any]] = []
+    held = []
+    for start in range(0, len(wanted), 50):
+        chunk = wanted[start : start + 50]
+        rows, _ = store.apply(pa.RecordBatch.from_pylist(chunk), "person")
+        outputs += rows
+        watermark = max(r["event_time"] for r in chunk) - 50_000
+        outputs += timers.fire(store, EVENT, watermark, ALL)
+        held.append(store.key_count)
+    outputs += timers.fire(store, EVENT, WatermarkTracker.FINAL, ALL)
+    assert store.key_count == 0
+    got = sorted(tuple(match) for row in outputs if row["value"] for match in row["value"])
+    parquet = write_events(events, tmp_path / "events.parquet")
+    expected = run_query("q3_ttl", parquet)
+    assert got == expected and 0 < len(expected) < len(run_query("q3", parquet))
+    persons = len({r["person"] for r in wanted})
+    assert max(held) < persons / 3, (max(held), persons)
 
 
 # -- live: bids per auction per period, fired by event-time timers -----------------------------
