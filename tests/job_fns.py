@@ -182,3 +182,16 @@ def emit_period(
     """The period that ended: emit (its end, its count, the timer's kind) and forget it."""
     count = state.pop(timestamp)
     return state or None, [timestamp, count, kind]
+
+
+def fire_once_soon(state: Any, record: dict[str, Any], timers: Any) -> tuple[Any, Any]:
+    """A key's first record sets a processing-time timer 100 ms ahead; the others nothing."""
+    if state is None:
+        timers.register_processing_time_timer(timers.current_processing_time + 100_000)
+        return "waiting", None
+    return state, None
+
+
+def fired_now(state: Any, key: Any, timestamp: int, kind: str, timers: Any) -> tuple[Any, Any]:
+    """Emit (key, kind) and remember that the key's timer fired."""
+    return "fired", [key, kind]

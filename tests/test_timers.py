@@ -208,6 +208,32 @@ def test_event_time_timers_on_a_stage_without_event_time_are_counted_not_a_crash
     assert "timer registrations refused" in log and "no event time" in log
 
 
+@pytest.mark.live
+def test_processing_time_timers_fire_once_by_the_wall_clock(tmp_path: Path) -> None:
+    """Each key's first record sets a processing-time timer 100 ms ahead: every key's fires,
+    once, while the records go on (the job is drained once all have)."""
+    keys = 20
+    out = tmp_path / "out"
+    job = count_job(
+        source={"config": {"kind": "generator", "keys": keys, "distribution": "sequential",
+                           "profile": {"kind": "constant", "rate": 400}}},
+        keyed={"operator": {"kind": "process", "function": "tests.job_fns:fire_once_soon",
+                            "on_timer": "tests.job_fns:fired_now"}},
+        sink={"config": {"kind": "log", "path": str(out)}},
+    )  # fmt: skip
+
+    def out_records(local: Any) -> int:
+        keyed = local.status()["stages"][1]["instances"]
+        return sum(int(i["stats"].get("records_out", 0)) for i in keyed)
+
+    with running_job(tmp_path, job) as local:
+        wait_for(lambda: out_records(local) >= keys, 60, "every key's timer to fire")
+        local.drain()
+        wait_for(lambda: local.status()["phase"] == "finished", 60, "the job to end")
+    values = [json.loads(v) for v in OutputLogReader(out).read_all().column("value").to_pylist()]
+    assert sorted(values) == [[key, "processing"] for key in range(keys)]
+
+
 # -- declaring timers: job file, CR, Python API ------------------------------------------------
 
 
