@@ -405,6 +405,7 @@ def test_event_time_timers_fire_each_period_once_as_python_counts(tmp_path: Path
     check_each_period_fired_once(out, emitted)
 
 
+@pytest.mark.slow
 @pytest.mark.live
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_timers_fire_once_under_live_rescales(tmp_path: Path, strategy: str) -> None:
@@ -417,6 +418,7 @@ def test_timers_fire_once_under_live_rescales(tmp_path: Path, strategy: str) -> 
     check_each_period_fired_once(out, emitted)
 
 
+@pytest.mark.slow
 @pytest.mark.live
 @pytest.mark.parametrize("backend", STATE_BACKENDS)
 def test_timers_fire_once_through_kill_minus_9_of_a_keyed_instance(
