@@ -35,7 +35,6 @@ Called by `keyshift.runtime.keyed_stage` only.
 from __future__ import annotations
 
 import heapq
-import logging
 from collections.abc import Callable
 from typing import Any, Literal, Protocol
 
@@ -51,7 +50,6 @@ EVENT: TimerKind = "event"
 PROCESSING: TimerKind = "processing"
 KINDS: tuple[TimerKind, ...] = (EVENT, PROCESSING)
 INVALID_REASON = "timer"
-log = logging.getLogger("keyshift.timers")
 
 TimedFunction = Callable[[Any, dict[str, Any], "TimerService"], tuple[Any, Any]]
 OnTimer = Callable[[Any, Any, int, TimerKind, "TimerService"], tuple[Any, Any]]
@@ -176,9 +174,6 @@ class TimerQueue:
             timestamp = heapq.heappop(heap)
             due += [(timestamp, k, g) for k, g in entries.pop(timestamp).items() if ready[g]]
         return due
-
-    def __len__(self) -> int:
-        return sum(len(keys) for entries in self._entries.values() for keys in entries.values())
 
 
 class KeyedTimers:
