@@ -34,6 +34,7 @@ Called by `keyshift.runtime.keyed_stage` only.
 
 from __future__ import annotations
 
+import bisect
 import heapq
 from collections.abc import Callable
 from typing import Any, Literal, Protocol
@@ -69,10 +70,12 @@ class TimerService:
         self.current_watermark: int | None = None
         self.current_processing_time = 0
         self._timers: dict[TimerKind, list[int]] = {EVENT: [], PROCESSING: []}
+        self.added: list[tuple[TimerKind, int]] = []  # registered since `bind`
         self.invalid: list[str] = []  # why registrations were refused, since last taken
 
     def bind(self, timers: dict[TimerKind, list[int]]) -> None:
         self._timers = timers
+        self.added = []
 
     def register_event_time_timer(self, timestamp: int) -> None:
         """Call `on_timer` for this key once the watermark reaches `timestamp` (µs)."""
@@ -82,12 +85,18 @@ class TimerService:
                 "(give the source `event_time` settings, or use a processing-time timer)"
             )
         elif self._valid(timestamp):
-            _insert(self._timers[EVENT], timestamp)
+            self._insert(EVENT, int(timestamp))
 
     def register_processing_time_timer(self, timestamp: int) -> None:
         """Call `on_timer` for this key once the wall clock reaches `timestamp` (µs)."""
         if self._valid(timestamp):
-            _insert(self._timers[PROCESSING], timestamp)
+            self._insert(PROCESSING, int(timestamp))
+
+    def _insert(self, kind: TimerKind, timestamp: int) -> None:
+        timers = self._timers[kind]
+        if timestamp not in timers:
+            bisect.insort(timers, timestamp)
+            self.added.append((kind, timestamp))
 
     def delete_event_time_timer(self, timestamp: int) -> None:
         _remove(self._timers[EVENT], timestamp)
@@ -116,13 +125,6 @@ class TimerService:
         self.invalid.append(reason)
 
 
-def _insert(timers: list[int], timestamp: int) -> None:
-    value = int(timestamp)
-    if value not in timers:
-        timers.append(value)
-        timers.sort()
-
-
 def _remove(timers: list[int], timestamp: int) -> None:
     if timestamp in timers:
         timers.remove(timestamp)
@@ -133,7 +135,7 @@ def unwrap(stored: Any) -> tuple[Any, dict[TimerKind, list[int]]]:
     if stored is None:
         return None, {EVENT: [], PROCESSING: []}
     state, event, processing = stored
-    return state, {EVENT: list(event), PROCESSING: list(processing)}
+    return state, {EVENT: event, PROCESSING: processing}
 
 
 def wrap(state: Any, timers: dict[TimerKind, list[int]]) -> Any:
@@ -200,7 +202,6 @@ class KeyedTimers:
         """The store's per-record function: a record, or (while `fire` runs) a due timer,
         whose timestamp is the row's sequence number."""
         state, timers = unwrap(stored)
-        before = {kind: set(timers[kind]) for kind in KINDS}
         self.service.bind(timers)
         key = record[self.key_field]
         out = None
@@ -209,12 +210,10 @@ class KeyedTimers:
             state, out = self.function(state, record, self.service)
         elif record[SEQ] in timers[firing]:
             timers[firing].remove(record[SEQ])
-            before[firing].discard(record[SEQ])
             state, out = self.on_timer(state, key, record[SEQ], firing, self.service)
         # else: deleted, or fired already (a stale index entry): nothing to do
-        for kind in KINDS:
-            for timestamp in set(timers[kind]) - before[kind]:
-                self.queue.add(kind, timestamp, key, record[GROUP])
+        for kind, timestamp in self.service.added:
+            self.queue.add(kind, timestamp, key, record[GROUP])
         return wrap(state, timers), out
 
     def at(self, watermark: int | None) -> None:
