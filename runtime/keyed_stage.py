@@ -525,8 +525,8 @@ class KeyedStage:
                     # As fired or not by their old owners' watermarks (hand_over).
                     self.windows.rebuild(np.flatnonzero(move_in.source_of >= 0).tolist(), None)
                     self.fire_windows()
-                # Timers of the groups that came in fire here from now on (not before the
-                # hold downstream is released).
+                # Timers of the groups that came in fire here from now on: those due, before
+                # the watermark hold downstream is released.
                 self.index_timers(np.flatnonzero(move_in.source_of >= 0))
                 self.fire_timers(EVENT)
                 self.forward_watermark(release=move_in.epoch)
