@@ -3,7 +3,7 @@
 WITH winning AS (
     SELECT A.id, A.seller, A.expires, max(B.price) AS final
     FROM auction AS A JOIN bid AS B ON A.id = B.auction
-    WHERE B.event_time BETWEEN A.event_time AND A.expires
+    WHERE B.event_time BETWEEN A.event_time AND A.expires AND B.price >= A.reserve
     GROUP BY A.id, A.seller, A.expires
 )
 SELECT seller, id AS auction, avg(final) OVER (
