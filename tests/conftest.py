@@ -145,6 +145,7 @@ def keyshift_main(args: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[
     capsys.readouterr()
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("COLUMNS", "200")
+        patch.setattr(sys, "path", list(sys.path))  # main appends the working directory
         try:
             code = main(args)
         except SystemExit as exit:  # argparse's refusals
