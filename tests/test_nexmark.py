@@ -184,8 +184,9 @@ def test_the_reference_sql_answers_every_query(tmp_path: Path) -> None:
 def test_the_python_twins_of_q3_and_q5_build_their_job_files() -> None:
     examples = REPO / "examples" / "nexmark"
     assert q3_pipeline.q3().build() == load_job(examples / "q3.yaml")
+    assert q3_pipeline.q3(ttl=True).build() == load_job(examples / "q3_ttl.yaml")
     assert q5_pipeline.q5().build() == load_job(examples / "q5_top_count.yaml")
-    for query in ("q0", "q1", "q2", "q3", "q5_counts", "q7", "q8"):
+    for query in ("q0", "q1", "q2", "q3", "q3_ttl", "q5_counts", "q7", "q8"):
         load_job(examples / f"{query}.yaml")  # every example loads
 
 

@@ -68,7 +68,7 @@ def rows_of(query: str, out: Path) -> list[tuple[Any, ...]]:
         return sorted((k, v["bidder"], v["price"], t) for k, v, t in outputs)
     if query == "q2":
         return sorted((k, v) for k, v, _ in outputs)
-    if query == "q3":
+    if query in ("q3", "q3_ttl"):
         return sorted(tuple(match) for _, matches, _ in outputs for match in matches)
     if query == "q7":
         # The last update of each window is its answer.
@@ -140,7 +140,7 @@ def rescaling_mid_stream(
     return rescales
 
 
-@pytest.mark.parametrize("query", ["q0", "q1", "q2", "q3", "q7", "q8"])
+@pytest.mark.parametrize("query", ["q0", "q1", "q2", "q3", "q3_ttl", "q7", "q8"])
 def test_each_query_job_answers_what_duckdb_answers(tmp_path: Path, query: str) -> None:
     out = tmp_path / "out"
     run_query_job(tmp_path, example(query, out), lambda local, client: None)
@@ -163,11 +163,15 @@ def test_the_windowed_query_under_live_rescales_answers_what_duckdb_answers(
     assert rows_of("q8", out) == truth(tmp_path, "q8", emitted)
 
 
-def test_a_join_query_through_kill_minus_9_answers_what_duckdb_answers(tmp_path: Path) -> None:
-    """Q3 (an incremental join), checkpoints every 0.5 s: a keyed instance is killed; the job
-    restarts from its latest checkpoint and the output equals DuckDB's, no match twice."""
+@pytest.mark.parametrize("query", ["q3", "q3_ttl"])
+def test_a_join_query_through_kill_minus_9_answers_what_duckdb_answers(
+    tmp_path: Path, query: str
+) -> None:
+    """Q3 (an incremental join; with a state TTL, its state expiring by event-time timers),
+    checkpoints every 0.5 s: a keyed instance is killed; the job restarts from its latest
+    checkpoint and the output equals DuckDB's, no match twice."""
     out = tmp_path / "out"
-    job = example("q3", out, profile={"rate": 5000})
+    job = example(query, out, profile={"rate": 5000})
     context, port = start_run(tmp_path, job)
     with context as proc:
         run = Run(proc, f"127.0.0.1:{port}")
@@ -179,4 +183,4 @@ def test_a_join_query_through_kill_minus_9_answers_what_duckdb_answers(tmp_path:
             run.client.close()
         assert code == 0, run.output.text()
     assert "recovered from checkpoint" in run.output.text()
-    assert rows_of("q3", out) == truth(tmp_path, "q3")
+    assert rows_of(query, out) == truth(tmp_path, query)
