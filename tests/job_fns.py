@@ -157,3 +157,14 @@ def costly_second(state: Any, record: dict[str, Any]) -> tuple[Any, Any]:
     """`nest` at the second stage's cost for the record's phase."""
     _pay("second", record)
     return nest(state, record)
+
+
+class RefusedBid(ValueError):
+    """What `refuse_big_bids` raises: a user's window function failing on a record."""
+
+
+def refuse_big_bids(top: Any, bid: dict[str, Any]) -> Any:
+    """A window reduce that raises on a bid above 10,000 (NEXMark's prices reach millions)."""
+    if bid["price"] > 10_000:
+        raise RefusedBid(f"bid {bid['price']} on auction {bid['auction']} refused")
+    return bid["price"] if top is None else max(top, bid["price"])

@@ -20,7 +20,7 @@ import yaml
 from keyshift.runtime.output_log import OutputLogReader
 from keyshift.runtime.protocol import STRATEGIES
 from keyshift.runtime.transport import JsonClient
-from tests.conftest import BATCHING, running_job, wait_for
+from tests.conftest import BATCHING, running_job, state_settings, wait_for
 from tests.nexmark_reference import run_query, source_events, write_events
 from tests.test_recovery import Run, start_run
 from tests.test_rescale import SERVICE, rescale_via, sum_out
@@ -153,33 +153,61 @@ def test_each_query_job_answers_what_duckdb_answers(tmp_path: Path, query: str) 
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
-def test_the_windowed_query_under_live_rescales_answers_what_duckdb_answers(
-    tmp_path: Path, strategy: str
+@pytest.mark.parametrize("query", ["q7", "q8"])
+def test_the_windowed_queries_under_live_rescales_answer_what_duckdb_answers(
+    tmp_path: Path, query: str, strategy: str
 ) -> None:
-    """Q8, keyed per person and window (thousands of keys): its keyed stage goes 2 -> 3 -> 1
-    while events flow; they flow until the rescales are done, then the job is drained."""
+    """Q7 (an event-time window per 10 s with a reduce, keyed by window: each window fired
+    once, `rows_of` checks) and Q8 (keyed per person and window, thousands of keys): the
+    query's keyed stage goes 2 -> 3 -> 1 while events flow; they flow until the rescales are
+    done, then the job is drained."""
     out = tmp_path / "out"
-    job = example("q8", out, total=None, profile={"rate": 4000})
-    # People and auctions pass the source's filter: 4 of every 50 events.
-    during = rescaling_mid_stream([("q8", 3), ("q8", 1)], strategy, flow=400)
+    job = example(query, out, total=None, profile={"rate": 4000})
+    # Q8: people and auctions pass the source's filter, 4 of every 50 events; Q7: the bids.
+    flow = 400 if query == "q8" else 4000
+    during = rescaling_mid_stream([(query, 3), (query, 1)], strategy, flow=flow)
     emitted = run_query_job(tmp_path, job, during, drain=True)
-    assert rows_of("q8", out) == truth(tmp_path, "q8", emitted)
+    assert rows_of(query, out) == truth(tmp_path, query, emitted)
 
 
-def test_a_join_query_through_kill_minus_9_answers_what_duckdb_answers(tmp_path: Path) -> None:
-    """Q3 (an incremental join), checkpoints every 0.5 s: a keyed instance is killed; the job
-    restarts from its latest checkpoint and the output equals DuckDB's, no match twice."""
+@pytest.mark.parametrize("query", ["q3", "q7"])
+def test_a_query_through_kill_minus_9_answers_what_duckdb_answers(
+    tmp_path: Path, query: str
+) -> None:
+    """Q3 (an incremental join, in memory) and Q7 (a window with a reduce, on RocksDB, whose
+    checkpoints are native), checkpoints every 0.5 s: a keyed instance is killed; the job
+    restarts from its latest checkpoint and the output equals DuckDB's, no match twice and no
+    window fired twice."""
     out = tmp_path / "out"
-    job = example("q3", out, profile={"rate": 5000})
+    job = example(query, out, profile={"rate": 5000})
+    if query == "q7":
+        stage = next(stage for stage in job["graph"] if stage["name"] == "q7")
+        stage["state"] = state_settings("rocksdb", tmp_path)
     context, port = start_run(tmp_path, job)
     with context as proc:
         run = Run(proc, f"127.0.0.1:{port}")
         try:
             wait_for(lambda: run.completed() >= 2, 60, "two checkpoints")
-            os.kill(run.pid_of("q3", random.randint(0, 1)), signal.SIGKILL)
+            os.kill(run.pid_of(query, random.randint(0, 1)), signal.SIGKILL)
             code = proc.wait(timeout=180)
         finally:
             run.client.close()
         assert code == 0, run.output.text()
     assert "recovered from checkpoint" in run.output.text()
-    assert rows_of("q3", out) == truth(tmp_path, "q3")
+    assert rows_of(query, out) == truth(tmp_path, query)
+
+
+def test_a_window_function_that_raises_fails_the_job_and_says_why(tmp_path: Path) -> None:
+    """As a process function that raises does: its instance stops with the error in its log,
+    and the job (no checkpoints) fails naming the instance; nothing goes on as if the window's
+    records had been taken."""
+    job = example("q7", tmp_path / "out", profile={"rate": 2000})
+    q7 = next(stage for stage in job["graph"] if stage["name"] == "q7")
+    q7["operator"]["reduce"] = "tests.job_fns:refuse_big_bids"
+    with running_job(tmp_path, job) as local:
+        status = wait_for(
+            lambda: (s := local.status())["phase"] == "failed" and s, 60, "the job to fail"
+        )
+    assert any("q7/" in error for error in status["errors"]), status["errors"]
+    logs = "".join(log.read_text() for log in (tmp_path / "logs").glob("q7-*.log"))
+    assert "RefusedBid: bid" in logs
