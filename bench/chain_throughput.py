@@ -17,7 +17,6 @@ Run: `make bench-chain` or `.venv/bin/python bench/chain_throughput.py`.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -25,7 +24,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from throughput import job, ratio, steady_window
+from throughput import job, publish, ratio, steady_window
 
 TARGET = 0.8
 SOURCE = "source"
@@ -131,9 +130,7 @@ def main() -> int:
         "load_before": [round(x, 2) for x in load_before],
         "load_after": [round(x, 2) for x in os.getloadavg()],
     }
-    print(json.dumps(result, indent=2))
-    if args.json:
-        args.json.write_text(json.dumps(result, indent=2) + "\n")
+    publish(result, args.json)
     return 0
 
 

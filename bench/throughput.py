@@ -100,6 +100,14 @@ def measure_dict_loop(records: int) -> float:
     return records / (time.perf_counter() - start)
 
 
+def publish(result: dict[str, Any], json_path: Path | None) -> None:
+    """Print a benchmark's result, and write it to `json_path` when one is given."""
+    text = json.dumps(result, indent=2)
+    print(text)
+    if json_path:
+        json_path.write_text(text + "\n")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--batch", type=int, default=65536, help="records per batch")
@@ -125,9 +133,7 @@ def main() -> int:
         "window_s": args.window,
         "state_backend": args.state_backend,
     }
-    print(json.dumps(result, indent=2))
-    if args.json:
-        args.json.write_text(json.dumps(result, indent=2) + "\n")
+    publish(result, args.json)
     return 0
 
 

@@ -34,7 +34,7 @@ from keyshift.operator.streamingjob import (
     StreamingJobSpec,
 )
 from keyshift.policies.settings import StageBounds
-from keyshift.runtime.job import JobSpec
+from keyshift.runtime.job import JobSpec, KeyedNode
 
 Schema = dict[str, Any]
 
@@ -375,15 +375,9 @@ def _bounds_rule() -> Schema:
     }
 
 
-def _keyed_parallelism_rule() -> Schema:
-    """The keyed stage's parallelism within the autoscaler's bounds for it (its entry in
-    `stages`, else `bounds`), as `StreamingJobSpec.problems` checks it."""
-    keyed = JobSpec.model_fields["keyed"].get_default(call_default_factory=True)
-    name = f"(has(self.keyed) && has(self.keyed.name) ? self.keyed.name : '{keyed.name}')"
-    wanted = (
-        "(has(self.keyed) && has(self.keyed.parallelism) ? self.keyed.parallelism : "
-        f"{keyed.parallelism})"
-    )
+def _within_bounds(name: str, wanted: str) -> str:
+    """CEL: `wanted`, the parallelism of the keyed stage named `name` (both CEL expressions),
+    within the autoscaler's bounds for that stage (its entry in `stages`, else `bounds`)."""
 
     def within(bounds: str, guard: str = "") -> str:
         low, high = _cel_bound(bounds, "min", guard), _cel_bound(bounds, "max", guard)
@@ -391,11 +385,38 @@ def _keyed_parallelism_rule() -> Schema:
 
     stages = "self.autoscaler.stages"
     general = "self.autoscaler.bounds"
+    return (
+        f"(has({stages}) && {name} in {stages} ? "
+        f"{within(f'{stages}[{name}]')} : {within(general, f'has({general}) && ')})"
+    )
+
+
+def _keyed_parallelism_rule() -> Schema:
+    """A job of the older shape: its keyed stage's parallelism within the autoscaler's bounds
+    for it, as `StreamingJobSpec.problems` checks it."""
+    keyed = JobSpec.model_fields["keyed"].get_default(call_default_factory=True)
+    name = f"(has(self.keyed) && has(self.keyed.name) ? self.keyed.name : '{keyed.name}')"
+    wanted = (
+        "(has(self.keyed) && has(self.keyed.parallelism) ? self.keyed.parallelism : "
+        f"{keyed.parallelism})"
+    )
     return {
-        "rule": f"!has(self.autoscaler) || (has({stages}) && {name} in {stages} ? "
-        f"{within(f'{stages}[{name}]')} : {within(general, f'has({general}) && ')})",
+        "rule": f"!has(self.autoscaler) || has(self.graph) || {_within_bounds(name, wanted)}",
         "message": "keyed.parallelism must be within the autoscaler's bounds for the keyed "
         "stage (autoscaler.stages.<name>, else autoscaler.bounds)",
+    }
+
+
+def _graph_parallelism_rule() -> Schema:
+    """A graph job: every keyed stage's parallelism within the autoscaler's bounds for it (a
+    graph job has no `keyed`, so the rule above does not speak for it)."""
+    default = _default(KeyedNode, "parallelism")
+    wanted = f"(has(s.parallelism) ? s.parallelism : {default})"
+    return {
+        "rule": "!has(self.autoscaler) || !has(self.graph) || self.graph.all(s, "
+        f"s.kind != 'keyed' || {_within_bounds('s.name', wanted)})",
+        "message": "every keyed stage's parallelism in graph must be within the autoscaler's "
+        "bounds for it (autoscaler.stages.<name>, else autoscaler.bounds)",
     }
 
 
@@ -416,7 +437,7 @@ def _job_rules() -> dict[tuple[str, ...], list[Schema]]:
     return {
         ("autoscaler", "bounds"): [_bounds_rule()],
         ("autoscaler", "stages", "*"): [_bounds_rule()],
-        (): [_keyed_parallelism_rule(), _one_shape_rule()],
+        (): [_keyed_parallelism_rule(), _graph_parallelism_rule(), _one_shape_rule()],
     }
 
 

@@ -254,12 +254,18 @@ class StreamingJobSpec(_Model):
         if len(names) != len(self.sources) + len(self.sinks):
             found.append("spec.sources and spec.sinks need distinct names")
         if spec is not None and spec.autoscaler is not None:
-            keyed = spec.autoscaler.bounds_of(spec.keyed.name)
-            if not keyed.min_parallelism <= spec.keyed.parallelism <= keyed.max_parallelism:
-                found.append(
-                    f"spec.job.keyed.parallelism {spec.keyed.parallelism} is outside the "
-                    f"autoscaler's bounds [{keyed.min_parallelism}, {keyed.max_parallelism}]"
-                )
+            for step in spec.keyed_stages():
+                stage, bounds = step.stage, spec.autoscaler.bounds_of(step.stage.name)
+                if not bounds.min_parallelism <= stage.parallelism <= bounds.max_parallelism:
+                    where = (
+                        f"spec.job.graph stage {stage.name}'s parallelism"
+                        if spec.graph is not None
+                        else "spec.job.keyed.parallelism"
+                    )
+                    found.append(
+                        f"{where} {stage.parallelism} is outside the autoscaler's bounds "
+                        f"[{bounds.min_parallelism}, {bounds.max_parallelism}]"
+                    )
         return found
 
 

@@ -152,6 +152,25 @@ def setting(path: str, value: Any) -> Callable[[dict[str, Any]], None]:
     return change
 
 
+def as_graph(
+    parallelism: int, autoscaler: dict[str, Any] | None = None
+) -> Callable[[dict[str, Any]], None]:
+    """A change that makes the CR's job examples/pages.yaml's graph, its keyed stage
+    (per-page) at `parallelism`, under the CR's autoscaler updated with `autoscaler`."""
+
+    def change(obj: dict[str, Any]) -> None:
+        job = obj["spec"]["job"]
+        graph = yaml.safe_load((REPO / "examples" / "pages.yaml").read_text())["graph"]
+        (keyed,) = [stage for stage in graph if stage["kind"] == "keyed"]
+        keyed["parallelism"] = parallelism
+        for field in ("fields", "source", "keyed", "sink"):
+            job.pop(field, None)
+        job["graph"] = graph
+        job["autoscaler"].update(autoscaler or {})
+
+    return change
+
+
 POD = "spec.podTemplate.spec"
 # name: (change, the rule's message (a part of it), where the API server reports it)
 BAD: dict[str, tuple[Callable[[dict[str, Any]], None], str, str]] = {
@@ -180,6 +199,16 @@ BAD: dict[str, tuple[Callable[[dict[str, Any]], None], str, str]] = {
     "parallelism below the stage's own bounds": (
         setting("spec.job.autoscaler.stages", {"enrich": {"min_parallelism": 2}}),
         "keyed.parallelism must be within the autoscaler's bounds",
+        ".spec.job",
+    ),
+    "a graph's keyed stage above the bounds": (
+        as_graph(7),
+        "every keyed stage's parallelism in graph must be within the autoscaler's bounds",
+        ".spec.job",
+    ),
+    "a graph's keyed stage below its own bounds": (
+        as_graph(1, {"stages": {"per-page": {"min_parallelism": 2}}}),
+        "every keyed stage's parallelism in graph must be within the autoscaler's bounds",
         ".spec.job",
     ),
     "a graph job scaled as the older shape": (
@@ -288,6 +317,16 @@ def test_every_rule_refuses_some_bad_cr() -> None:
         change(obj)
         refusing |= {(path, message) for _, message, path in refusals(obj)}
     assert {(path, rule["message"]) for path, rule in rules(schema())} - refusing == set()
+
+
+@pytest.mark.parametrize("parallelism", [2, 6])
+def test_a_graph_job_within_its_bounds_passes(parallelism: int) -> None:
+    """Not judged by the older shape's rule, whose `keyed` a graph job leaves out (its default
+    parallelism 1 is below these bounds)."""
+    obj = base()
+    as_graph(parallelism, {"bounds": {"min_parallelism": 2, "max_parallelism": 6}})(obj)
+    assert refusals(obj) == []
+    assert StreamingJob.model_validate(obj).spec.problems() == []
 
 
 def test_rules_hold_on_an_update_that_keeps_a_good_cr_good() -> None:

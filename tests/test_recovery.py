@@ -122,6 +122,18 @@ def test_a_killed_keyed_instance_recovers_from_the_last_checkpoint(
     run_and_crash(tmp_path, crash, backend)
 
 
+def test_a_killed_sink_instance_recovers_and_its_output_is_published_once(tmp_path: Path) -> None:
+    """A sink holds no keyed state but owns an output log whose tail past the checkpoint is
+    unpublished: the recovery truncates it and the replay writes it again, once."""
+
+    def crash(run: Run) -> None:
+        done = run.completed()
+        wait_for(lambda: run.completed() > done, 30, "a checkpoint")
+        os.kill(run.pid_of("sink", random.randint(0, 1)), signal.SIGKILL)
+
+    run_and_crash(tmp_path, crash)
+
+
 def test_a_hung_instance_is_lost_by_its_silence_and_the_job_recovers(tmp_path: Path) -> None:
     """SIGSTOP: the process lives and its connections stay open, as on a node that is gone;
     the coordinator notices that it stopped reporting."""
