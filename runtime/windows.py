@@ -309,11 +309,14 @@ class KeyedWindows:
         return self.contents.add(rows, self.key_field, self.as_records)
 
     def as_records(self, rows: pa.RecordBatch) -> pa.RecordBatch:
-        """Expanded rows as the records they came from, each with its window's start."""
+        """Expanded rows as the records they came from, each with its window's start (unless
+        a record has a field of that name, the results of a window upstream: its own stays)."""
         composite = rows.column(self.key_field)
         index = rows.schema.get_field_index(self.key_field)
         originals = pc.list_element(pc.split_pattern(composite, SEPARATOR), 0)
         records = rows.set_column(index, self.key_field, originals.cast(self.key_type))
+        if WINDOW_START in records.schema.names:
+            return records
         return records.append_column(WINDOW_START, pa.array(_starts(composite)))
 
     def hand_over(self, groups: np.ndarray, watermark: int) -> None:

@@ -558,6 +558,19 @@ def test_a_window_function_fires_once_moves_with_its_group_and_updates_within_th
         assert store.changes([0]).deleted == {0: late.to_pylist()}
 
 
+def test_a_window_function_sees_a_records_own_window_start_over_its_windows() -> None:
+    """A window over a window's results (Q5's second stage) keeps their window_start."""
+    function = WindowFunction(None, prices, None)
+    state = ProcessState(function, 8, pa.string())
+    windows = KeyedWindows(
+        WindowShape(10, 10), FunctionContents(function, state), "user", pa.string(), state, 8
+    )
+    schema = record_schema({"user": "str", "window_start": "int"})
+    batch = pa.record_batch([["a"], [-40], [15], [15], [0], [0], [0]], schema=schema)
+    records = windows.as_records(windows.expand(batch)).to_pylist()
+    assert [(r["user"], r["window_start"]) for r in records] == [("a", -40)]
+
+
 def test_the_python_api_builds_window_functions_and_refuses_bad_ones() -> None:
     def job(**operator: Any) -> Dataflow:
         events = source("events", {"kind": "nexmark", "total": 10}, event_time={})
