@@ -106,6 +106,7 @@ def windowed_job(window: dict[str, Any], event_time: Any = None, **operator: Any
         ({"kind": "sliding", "size_ms": 5, "slide_ms": 10}, {}, {}, "must not exceed size_ms"),
         ({"kind": "sliding", "size_ms": 5}, {}, {}, "slide_ms: Field required"),
         ({"kind": "session", "gap_ms": 5}, {}, {}, "not supported yet: session windows"),
+        ({"kind": "session", "gap_ms": 0}, {}, {}, "gap_ms: Input should be greater than 0"),
         ({"kind": "hopping", "size_ms": 5}, {}, {}, "unknown kind 'hopping'"),
         ({"kind": "tumbling", "size_ms": 5}, None, {}, "a window needs event time"),
         ({"kind": "tumbling", "size_ms": 5}, {}, {"function": "sum"},
@@ -583,6 +584,15 @@ def test_a_window_function_sees_a_records_own_window_start_over_its_windows() ->
     batch = pa.record_batch([["a"], [-40], [15], [15], [0], [0], [0]], schema=schema)
     records = windows.as_records(windows.expand(batch)).to_pylist()
     assert [(r["user"], r["window_start"]) for r in records] == [("a", -40)]
+
+
+def test_a_window_function_in_a_streamingjob_is_checked_for_its_form_only() -> None:
+    """The operator checks a job whose functions live in the job's image: a path of the wrong
+    form is refused, one it cannot import is not."""
+    elsewhere = {"reduce": "images_module:fold"}
+    parse_job(windowed_job({"kind": "tumbling", "size_ms": 5}, {}, **elsewhere), "spec.job", False)
+    with pytest.raises(JobError, match="'fold' is not of the form 'module:function'"):
+        parse_job(windowed_job({"kind": "tumbling", "size_ms": 5}, {}, reduce="fold"), "x", False)
 
 
 def test_the_python_api_builds_window_functions_and_refuses_bad_ones() -> None:
