@@ -141,7 +141,12 @@ def check_signature(
         ) from None
 
 
-_ARGUMENTS = {1: "one argument", 2: "two arguments (state, record)"}
+_ARGUMENTS = {
+    1: "one argument",
+    2: "two arguments (state, record)",
+    3: "three arguments (state, record, timers)",
+    5: "five arguments (state, key, timestamp, kind, timers)",
+}
 
 
 def _check_function_path(
@@ -165,10 +170,6 @@ def _check_function_path(
 
 def _sink_function(path: str, info: ValidationInfo) -> str:
     return _check_function_path(path, info, 1, per_record=False)
-
-
-def _process_function(path: str, info: ValidationInfo) -> str:
-    return _check_function_path(path, info, 2)
 
 
 class ConstantProfile(_Model):
@@ -417,9 +418,25 @@ class AggregateOperator(_NoWindows):
 
 class ProcessOperator(_NoWindows):
     kind: Literal["process"]
-    function: str = Field(description="module:function(state, record) -> (state, output or None)")
+    function: str = Field(
+        description="module:function(state, record) -> (state, output or None); with "
+        "on_timer, module:function(state, record, timers)"
+    )
+    on_timer: str | None = Field(
+        default=None,
+        description="module:function(state, key, timestamp, kind, timers) -> (state, output "
+        "or None), called once per timer the function registered through `timers` when it "
+        "is due: an event-time timer when the watermark reaches it, a processing-time one "
+        "when the wall clock does (keyshift.runtime.timers)",
+    )
 
-    _check = field_validator("function")(_process_function)
+    @model_validator(mode="after")
+    def _check(self, info: ValidationInfo) -> ProcessOperator:
+        # With timers the function also takes the key's timer service.
+        _check_function_path(self.function, info, 2 if self.on_timer is None else 3)
+        if self.on_timer is not None:
+            _check_function_path(self.on_timer, info, 5)
+        return self
 
 
 class TumblingWindow(_Model):

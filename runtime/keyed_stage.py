@@ -62,6 +62,7 @@ from keyshift.runtime.records import (
     SOURCE,
     decode,
     encode,
+    now_us,
     split_by_owner,
 )
 from keyshift.runtime.rocksdb_state import (
@@ -80,6 +81,7 @@ from keyshift.runtime.state import (
 )
 from keyshift.runtime.state_integrity import StateSeal
 from keyshift.runtime.state_values import ValueCodec
+from keyshift.runtime.timers import EVENT, INVALID_REASON, PROCESSING, KeyedTimers, TimerKind
 from keyshift.runtime.transport import (
     BARRIER,
     BATCH,
@@ -107,10 +109,26 @@ PUSH_SLICE = 0.05  # seconds of state pushing between two batches of records, at
 log = logging.getLogger("keyshift.keyed")
 
 
+def make_timers(spec: JobSpec, step: KeyedStep) -> KeyedTimers | None:
+    """The timers of a process stage whose function has an `on_timer`."""
+    op = step.stage.operator
+    if not isinstance(op, ProcessOperator) or op.on_timer is None:
+        return None
+    key_field = step.stage.key_by
+    return KeyedTimers(
+        resolve_function(op.function),
+        resolve_function(op.on_timer),
+        key_field,
+        ARROW_TYPES[step.fields[key_field]],
+        event_time=spec.source.event_time is not None,
+    )
+
+
 def make_state(
-    spec: JobSpec, step: KeyedStep, seal: StateSeal, owner: str
+    spec: JobSpec, step: KeyedStep, seal: StateSeal, owner: str, timers: KeyedTimers | None
 ) -> AggregateState | ProcessState | RocksAggregateState | RocksProcessState:
-    """Keyed stage `step`'s state store for instance `owner` ("<stage>-<index>")."""
+    """Keyed stage `step`'s state store for instance `owner` ("<stage>-<index>"); with
+    timers, a key's timers are stored in its value (keyshift.runtime.timers)."""
     op = step.stage.operator
     # A window's state is keyed by (key, window) in one string (keyshift.runtime.windows).
     windowed = isinstance(op, WindowOperator)
@@ -118,7 +136,7 @@ def make_state(
     # Pickled values are only safe to keep when every state byte that arrives is authenticated.
     codec = ValueCodec(allow_pickle=seal.authenticated)
     settings = step.stage.state
-    kept = _state_function(op)
+    kept = _state_function(op, timers)
     if settings.backend == "rocksdb":
         directory = prepare_directory(Path(settings.path) / spec.name / owner, owner)
         db = open_database(directory, settings.block_cache_mb, settings.write_buffer_mb)
@@ -142,15 +160,16 @@ def make_state(
 
 
 def _state_function(
-    op: AggregateOperator | ProcessOperator | WindowOperator,
+    op: AggregateOperator | ProcessOperator | WindowOperator, timers: KeyedTimers | None
 ) -> str | ProcessFunction:
     """The built-in aggregate a keyed operator keeps, or the per-record function of its
-    process state (a window's reduce or process keeps [records, accumulator] per window)."""
+    process state (a window's reduce or process keeps [records, accumulator] per window; a
+    process function with timers is called through them)."""
     if isinstance(op, AggregateOperator):
         return op.function
     if isinstance(op, WindowOperator):
         return op.aggregate if op.aggregate is not None else WindowFunction.of(op)
-    return resolve_function(op.function)
+    return timers or resolve_function(op.function)
 
 
 def process_output_schema(key_type: pa.DataType) -> pa.Schema:
@@ -201,7 +220,8 @@ class KeyedStage:
         self.spec = spec
         step = spec.keyed_step(ctx.stage)
         self.seal = StateSeal.from_environment()
-        self.state = make_state(spec, step, self.seal, f"{ctx.stage}-{ctx.index}")
+        self.timers = make_timers(spec, step)
+        self.state = make_state(spec, step, self.seal, f"{ctx.stage}-{ctx.index}", self.timers)
         ctx.state_size = lambda: (self.state.key_count, self.state.bytes_estimate())
         ctx.group_hits = self.state.group_hits
         op = step.stage.operator
@@ -262,6 +282,7 @@ class KeyedStage:
             )
             if self.windows is not None:
                 self.restore_windows(restore)
+            self.index_timers(np.flatnonzero(self.owned))
         ctx.fetch_served.set()
 
     def restore_windows(self, restore: CheckpointMeta) -> None:
@@ -272,6 +293,15 @@ class KeyedStage:
         for index, mark in restore.instance_watermarks.get(self.ctx.stage, {}).items():
             self.windows.hand_over(np.flatnonzero(owners == int(index)), mark)
         self.windows.rebuild(np.flatnonzero(self.owned).tolist(), self.watermark.current)
+
+    def index_timers(self, groups: np.ndarray) -> None:
+        """Index the timers these groups' keys hold (restored, or moved in)."""
+        if (
+            self.timers is not None
+            and len(groups)
+            and isinstance(self.state, ProcessState | RocksProcessState)
+        ):
+            self.timers.index(self.state.snapshot_groups(groups.tolist()), self.state.codec)
 
     # -- records ---------------------------------------------------------------------------
 
@@ -288,12 +318,44 @@ class KeyedStage:
         elif isinstance(self.state, AggregateState | RocksAggregateState):
             out = self.state.apply(batch, self.key_field, self.value_field).batch
         else:
+            if self.timers is not None:
+                self.timers.at(self.watermark.current)
             rows, _ = self.state.apply(batch, self.key_field)
-            for row in rows:
-                row["value"] = json.dumps(row["value"])
-            out = pa.RecordBatch.from_pylist(rows, schema=self.out_schema)
+            out = self.process_rows(rows)
         self.ctx.metrics.count(MetricName.RECORDS_IN, received)
         self.send_out(out, t0)
+        # A timer registered for a time the watermark has passed already fires now.
+        self.fire_timers(EVENT)
+
+    def process_rows(self, rows: list[dict[str, Any]]) -> pa.RecordBatch:
+        """A process function's outputs as a batch; timer registrations it made that were
+        refused are counted as invalid records."""
+        for row in rows:
+            row["value"] = json.dumps(row["value"])
+        if self.timers is not None:
+            refused = self.timers.take_invalid()
+            if refused:
+                self.ctx.reject(f"{INVALID_REASON} registrations refused", refused[0], len(refused))
+        return pa.RecordBatch.from_pylist(rows, schema=self.out_schema)
+
+    def fire_timers(self, kind: TimerKind) -> None:
+        """Run `on_timer` for the due timers of `kind` of the groups that fire here, and send
+        what it outputs."""
+        if self.timers is None or not isinstance(self.state, ProcessState | RocksProcessState):
+            return
+        if kind == EVENT:
+            limit = self.watermark.current
+            if limit is None:
+                return
+        else:
+            limit = now_us()
+        if self.timers.queue.next_due(kind) is None:
+            return
+        t0 = time.perf_counter()
+        self.timers.at(self.watermark.current)
+        rows = self.timers.fire(self.state, kind, limit, self.ready())
+        if rows:
+            self.send_out(self.process_rows(rows), t0)
 
     def drop_late(self, batch: pa.RecordBatch, watermark: int | None) -> pa.RecordBatch:
         """Window rows (keyshift.runtime.windows) but those too late for their window at
@@ -423,7 +485,10 @@ class KeyedStage:
         elif isinstance(command, Abort):
             lost = set(command.lost)
             if self.move_out is not None:
-                self.owned |= self.move_out.abandon(lost)
+                kept = self.move_out.abandon(lost)
+                self.owned |= kept
+                # Their timers left the index while they were moving out.
+                self.index_timers(np.flatnonzero(kept))
             if self.move_in is not None:
                 self.move_in.abandon(lost)
             # Groups whose state died with a lost instance go on here, from empty.
@@ -486,6 +551,10 @@ class KeyedStage:
                     # As fired or not by their old owners' watermarks (hand_over).
                     self.windows.rebuild(np.flatnonzero(move_in.source_of >= 0).tolist(), None)
                     self.fire_windows()
+                # Timers of the groups that came in fire here from now on: those due, before
+                # the watermark hold downstream is released.
+                self.index_timers(np.flatnonzero(move_in.source_of >= 0))
+                self.fire_timers(EVENT)
                 self.forward_watermark(release=move_in.epoch)
                 move_in.close()
                 self.ctx.emit(InDone(epoch=move_in.epoch, stats=dict(move_in.stats)))
@@ -573,6 +642,7 @@ class KeyedStage:
         if current < WatermarkTracker.FINAL:
             self.ctx.watermark_us = current
         self.fire_windows()
+        self.fire_timers(EVENT)
         self.forward_watermark()
 
     def fire_windows(self) -> None:
@@ -658,6 +728,7 @@ class KeyedStage:
                 time.sleep(IDLE_WAIT)
                 metrics.count(MetricName.IDLE_SECONDS, IDLE_WAIT)
                 continue
+            self.fire_timers(PROCESSING)
             if self.backlog:
                 self.deliver(*self.backlog.popleft())
                 continue

@@ -103,6 +103,14 @@ def function_path(fn: UserFunction, role: str = "function") -> str:
     return path
 
 
+def process_operator(fn: UserFunction, on_timer: UserFunction | None) -> dict[str, Any]:
+    """A process operator's definition, with its timer callback if it has one."""
+    operator = {"kind": "process", "function": function_path(fn, "process()")}
+    if on_timer is not None:
+        operator["on_timer"] = function_path(on_timer, "process(on_timer=)")
+    return operator
+
+
 def _given(**values: Any) -> dict[str, Any]:
     """Only the arguments the caller gave: what is left out takes the default of job.py."""
     return {k: v for k, v in values.items() if v is not None}
@@ -266,11 +274,17 @@ class Pipeline:
         return self._operator(function, operator, parallelism, name)
 
     def process(
-        self, fn: UserFunction, *, parallelism: int | None = None, name: str | None = None
+        self,
+        fn: UserFunction,
+        *,
+        on_timer: UserFunction | None = None,
+        parallelism: int | None = None,
+        name: str | None = None,
     ) -> Pipeline:
-        """`fn(state, record) -> (state, output or None)` per record; state None deletes it."""
-        operator = {"kind": "process", "function": function_path(fn, "process()")}
-        return self._operator("process", operator, parallelism, name)
+        """`fn(state, record) -> (state, output or None)` per record; state None deletes it.
+        With `on_timer`, `fn(state, record, timers)` may register timers for the record's key,
+        and `on_timer(state, key, timestamp, kind, timers)` is called when each is due."""
+        return self._operator("process", process_operator(fn, on_timer), parallelism, name)
 
     # -- sink -------------------------------------------------------------------------------
 
@@ -556,12 +570,14 @@ class KeyedStream:
         self,
         fn: UserFunction,
         *,
+        on_timer: UserFunction | None = None,
         name: str | None = None,
         parallelism: int | None = None,
         state: Mapping[str, Any] | None = None,
     ) -> Stream:
-        """`fn(state, record) -> (state, output or None)` per record."""
-        operator = {"kind": "process", "function": function_path(fn, "process()")}
+        """`fn(state, record) -> (state, output or None)` per record; with `on_timer`, timers
+        as `Pipeline.process` has them."""
+        operator = process_operator(fn, on_timer)
         return self._keyed("process", operator, name, parallelism, state)
 
     def window(

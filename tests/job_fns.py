@@ -159,6 +159,44 @@ def costly_second(state: Any, record: dict[str, Any]) -> tuple[Any, Any]:
     return nest(state, record)
 
 
+# Timers (keyshift.runtime.timers): bids per auction per PERIOD_US of event time, each count
+# emitted once by an event-time timer when the watermark passes its period's end.
+PERIOD_US = 2_000_000
+
+
+def count_until_period_end(
+    state: dict[int, int] | None, record: dict[str, Any], timers: Any
+) -> tuple[Any, Any]:
+    """Count the record in its period and have the period's end fire a timer (registering
+    one that exists already changes nothing)."""
+    end = (record["event_time"] // PERIOD_US + 1) * PERIOD_US
+    counts = state or {}
+    counts[end] = counts.get(end, 0) + 1
+    timers.register_event_time_timer(end)
+    return counts, None
+
+
+def emit_period(
+    state: dict[int, int], key: Any, timestamp: int, kind: str, timers: Any
+) -> tuple[Any, Any]:
+    """The period that ended: emit (its end, its count, the timer's kind) and forget it."""
+    count = state.pop(timestamp)
+    return state or None, [timestamp, count, kind]
+
+
+def fire_once_soon(state: Any, record: dict[str, Any], timers: Any) -> tuple[Any, Any]:
+    """A key's first record sets a processing-time timer 100 ms ahead; the others nothing."""
+    if state is None:
+        timers.register_processing_time_timer(timers.current_processing_time + 100_000)
+        return "waiting", None
+    return state, None
+
+
+def fired_now(state: Any, key: Any, timestamp: int, kind: str, timers: Any) -> tuple[Any, Any]:
+    """Emit (key, kind) and remember that the key's timer fired."""
+    return "fired", [key, kind]
+
+
 class RefusedBid(ValueError):
     """What `refuse_big_bids` raises: a user's window function failing on a record."""
 

@@ -19,6 +19,7 @@ import threading
 import time
 import urllib.request
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -90,10 +91,10 @@ def start_run(tmp_path: Path, job: dict[str, Any]) -> tuple[Any, int]:
     return cli(args), port
 
 
-def run_and_crash(tmp_path: Path, crash: Any, backend: str = "memory", **job: Any) -> None:
-    out = tmp_path / "out"
-    state = state_settings(backend, tmp_path)
-    context, port = start_run(tmp_path, {**tracked_job(out, SOURCE, 2, state=state), **job})
+def recover_through(tmp_path: Path, job: dict[str, Any], crash: Callable[[Run], None]) -> str:
+    """Run `job` with checkpoints, `crash` it after two, and see it recover and end well: the
+    run's output."""
+    context, port = start_run(tmp_path, job)
     with context as proc:
         run = Run(proc, f"127.0.0.1:{port}")
         output = run.output
@@ -106,6 +107,13 @@ def run_and_crash(tmp_path: Path, crash: Any, backend: str = "memory", **job: An
         assert code == 0, output.text()
     text = output.text()
     assert "recovered from checkpoint" in text, text
+    return text
+
+
+def run_and_crash(tmp_path: Path, crash: Any, backend: str = "memory", **job: Any) -> None:
+    out = tmp_path / "out"
+    state = state_settings(backend, tmp_path)
+    recover_through(tmp_path, {**tracked_job(out, SOURCE, 2, state=state), **job}, crash)
     emitted = [instance_total(TOTAL, s, 2) or 0 for s in range(2)]
     check_output(out, SOURCE, emitted)
 

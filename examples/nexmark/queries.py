@@ -78,6 +78,42 @@ def q3(state: Record | None, record: Record) -> tuple[Record, list[list[Any]] | 
     return state, [[*state["who"], record["auction"]]]
 
 
+Q3_TTL_US = 10_000_000  # q3_ttl: a person and a waiting auction are kept 10 s of event time
+
+
+def q3_ttl(state: Record | None, record: Record, timers: Any) -> tuple[Any, Any]:
+    """Q3 as a regular join with a state TTL (q3_ttl.yaml): a person and an auction match when
+    their event times are less than Q3_TTL_US apart; each side's state expires by an
+    event-time timer at its time + Q3_TTL_US, so neither side is kept for ever. (Comparing the
+    times too makes the answer independent of when the timers fire.)"""
+    state = state or {"who": None, "at": 0, "waiting": []}
+    at = int(record["event_time"])
+    if record["auction"] == 0:
+        who = [record["name"], record["city"], record["state"]]
+        matches = [[*who, a] for a, t in state["waiting"] if abs(at - t) < Q3_TTL_US]
+        for _, t in state["waiting"]:
+            timers.delete_event_time_timer(t + Q3_TTL_US)  # nothing waits any more
+        timers.register_event_time_timer(at + Q3_TTL_US)
+        return {"who": who, "at": at, "waiting": []}, matches or None
+    if state["who"] is None:
+        timers.register_event_time_timer(at + Q3_TTL_US)
+        return {**state, "waiting": [*state["waiting"], [record["auction"], at]]}, None
+    if abs(at - state["at"]) >= Q3_TTL_US:
+        return state, None
+    return state, [[*state["who"], record["auction"]]]
+
+
+def q3_expire(
+    state: Record, key: int, timestamp: int, kind: str, timers: Any
+) -> tuple[Record | None, None]:
+    """A person, or auctions waiting for one, whose time to live ended: forgotten."""
+    who = state["who"] if state["at"] + Q3_TTL_US > timestamp else None
+    waiting = [[a, t] for a, t in state["waiting"] if t + Q3_TTL_US > timestamp]
+    if who is None and not waiting:
+        return None, None
+    return {"who": who, "at": state["at"] if who else 0, "waiting": waiting}, None
+
+
 def q5_hottest(top: list[Any] | None, count: Record) -> list[Any]:
     """Q5's second window: over one sliding window's bid counts (one record per auction), the
     highest count and the auctions that have it."""
