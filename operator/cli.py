@@ -192,7 +192,7 @@ def _options(pairs: list[str]) -> dict[str, float]:
     return options
 
 
-def _client(job: str) -> JsonClient:
+def job_client(job: str) -> JsonClient:
     """A client of a job run here (its secret from the registry) or at HOST:PORT (its secret
     from KEYSHIFT_JOB_SECRET)."""
     address, secret = resolve(job)
@@ -226,7 +226,7 @@ def cmd_rescale(args: argparse.Namespace, console: Console) -> int:
             {"stage": args.stage, "parallelism": args.parallelism,
              "strategy": args.strategy, "options": _options(args.option)},
         )  # fmt: skip
-        client = _client(args.job)
+        client = job_client(args.job)
         started = parse(RescaleReport, client.call("Rescale", request.wire()))
     except (ValueError, RegistryError, RequestRefused) as exc:
         _error(console, exc)
@@ -272,7 +272,7 @@ def cmd_rescale(args: argparse.Namespace, console: Console) -> int:
 
 def cmd_status(args: argparse.Namespace, console: Console) -> int:
     try:
-        status = _client(args.job).call("Status")
+        status = job_client(args.job).call("Status")
     except (RegistryError, AuthError) as exc:
         _error(console, exc)
         return 2

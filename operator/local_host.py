@@ -37,6 +37,8 @@ log = logging.getLogger("keyshift.host")
 COORDINATOR_SERVICE = "keyshift.Coordinator"
 STATUS_INTERVAL = 0.5
 LOST_GRACE = 3.0
+# Seconds a coordinator that stopped answering gets to be seen exiting (see _observe).
+EXIT_GRACE = 2.0
 
 
 class RunError(RuntimeError):
@@ -302,6 +304,10 @@ def _observe(job: LocalJob, let_go: frozenset[str]) -> dict[str, Any]:
     try:
         status = job.status()
     except TransportError as exc:
+        # A killed coordinator's connections close before its exit can be seen: a moment for
+        # that, so that the error says how it ended, not only that it stopped answering.
+        if job.coordinator is not None:
+            job.coordinator.exit_code_within(EXIT_GRACE)
         job.check_children(expect_exit=False)
         raise RunError(f"coordinator stopped answering: {exc}") from None
     if status["phase"] == "failed":

@@ -43,6 +43,13 @@ class Child:
     def exit_code(self) -> int | None:
         return self.process.poll()
 
+    def exit_code_within(self, seconds: float) -> int | None:
+        """The exit code once the process has exited, waiting up to `seconds` for it."""
+        try:
+            return self.process.wait(timeout=seconds)
+        except subprocess.TimeoutExpired:
+            return None
+
     def tail(self, lines: int = 15) -> str:
         try:
             with self.log_path.open("rb") as f:

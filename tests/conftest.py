@@ -22,6 +22,8 @@ import psutil
 import pytest
 import yaml
 
+from keyshift.operator.cli import job_client, main
+from keyshift.operator.job_registry import RegistryError
 from keyshift.operator.local_host import LocalJob
 from keyshift.runtime.coordinator import Coordinator
 from keyshift.runtime.job import JobSpec, parse_job
@@ -29,7 +31,7 @@ from keyshift.runtime.job_secret import SECRET_ENV, new_job_secret
 from keyshift.runtime.lifecycle import PARENT_ENV
 from keyshift.runtime.output_log import OutputLogReader
 from keyshift.runtime.protocol import Empty
-from keyshift.runtime.transport import start_server
+from keyshift.runtime.transport import TransportError, start_server
 from tests.prometheus_server import PrometheusServer
 from tests.s3_server import MotoServer
 
@@ -93,6 +95,24 @@ def running_job(tmp_path: Path, job: dict[str, Any], **kwargs: Any) -> Iterator[
         local.stop()
 
 
+def status_of(job: str) -> dict[str, Any]:
+    """The status of a job started by `keyshift run`, from its coordinator found by name in the
+    registry with the job's secret, as `keyshift status JOB` finds it; empty while it cannot
+    be had (not recorded yet, starting, restarting). For polling: a `keyshift` process per
+    poll costs a busy machine a second or more of CPU."""
+    try:
+        client = job_client(job)
+    except RegistryError:
+        return {}
+    try:
+        status: dict[str, Any] = client.call("Status", timeout=5.0)
+        return status
+    except TransportError:
+        return {}
+    finally:
+        client.close()
+
+
 @contextmanager
 def cli(args: list[str], cwd: Path = REPO, **popen: Any) -> Iterator[subprocess.Popen[str]]:
     """Run `keyshift ARGS` in its own session; kill its whole group on exit."""
@@ -115,6 +135,23 @@ def cli(args: list[str], cwd: Path = REPO, **popen: Any) -> Iterator[subprocess.
         proc.wait()
         for child in children_of(proc.pid):
             child.kill()
+
+
+def keyshift_main(args: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
+    """`keyshift ARGS` run by the command line's own `main` in this process: its exit code and
+    what it printed (stdout and stderr, as `cli` merges them). For commands that are refused
+    before they start anything: a `keyshift` process costs a busy machine seconds, and a test
+    not marked `live` that starts any process of ours fails, which checks 'nothing started'."""
+    capsys.readouterr()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("COLUMNS", "200")
+        patch.setattr(sys, "path", list(sys.path))  # main appends the working directory
+        try:
+            code = main(args)
+        except SystemExit as exit:  # argparse's refusals
+            code = exit.code if isinstance(exit.code, int) else 2
+    printed = capsys.readouterr()
+    return code, printed.out + printed.err
 
 
 # Test jobs linger 20 ms: their processes spend most of their CPU per message, not per record,

@@ -34,7 +34,15 @@ from keyshift.runtime.ingest_client import IngestClient
 from keyshift.runtime.job import JobSpec, parse_job
 from keyshift.runtime.metrics import MetricName
 from keyshift.runtime.output_log import OutputLogReader
-from tests.conftest import KEYSHIFT, REPO, cli, count_job, running_job, wait_for, write_job
+from tests.conftest import (
+    cli,
+    count_job,
+    keyshift_main,
+    running_job,
+    status_of,
+    wait_for,
+    write_job,
+)
 from tests.job_fns import PHASE_SEQ
 from tests.prometheus_server import PrometheusServer, free_port
 from tests.test_poison_rows import ingest_address
@@ -95,12 +103,6 @@ def run_until(tmp_path: Path, job: dict[str, Any], needle: str, what: str) -> st
     return output.text()
 
 
-def keyshift_status(name: str) -> dict[str, Any]:
-    out = subprocess.run([KEYSHIFT, "status", name], cwd=REPO, capture_output=True, text=True,
-                         timeout=30, check=False)  # fmt: skip
-    return json.loads(out.stdout) if out.returncode == 0 else {}
-
-
 @pytest.mark.live
 def test_load_step_scales_out_then_in_with_default_settings_and_real_prometheus(
     tmp_path: Path, prometheus: PrometheusServer
@@ -123,7 +125,7 @@ def test_load_step_scales_out_then_in_with_default_settings_and_real_prometheus(
         return [d for d in acted if d.get("action") in ("scale_up", "scale_down")]
 
     def back_to_one() -> bool:
-        status = keyshift_status("auto")
+        status = status_of("auto")
         if not status or status.get("rescale") is not None:
             return False
         track = next(s for s in status["stages"] if s["name"] == "track")
@@ -131,7 +133,7 @@ def test_load_step_scales_out_then_in_with_default_settings_and_real_prometheus(
 
     with cli(args) as run:
         output = Output(run)
-        wait_for(lambda: keyshift_status("auto").get("phase") == "running", 60, "the job to run")
+        wait_for(lambda: status_of("auto").get("phase") == "running", 60, "the job to run")
         started = time.time()
         wait_for(lambda: output.has("scale up"), 90, "a scale-out decision", every=0.5)
         wait_for(back_to_one, 240, "scale-ins back to one instance", every=1.0)
@@ -177,7 +179,6 @@ def test_prometheus_down_means_no_decision_and_the_job_runs_on(tmp_path: Path) -
     assert "job auto finished" in text
 
 
-@pytest.mark.live
 @pytest.mark.parametrize(
     ("settings", "message"),
     [
@@ -189,14 +190,13 @@ def test_prometheus_down_means_no_decision_and_the_job_runs_on(tmp_path: Path) -
     ],
 )
 def test_invalid_settings_are_refused_before_anything_starts(
-    tmp_path: Path, settings: dict[str, Any], message: str
+    tmp_path: Path, settings: dict[str, Any], message: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
+    """In process, not marked live: starting anything would fail the test."""
     job = slow_job(tmp_path / "out", {"kind": "constant", "rate": 10}, settings)
-    out = subprocess.run([KEYSHIFT, "run", str(write_job(tmp_path, job))], cwd=REPO,
-                         capture_output=True, text=True, timeout=60, check=False,
-                         env={**os.environ, "COLUMNS": "200"})  # fmt: skip
-    assert out.returncode == 2, out.stdout + out.stderr
-    assert "invalid job" in out.stdout and message in out.stdout, out.stdout
+    code, output = keyshift_main(["run", str(write_job(tmp_path, job))], capsys)
+    assert code == 2, output
+    assert "invalid job" in output and message in output, output
 
 
 @pytest.mark.live
@@ -344,7 +344,7 @@ def test_a_job_whose_ingest_client_is_behind_is_scaled_for_the_backlog(tmp_path:
         return [d for line in lines if (d := json.loads(line)).get("stage") == stage]
 
     def endpoint() -> str | None:
-        status = keyshift_status("behind")
+        status = status_of("behind")
         instances = status["stages"][0]["instances"] if status else []
         return instances[0]["stats"].get("ingest_address") if instances else None
 

@@ -16,11 +16,18 @@ from keyshift.runtime.generator import KeyGenerator
 from keyshift.runtime.job import GeneratorSource
 from keyshift.runtime.output_log import OutputLogReader
 from keyshift.runtime.transport import JsonClient
-from tests.conftest import children_of, cli, count_job, running_job, wait_for, write_job
+from tests.conftest import (
+    children_of,
+    cli,
+    count_job,
+    keyshift_main,
+    running_job,
+    wait_for,
+    write_job,
+)
 
-pytestmark = pytest.mark.live
 
-
+@pytest.mark.live
 def test_invalid_job_file_names_the_field_before_starting_anything(tmp_path: Path) -> None:
     path = write_job(tmp_path, count_job(keyed={"name": "Counts!", "parallelism": 0}))
     with cli(["run", str(path)]) as proc:
@@ -31,16 +38,16 @@ def test_invalid_job_file_names_the_field_before_starting_anything(tmp_path: Pat
     assert "greater than or equal to 1" in output
 
 
-def test_bad_cli_arguments_exit_2(tmp_path: Path) -> None:
+def test_bad_cli_arguments_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """In process, not marked live: starting anything would fail the test."""
     for args in (["run", "nope.yaml", "--duration", "-1"], ["run", "nope.yaml", "--port", "x"]):
-        with cli(args) as proc:
-            output, _ = proc.communicate(timeout=30)
-        assert proc.returncode == 2, output
-    with cli(["run", str(tmp_path / "missing.yaml")]) as proc:
-        output, _ = proc.communicate(timeout=30)
-    assert proc.returncode == 2 and "cannot read job file" in output
+        code, output = keyshift_main(args, capsys)
+        assert code == 2, output
+    code, output = keyshift_main(["run", str(tmp_path / "missing.yaml")], capsys)
+    assert code == 2 and "cannot read job file" in output
 
 
+@pytest.mark.live
 def test_operator_without_cluster_credentials_is_a_clear_error(tmp_path: Path) -> None:
     env = {**os.environ, "HOME": str(tmp_path), "KUBECONFIG": str(tmp_path / "none")}
     with cli(["operator", "--liveness-port", "0"], env=env) as proc:
@@ -49,6 +56,7 @@ def test_operator_without_cluster_credentials_is_a_clear_error(tmp_path: Path) -
     assert "no Kubernetes credentials" in output and "KUBECONFIG" in output
 
 
+@pytest.mark.live
 def test_records_that_do_not_fit_are_counted_and_the_rest_kept(tmp_path: Path) -> None:
     total = 21_000
     source = {"kind": "generator", "keys": 100, "seed": 9, "total": total}
@@ -79,6 +87,7 @@ def test_records_that_do_not_fit_are_counted_and_the_rest_kept(tmp_path: Path) -
     assert got == dict(truth)
 
 
+@pytest.mark.live
 def test_coordinator_port_in_use_is_a_clear_error(tmp_path: Path) -> None:
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
@@ -91,6 +100,7 @@ def test_coordinator_port_in_use_is_a_clear_error(tmp_path: Path) -> None:
     assert f"127.0.0.1:{port}" in output and "already in use" in output
 
 
+@pytest.mark.live
 def test_missing_instance_fails_registration_with_names(tmp_path: Path) -> None:
     path = write_job(tmp_path, count_job())
     ready = tmp_path / "ready.json"
@@ -116,6 +126,7 @@ def test_missing_instance_fails_registration_with_names(tmp_path: Path) -> None:
         coordinator.wait()
 
 
+@pytest.mark.live
 def test_dead_coordinator_fails_the_run_and_stops_instances(tmp_path: Path) -> None:
     job = count_job(
         source={"config": {"kind": "generator", "keys": 100, "profile": {"rate": 2000}}}
@@ -133,6 +144,7 @@ def test_dead_coordinator_fails_the_run_and_stops_instances(tmp_path: Path) -> N
         assert not child.is_running() or child.status() == psutil.STATUS_ZOMBIE
 
 
+@pytest.mark.live
 def test_instances_exit_on_their_own_when_the_coordinator_dies(tmp_path: Path) -> None:
     job = count_job(
         source={"config": {"kind": "generator", "keys": 100, "profile": {"rate": 2000}}}

@@ -5,7 +5,6 @@ the API server, and refusing what the models refuse; what it cannot express is l
 from __future__ import annotations
 
 import re
-import subprocess
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
@@ -29,7 +28,7 @@ from keyshift.operator.crd import (
 from keyshift.operator.streamingjob import StreamingJob
 from keyshift.runtime.job import MAX_PARALLELISM
 from keyshift.runtime.protocol import STRATEGIES
-from tests.conftest import KEYSHIFT, REPO
+from tests.conftest import REPO, keyshift_main
 
 EXAMPLE = REPO / "examples" / "streamingjob.yaml"
 TYPES = {"object", "array", "string", "integer", "number", "boolean"}
@@ -100,25 +99,26 @@ def test_crd_text_is_the_manifest_with_the_header() -> None:
     assert crd_yaml() == text
 
 
-@pytest.mark.live
-def test_cli_writes_the_files_and_check_finds_them_stale(tmp_path: Path) -> None:
-    def keyshift(*args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(
-            [KEYSHIFT, "crds", *args], cwd=tmp_path, capture_output=True, text=True, timeout=60
-        )
+def test_cli_writes_the_files_and_check_finds_them_stale(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
 
-    missing = keyshift("--check")
-    assert missing.returncode == 1
-    assert "run `keyshift crds`" in " ".join(missing.stdout.split())
-    assert keyshift().returncode == 0
+    def keyshift(*args: str) -> tuple[int, str]:
+        return keyshift_main(["crds", *args], capsys)
+
+    code, output = keyshift("--check")
+    assert code == 1
+    assert "run `keyshift crds`" in " ".join(output.split())
+    assert keyshift()[0] == 0
     for directory in CRD_DIRS:
         assert (tmp_path / directory / CRD_FILE).read_text(encoding="utf-8") == crd_yaml()
-    assert keyshift("--check").returncode == 0
+    assert keyshift("--check")[0] == 0
     edited = tmp_path / CRD_DIRS[1] / CRD_FILE
     edited.write_text(edited.read_text(encoding="utf-8").replace("minimum: 1", "minimum: 2"))
-    stale = keyshift("--check")
-    assert stale.returncode == 1 and "helm/keyshift/crds" in " ".join(stale.stdout.split())
-    assert keyshift("--out", "elsewhere").returncode == 0
+    code, output = keyshift("--check")
+    assert code == 1 and "helm/keyshift/crds" in " ".join(output.split())
+    assert keyshift("--out", "elsewhere")[0] == 0
     assert (tmp_path / "elsewhere" / CRD_FILE).is_file()
 
 

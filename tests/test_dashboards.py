@@ -15,7 +15,6 @@ import json
 import os
 import re
 import shutil
-import subprocess
 import time
 import urllib.error
 import urllib.parse
@@ -43,7 +42,7 @@ from keyshift.runtime.metrics import (
     MetricName,
     OperatorMetrics,
 )
-from tests.conftest import KEYSHIFT, REPO, cli, write_job
+from tests.conftest import REPO, cli, keyshift_main, write_job
 from tests.prometheus_server import PrometheusError, PrometheusServer
 from tests.test_autoscaling_live import Output, slow_job
 
@@ -111,30 +110,26 @@ def test_generation_is_deterministic() -> None:
     assert first == [dashboard_json(board) for board in dashboards()]
 
 
-@pytest.mark.live
-def test_cli_writes_the_files_and_check_finds_them_stale(tmp_path: Path) -> None:
-    def keyshift(*args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(
-            [KEYSHIFT, "dashboards", *args],
-            cwd=tmp_path,
-            capture_output=True,
-            text=True,
-            timeout=60,
-            env={**os.environ, "COLUMNS": "200"},
-        )
+def test_cli_writes_the_files_and_check_finds_them_stale(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
 
-    missing = keyshift("--check")
-    assert missing.returncode == 1 and "run `keyshift dashboards`" in missing.stdout
-    assert keyshift().returncode == 0
+    def keyshift(*args: str) -> tuple[int, str]:
+        return keyshift_main(["dashboards", *args], capsys)
+
+    code, output = keyshift("--check")
+    assert code == 1 and "run `keyshift dashboards`" in output
+    assert keyshift()[0] == 0
     assert stale_dashboards(tmp_path / DASHBOARD_DIR) == []
-    assert keyshift("--check").returncode == 0
+    assert keyshift("--check")[0] == 0
     edited = tmp_path / DASHBOARD_DIR / "keyshift-overview.json"
     edited.write_text(edited.read_text(encoding="utf-8").replace("p99", "p98"))
     (tmp_path / DASHBOARD_DIR / "keyshift-gone.json").write_text("{}")
-    stale = keyshift("--check")
-    assert stale.returncode == 1
-    assert "keyshift-overview.json" in stale.stdout and "keyshift-gone.json" in stale.stdout
-    assert keyshift("--out", "elsewhere").returncode == 0
+    code, output = keyshift("--check")
+    assert code == 1
+    assert "keyshift-overview.json" in output and "keyshift-gone.json" in output
+    assert keyshift("--out", "elsewhere")[0] == 0
     assert stale_dashboards(tmp_path / "elsewhere") == []
 
 

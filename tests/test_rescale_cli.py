@@ -9,12 +9,9 @@ import re
 import signal
 import subprocess
 from pathlib import Path
-from typing import Any
 
 import pytest
 
-from keyshift.operator.job_registry import lookup
-from keyshift.runtime.transport import JsonClient, TransportError
 from tests.conftest import (
     KEYSHIFT,
     REPO,
@@ -22,10 +19,10 @@ from tests.conftest import (
     cli,
     coordinators_of,
     count_job,
+    status_of,
     wait_for,
     write_job,
 )
-from tests.test_rescale import SERVICE
 
 pytestmark = pytest.mark.live
 
@@ -34,23 +31,6 @@ def keyshift(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [KEYSHIFT, *args], cwd=REPO, capture_output=True, text=True, timeout=120, check=False
     )
-
-
-def status_of(job: str) -> dict[str, Any]:
-    """The job's status from its coordinator, found by name in the registry as `keyshift
-    status` finds it; empty while it cannot be had (starting, restarting). For polling: a
-    `keyshift` process per poll costs a busy machine seconds of CPU each."""
-    record = lookup(job)
-    if record is None:
-        return {}
-    client = JsonClient(record["coordinator"], SERVICE)
-    try:
-        status: dict[str, Any] = client.call("Status", timeout=5.0)
-        return status
-    except TransportError:
-        return {}
-    finally:
-        client.close()
 
 
 def test_rescale_a_running_job_by_name(tmp_path: Path) -> None:
