@@ -476,14 +476,40 @@ WindowConfig = Annotated[
 ]
 
 
+def _window_reduce(path: str | None, info: ValidationInfo) -> str | None:
+    return None if path is None else _check_function_path(path, info, 2)
+
+
+def _window_process(path: str | None, info: ValidationInfo) -> str | None:
+    return None if path is None else _check_function_path(path, info, 1)
+
+
 class WindowOperator(_Model):
-    """An aggregate per key and event-time window, fired once the watermark passes the
-    window's end (keyshift.runtime.windows); the source needs `event_time` settings."""
+    """An aggregate per key and event-time window, or a user's function over the window's
+    records, fired once the watermark passes the window's end (keyshift.runtime.windows); the
+    source needs `event_time` settings."""
 
     kind: Literal["window"]
     window: WindowConfig
-    function: AggregateFunction = "count"
-    field: str | None = Field(default=None, description="numeric field aggregated (not for count)")
+    function: AggregateFunction | None = Field(
+        default=None, description="the built-in aggregate; none: count, unless reduce or process"
+    )
+    field: str | None = Field(
+        default=None,
+        description="numeric field aggregated (not for count); with reduce or process, the "
+        "field whose values they get instead of whole records",
+    )
+    reduce: str | None = Field(
+        default=None,
+        description="module:function(accumulator, record) -> accumulator, folding each record "
+        "into its window as it arrives (accumulator None at first); the window's result is the "
+        "last accumulator",
+    )
+    process: str | None = Field(
+        default=None,
+        description="module:function(records) -> result, called once when the window fires "
+        "with its records in arrival order (each with its window_start)",
+    )
     allowed_lateness_ms: float = Field(
         default=0,
         ge=0,
@@ -493,6 +519,30 @@ class WindowOperator(_Model):
         "the earlier one by key and window); records later than that go to the job's "
         "late_records log",
     )
+
+    _check_reduce = field_validator("reduce")(_window_reduce)
+    _check_process = field_validator("process")(_window_process)
+
+    @model_validator(mode="after")
+    def _one_function(self) -> WindowOperator:
+        if self.reduce is not None and self.process is not None:
+            raise ValueError("a window has a reduce or a process function, not both")
+        if self.user_function is not None and self.function is not None:
+            raise ValueError(
+                f"a window with a reduce or process function has no aggregate function "
+                f"(got function {self.function!r} too)"
+            )
+        return self
+
+    @property
+    def user_function(self) -> str | None:
+        """The module:function of a reduce or process function; None for a built-in aggregate."""
+        return self.reduce or self.process
+
+    @property
+    def aggregate(self) -> str | None:
+        """The built-in aggregate; None when a user's function computes the window's result."""
+        return None if self.user_function is not None else self.function or "count"
 
     def allowed_lateness_us(self) -> int:
         return round(self.allowed_lateness_ms * 1000)
@@ -760,24 +810,35 @@ GraphStage = Annotated[
 ]
 
 
+def _keyed_node(stage: KeyedStage | KeyedNode, inputs: tuple[str, ...]) -> Node:
+    """A keyed stage as `keyshift.runtime.job_graph` sees it: its built-in aggregate or its
+    user's function, and the field either reads."""
+    op = stage.operator
+    if isinstance(op, WindowOperator):
+        aggregate, field, function = op.aggregate, op.field, op.user_function
+    elif isinstance(op, AggregateOperator):
+        aggregate, field, function = op.function, op.field, None
+    else:
+        aggregate, field, function = None, None, op.function
+    return Node(
+        stage.name,
+        "keyed",
+        stage.parallelism,
+        inputs,
+        key_by=stage.key_by,
+        aggregate=aggregate,
+        aggregate_field=field,
+        window=isinstance(op, WindowOperator),
+        function=function,
+    )
+
+
 def _node(stage: SourceNode | TransformNode | KeyedNode | SinkNode) -> Node:
     """A graph stage as `keyshift.runtime.job_graph` sees it."""
     if isinstance(stage, SourceNode):
         return Node(stage.name, "source", stage.parallelism, fields=stage.record_fields())
     if isinstance(stage, KeyedNode):
-        op = stage.operator
-        aggregate = op if isinstance(op, AggregateOperator | WindowOperator) else None
-        return Node(
-            stage.name,
-            "keyed",
-            stage.parallelism,
-            stage.input_names(),
-            key_by=stage.key_by,
-            aggregate=aggregate.function if aggregate else None,
-            aggregate_field=aggregate.field if aggregate else None,
-            window=isinstance(op, WindowOperator),
-            function=None if aggregate else op.function,
-        )
+        return _keyed_node(stage, stage.input_names())
     role: Role = "sink" if isinstance(stage, SinkNode) else stage.kind
     return Node(
         stage.name,
@@ -1029,21 +1090,7 @@ class JobSpec(_Model):
                     function=t.map or t.filter,
                 )
             )
-        op = keyed.operator
-        aggregate = op if isinstance(op, AggregateOperator | WindowOperator) else None
-        nodes.append(
-            Node(
-                keyed.name,
-                "keyed",
-                keyed.parallelism,
-                (nodes[-1].name,),
-                key_by=keyed.key_by,
-                aggregate=aggregate.function if aggregate else None,
-                aggregate_field=aggregate.field if aggregate else None,
-                window=isinstance(op, WindowOperator),
-                function=None if aggregate else op.function,
-            )
-        )
+        nodes.append(_keyed_node(keyed, (nodes[-1].name,)))
         nodes.append(Node(sink.name, "sink", sink.parallelism, (keyed.name,)))
         return nodes
 
@@ -1074,11 +1121,12 @@ class JobSpec(_Model):
                 "settings (its watermarks fire the windows)"
             )
         if isinstance(op, AggregateOperator | WindowOperator):
-            if op.function == "count":
+            aggregate = op.function if isinstance(op, AggregateOperator) else op.aggregate
+            if aggregate in ("count", None):
                 if op.field is not None and op.field not in self.fields:
                     raise ValueError(f"keyed.operator.field {op.field!r} is not a field")
             elif op.field is None:
-                raise ValueError(f"keyed.operator.field is required for {op.function!r}")
+                raise ValueError(f"keyed.operator.field is required for {aggregate!r}")
             elif self.fields.get(op.field) not in ("int", "float"):
                 raise ValueError(f"keyed.operator.field {op.field!r} must be an int or float field")
         made = made_fields(self.source.config)

@@ -34,10 +34,10 @@ def keyed_output(
     key_type: FieldType, aggregate: str | None, window: bool = False
 ) -> dict[str, FieldType]:
     """What a keyed stage sends downstream: one update per changed key, or one result per key
-    and window when it fires."""
-    if aggregate is None:
+    and window when it fires (a user's function's as JSON text, as a process function's)."""
+    if aggregate is None and not window:
         return {KEY_FIELD: key_type, "value": "str"}
-    value: FieldType = "int" if aggregate == "count" else "float"
+    value: FieldType = "str" if aggregate is None else "int" if aggregate == "count" else "float"
     bounds: dict[str, FieldType] = {"window_start": "int", "window_end": "int"} if window else {}
     return {KEY_FIELD: key_type, **bounds, "value": value, "n": "int", "version": "int"}
 
@@ -55,7 +55,7 @@ class Node:
     edges; a keyed stage is always partitioned by its `key_by`, other stages by `key_by` only
     when `partitioning` says so. `aggregate` names a keyed stage's aggregate function (none
     for a process function), `aggregate_field` the field it reads; `window`: the aggregate is
-    per event-time window.
+    per event-time window (with no aggregate: `function` computes each window's result).
     """
 
     name: str
@@ -191,9 +191,12 @@ def _keyed_schema(node: Node, schema: Schema) -> Schema:
     assert node.key_by is not None  # every keyed Node has its key
     key_type = _key_type(node, node.key_by, schema)
     function, field = node.aggregate, node.aggregate_field
-    if function == "count":
+    if function == "count" or function is None:
         if field is not None and field not in schema:
-            raise GraphError(f"{_stage(node)}: aggregate field {field!r} is not a field")
+            raise GraphError(
+                f"{_stage(node)}: field {field!r} is not a field of its input "
+                f"(fields: {list(schema)})"
+            )
     elif function is not None:
         if field is None:
             raise GraphError(f"{_stage(node)}: the aggregate {function!r} needs a field")

@@ -13,6 +13,7 @@ import json
 import logging
 import time
 from collections import Counter, deque
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -74,6 +75,7 @@ from keyshift.runtime.stage_context import FetchRequest, InstanceContext
 from keyshift.runtime.state import (
     KEY_COL,
     AggregateState,
+    ProcessFunction,
     ProcessState,
     aggregate_output_schema,
 )
@@ -93,7 +95,14 @@ from keyshift.runtime.transport import (
     Outlet,
 )
 from keyshift.runtime.watermarks import WatermarkTracker
-from keyshift.runtime.windows import KeyedWindows, WindowShape, window_output_schema
+from keyshift.runtime.windows import (
+    KeyedWindows,
+    WindowFunction,
+    WindowShape,
+    composite_groups,
+    window_contents,
+    window_output_schema,
+)
 
 IDLE_WAIT = 0.05
 PUSH_SLICE = 0.05  # seconds of state pushing between two batches of records, at most
@@ -127,20 +136,40 @@ def make_state(
     # Pickled values are only safe to keep when every state byte that arrives is authenticated.
     codec = ValueCodec(allow_pickle=seal.authenticated)
     settings = step.stage.state
+    kept = _state_function(op, timers)
     if settings.backend == "rocksdb":
         directory = prepare_directory(Path(settings.path) / spec.name / owner, owner)
         db = open_database(directory, settings.block_cache_mb, settings.write_buffer_mb)
         # Its checkpoints are native (keyshift.runtime.rocksdb_checkpoint): no change marks,
         # which would grow with the keys.
         track = False
-        if isinstance(op, AggregateOperator | WindowOperator):
-            return RocksAggregateState(op.function, spec.max_key_groups, key_type, db, track)
-        function = timers or resolve_function(op.function)
-        return RocksProcessState(function, spec.max_key_groups, key_type, db, codec, track)
-    if isinstance(op, AggregateOperator | WindowOperator):
-        return AggregateState(op.function, spec.max_key_groups, key_type)
-    function = timers or resolve_function(op.function)
-    return ProcessState(function, spec.max_key_groups, key_type, codec)
+        # A window's keys are found in their key's group, not their own hash's.
+        groups_of = (
+            partial(
+                composite_groups, ARROW_TYPES[step.fields[step.stage.key_by]], spec.max_key_groups
+            )
+            if windowed
+            else None
+        )
+        if isinstance(kept, str):
+            return RocksAggregateState(kept, spec.max_key_groups, key_type, db, track, groups_of)
+        return RocksProcessState(kept, spec.max_key_groups, key_type, db, codec, track, groups_of)
+    if isinstance(kept, str):
+        return AggregateState(kept, spec.max_key_groups, key_type)
+    return ProcessState(kept, spec.max_key_groups, key_type, codec)
+
+
+def _state_function(
+    op: AggregateOperator | ProcessOperator | WindowOperator, timers: KeyedTimers | None
+) -> str | ProcessFunction:
+    """The built-in aggregate a keyed operator keeps, or the per-record function of its
+    process state (a window's reduce or process keeps [records, accumulator] per window; a
+    process function with timers is called through them)."""
+    if isinstance(op, AggregateOperator):
+        return op.function
+    if isinstance(op, WindowOperator):
+        return op.aggregate if op.aggregate is not None else WindowFunction.of(op)
+    return timers or resolve_function(op.function)
 
 
 def process_output_schema(key_type: pa.DataType) -> pa.Schema:
@@ -164,7 +193,7 @@ def sink_schema(spec: JobSpec) -> pa.Schema:
     key_type = ARROW_TYPES[last.fields[last.stage.key_by]]
     op = last.stage.operator
     if isinstance(op, WindowOperator):
-        schema = window_output_schema(op.function, key_type)
+        schema = window_output_schema(op.aggregate, key_type)
     elif isinstance(op, AggregateOperator):
         schema = aggregate_output_schema(op.function, key_type)
     else:
@@ -196,15 +225,15 @@ class KeyedStage:
         ctx.state_size = lambda: (self.state.key_count, self.state.bytes_estimate())
         ctx.group_hits = self.state.group_hits
         op = step.stage.operator
-        self.value_field = op.field if isinstance(op, AggregateOperator | WindowOperator) else None
+        self.value_field = op.field if isinstance(op, AggregateOperator) else None
         self.key_field = step.stage.key_by
         self.windows = (
             KeyedWindows(
                 WindowShape(*op.size_and_slide_us()),
-                op.function,
+                window_contents(op, self.state),
                 self.key_field,
                 ARROW_TYPES[step.fields[self.key_field]],
-                self.state,  # type: ignore[arg-type]
+                self.state,
                 spec.max_key_groups,
                 op.allowed_lateness_us(),
             )
@@ -349,14 +378,11 @@ class KeyedStage:
         (a group's windows fire here once it is in). Only the old owner's watermark, known by
         then, is checked again: what it fired is complete. A window that has fired (here or
         at the old owner) and is still within its allowed lateness sends its updated result."""
-        assert self.windows is not None and isinstance(
-            self.state, AggregateState | RocksAggregateState
-        )
+        assert self.windows is not None
         t0 = time.perf_counter()
         batch = self.drop_late(batch, None)
         if batch.num_rows:
-            update = self.state.apply(batch, self.key_field, self.value_field).batch
-            groups = update.column(GROUP).to_numpy()
+            keys, groups = self.windows.add(batch)
             ready = self.ready()[groups]
             floor = self.windows.threshold(None, groups)
             current = self.watermark.current
@@ -365,7 +391,7 @@ class KeyedStage:
             threshold = (
                 floor if current is None else np.where(ready, np.maximum(floor, current), floor)
             )
-            fired = self.windows.track(update.column(KEY_COL), groups, threshold)
+            fired = self.windows.track(keys, groups, threshold)
             if len(fired):
                 self.send_out(self.windows.results(pc.unique(fired).to_pylist()), t0)
 

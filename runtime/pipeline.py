@@ -583,22 +583,32 @@ class KeyedStream:
     def window(
         self,
         window: Mapping[str, Any],
-        function: Literal["count", "sum", "min", "max", "mean"] = "count",
+        function: Literal["count", "sum", "min", "max", "mean"] | None = None,
         field: str | None = None,
         *,
+        reduce: UserFunction | None = None,
+        process: UserFunction | None = None,
         name: str | None = None,
         parallelism: int | None = None,
         state: Mapping[str, Any] | None = None,
         allowed_lateness_ms: float | None = None,
     ) -> Stream:
-        """A count/sum/min/max/mean of `field` per key and event-time window (`window` as a
-        job file's: `{"kind": "tumbling", "size_ms": ...}` or `{"kind": "sliding",
-        "size_ms": ..., "slide_ms": ...}`), each result sent once the watermark passes the
-        window's end; the source needs `event_time` settings. With `allowed_lateness_ms`, a
-        late record within it sends the window's updated result; later ones go to the
-        Dataflow's `late_records` log (`Dataflow(..., late_records={"path": ...})`)."""
-        operator = {"kind": "window", "window": dict(window), "function": function} | _given(
-            field=field, allowed_lateness_ms=allowed_lateness_ms
+        """A count (the default)/sum/min/max/mean of `field` per key and event-time window
+        (`window` as a job file's: `{"kind": "tumbling", "size_ms": ...}` or `{"kind":
+        "sliding", "size_ms": ..., "slide_ms": ...}`), each result sent once the watermark
+        passes the window's end; the source needs `event_time` settings. Instead of an
+        aggregate, `reduce(accumulator, record) -> accumulator` folds each record into its
+        window, or `process(records) -> result` is called with the window's records when it
+        fires (with `field`, they get that field's values instead of whole records). With
+        `allowed_lateness_ms`, a late record within it sends the window's updated result;
+        later ones go to the Dataflow's `late_records` log (`Dataflow(..., late_records=
+        {"path": ...})`)."""
+        operator = {"kind": "window", "window": dict(window)} | _given(
+            function=function,
+            field=field,
+            reduce=None if reduce is None else function_path(reduce, "window(reduce=...)"),
+            process=None if process is None else function_path(process, "window(process=...)"),
+            allowed_lateness_ms=allowed_lateness_ms,
         )
         return self._keyed("window", operator, name, parallelism, state)
 

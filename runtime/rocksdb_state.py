@@ -25,7 +25,7 @@ import json
 import shutil
 import uuid
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -158,15 +158,25 @@ def open_database(directory: Path, block_cache_mb: int, write_buffer_mb: int) ->
     return db
 
 
+# The key groups of keys given without them (a window's composite keys: their key's group).
+GroupsOf = Callable[[Sequence[Any]], np.ndarray]
+
+
 class RocksStore(ABC):
     """What both RocksDB stores share: the key layout, ranges per group, the in-memory counts
     per group, and the changes since the last checkpoint."""
 
     def __init__(
-        self, max_key_groups: int, key_type: pa.DataType, db: rocksdict.Rdict, track_changes: bool
+        self,
+        max_key_groups: int,
+        key_type: pa.DataType,
+        db: rocksdict.Rdict,
+        track_changes: bool,
+        groups_of: GroupsOf | None = None,
     ) -> None:
         self.max_key_groups = max_key_groups
         self.key_type = key_type
+        self._groups_of = groups_of
         self._db = db
         self._transfer = self.directory / TRANSFER
         self._numeric = pa.types.is_integer(key_type)
@@ -207,8 +217,13 @@ class RocksStore(ABC):
         return np.array(sorted(range(len(dbkeys)), key=dbkeys.__getitem__), dtype=np.int64)
 
     def _encode_keys(self, keys: Sequence[Any]) -> list[bytes]:
-        """Keys whose groups are not at hand: their groups are computed as the sources do."""
-        groups = key_groups(pa.array(keys, type=self.key_type), self.max_key_groups)
+        """Keys whose groups are not at hand: their groups are computed as the sources do (by
+        `groups_of` for keys that are not what the sources route by: a window's composite
+        key is in its key's group)."""
+        if self._groups_of is not None:
+            groups = self._groups_of(keys)
+        else:
+            groups = key_groups(pa.array(keys, type=self.key_type), self.max_key_groups)
         return self._encode(groups, list(keys))
 
     def _present(self, dbkeys: list[bytes]) -> tuple[list[bytes], list[bytes]]:
@@ -401,6 +416,11 @@ class RocksStore(ABC):
         np.subtract.at(self._group_hits, groups, _hits(values))
         return len(present)
 
+    def expire_keys(self, keys: Sequence[Any]) -> int:
+        """Delete keys whose state is done with (a window that fired): its checkpoints are
+        native database snapshots, which a deletion reaches as it is."""
+        return self.drop_keys(keys)
+
     def changes(self, groups: Iterable[int]) -> StateChanges:
         wanted = [int(g) for g in groups]
         changed = [key for g in wanted for key in sorted(self._changed.get(g, ()))]
@@ -487,11 +507,6 @@ def _hits(values: list[bytes]) -> np.ndarray:
 class RocksAggregateState(RocksStore):
     """Running aggregates per key in RocksDB, updated a batch at a time."""
 
-    def expire_keys(self, keys: Sequence[Any]) -> int:
-        """Delete keys whose state is done with (a window that fired): its checkpoints are
-        native database snapshots, which a deletion reaches as it is."""
-        return self.drop_keys(keys)
-
     def __init__(
         self,
         function: str,
@@ -499,8 +514,9 @@ class RocksAggregateState(RocksStore):
         key_type: pa.DataType,
         db: rocksdict.Rdict,
         track_changes: bool,
+        groups_of: GroupsOf | None = None,
     ) -> None:
-        super().__init__(max_key_groups, key_type, db, track_changes)
+        super().__init__(max_key_groups, key_type, db, track_changes, groups_of)
         self.function = function
 
     def _rows(self, dbkeys: list[bytes], values: list[bytes]) -> pa.RecordBatch:
@@ -586,8 +602,9 @@ class RocksProcessState(RocksStore):
         db: rocksdict.Rdict,
         codec: ValueCodec,
         track_changes: bool,
+        groups_of: GroupsOf | None = None,
     ) -> None:
-        super().__init__(max_key_groups, key_type, db, track_changes)
+        super().__init__(max_key_groups, key_type, db, track_changes, groups_of)
         self.function = function
         self.codec = codec
 

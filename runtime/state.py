@@ -558,15 +558,25 @@ class ProcessState:
         return dropped
 
     def drop_keys(self, keys: Sequence[Any]) -> int:
+        return self._remove(keys, expired=False)
+
+    def expire_keys(self, keys: Sequence[Any]) -> int:
+        """Delete keys whose state is done with (a window that fired); unlike `drop_keys` (a
+        key that moved away), the next incremental checkpoint records their deletion."""
+        return self._remove(keys, expired=True)
+
+    def _remove(self, keys: Sequence[Any], expired: bool) -> int:
         wanted = set(keys)
-        dropped = 0
+        removed = 0
         for g, per in self._groups.items():
             for k in wanted & per.keys():
                 del per[k]
                 self._group_hits[g] -= self._hits.pop(k, 0)
                 self._changed.get(g, set()).discard(k)
-                dropped += 1
-        return dropped
+                if expired:
+                    self._deleted.setdefault(g, set()).add(k)
+                removed += 1
+        return removed
 
     def changes(self, groups: Iterable[int]) -> StateChanges:
         wanted = list(groups)

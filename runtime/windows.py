@@ -1,9 +1,15 @@
 """Event-time windows per key in the keyed stage: tumbling and sliding (hopping) windows with
-the built-in aggregates, fired once when the instance's watermark passes a window's end, and
-updated by late records within the stage's allowed lateness.
+the built-in aggregates or a user's reduce/process over the window's records, fired once when
+the instance's watermark passes a window's end, and updated by late records within the stage's
+allowed lateness.
+
+What a window keeps is its `WindowContents`: an aggregate's running columns in the aggregate
+store (`AggregateContents`), or a user's function's [records, accumulator] as one value of a
+process-state store (`FunctionContents`: `WindowFunction` folds each record with `reduce`, or
+keeps the records for `process`, which is called when the window's result is read).
 
 Window state is keyed state like any other: each (key, window) is one entry of the stage's
-aggregate store under a composite string key (`key`, the unit separator, the window's start),
+store under a composite string key (`key`, the unit separator, the window's start),
 in the key group of its key, so it counts towards the group's hotness, moves live with every
 strategy and is checkpointed and restored with the group. Records are expanded into one row
 per window they fall in (vectorised) as they reach the keyed instance; the migration machinery
@@ -32,7 +38,8 @@ Called by `keyshift.runtime.keyed_stage` only.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+import json
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -40,11 +47,19 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from keyshift.runtime.records import EVENT_TIME, GROUP, INGEST_TIME, now_us
+from keyshift.runtime.job import WindowOperator, resolve_function
+from keyshift.runtime.keyspace import key_groups
+from keyshift.runtime.records import EVENT_TIME, GROUP, INGEST_TIME, SEQ, SOURCE, now_us
 from keyshift.runtime.state import GROUP_COL, KEY_COL, aggregate_values
+from keyshift.runtime.state_values import ValueCodec
 
 SEPARATOR = "\x1f"  # between a key and its window's start in a composite key
 WINDOW_START, WINDOW_END = "window_start", "window_end"
+# A user's window function's store is keyed by this column of the records it is given: the
+# composite key, while the records keep their own key for the function to read.
+WINDOW_KEY = "_window_key"
+# What a window function's records do not show: the runtime's own columns.
+_INTERNAL = (WINDOW_KEY, GROUP, SOURCE, SEQ, INGEST_TIME)
 
 
 @dataclass(frozen=True)
@@ -71,10 +86,18 @@ class WindowShape:
         return rows[inside], starts[inside]
 
 
-def window_output_schema(function: str, key_type: pa.DataType) -> pa.Schema:
+def window_value_type(aggregate: str | None) -> pa.DataType:
+    """The type of a window's value: a count's int, another aggregate's float, a user's
+    function's result as JSON text."""
+    if aggregate is None:
+        return pa.string()
+    return pa.int64() if aggregate == "count" else pa.float64()
+
+
+def window_output_schema(aggregate: str | None, key_type: pa.DataType) -> pa.Schema:
     """What a window sends downstream when it fires: its key, bounds, value and record count;
     its event time is its end less 1 µs, its version the records in it."""
-    value_type = pa.int64() if function == "count" else pa.float64()
+    value_type = window_value_type(aggregate)
     return pa.schema(
         [
             pa.field(KEY_COL, key_type),
@@ -91,13 +114,148 @@ def window_output_schema(function: str, key_type: pa.DataType) -> pa.Schema:
 
 
 class WindowStore(Protocol):
-    """What windows need of an aggregate store (memory or RocksDB)."""
+    """What windows need of a store (memory or RocksDB; aggregate or process state)."""
 
     def snapshot_groups(self, groups: Iterable[int]) -> pa.RecordBatch: ...
 
     def snapshot_keys(self, keys: Sequence[Any]) -> pa.RecordBatch: ...
 
     def expire_keys(self, keys: Sequence[Any]) -> int: ...
+
+
+class _Update(Protocol):
+    @property
+    def batch(self) -> pa.RecordBatch: ...
+
+
+class AggregateStore(WindowStore, Protocol):
+    def apply(self, batch: pa.RecordBatch, key_field: str, value_field: str | None) -> _Update: ...
+
+
+class FunctionStore(WindowStore, Protocol):
+    codec: ValueCodec
+
+    def apply(self, batch: pa.RecordBatch, key_field: str) -> tuple[list[dict[str, Any]], int]: ...
+
+
+class WindowContents(Protocol):
+    """What a window keeps of its records and how its result is read: a built-in aggregate's
+    running columns, or a user's function's accumulator."""
+
+    @property
+    def aggregate(self) -> str | None:
+        """The built-in aggregate; None for a user's function."""
+        ...
+
+    def add(
+        self, rows: pa.RecordBatch, key_field: str, as_records: Callable[[pa.RecordBatch], Any]
+    ) -> tuple[pa.Array, np.ndarray]:
+        """Expanded rows into their windows; the composite keys and groups of those changed."""
+        ...
+
+    def values(self, snapshot: pa.RecordBatch) -> tuple[pa.Array, np.ndarray]:
+        """The windows' values and record counts, from a snapshot of their keys."""
+        ...
+
+
+@dataclass(frozen=True)
+class AggregateContents:
+    """A built-in aggregate of `field` per window, vectorised over the aggregate store."""
+
+    aggregate: str
+    field: str | None
+    state: AggregateStore
+
+    def add(
+        self, rows: pa.RecordBatch, key_field: str, as_records: Callable[[pa.RecordBatch], Any]
+    ) -> tuple[pa.Array, np.ndarray]:
+        update = self.state.apply(rows, key_field, self.field).batch
+        return update.column(KEY_COL), update.column(GROUP).to_numpy()
+
+    def values(self, snapshot: pa.RecordBatch) -> tuple[pa.Array, np.ndarray]:
+        count = snapshot.column("count").to_numpy()
+        values = aggregate_values(
+            self.aggregate,
+            count,
+            snapshot.column("sum").to_numpy(),
+            snapshot.column("min").to_numpy(),
+            snapshot.column("max").to_numpy(),
+        )
+        return pa.array(values).cast(window_value_type(self.aggregate)), count
+
+
+@dataclass(frozen=True)
+class WindowFunction:
+    """A user's reduce or process as the per-record function of a process-state store: each
+    window's state is [records in it, accumulator], the accumulator folded by `reduce` or the
+    list of the window's records for `process` (called when the window's result is read)."""
+
+    reduce: Callable[[Any, Any], Any] | None
+    process: Callable[[list[Any]], Any] | None
+    field: str | None
+
+    @classmethod
+    def of(cls, op: WindowOperator) -> WindowFunction:
+        reduce = resolve_function(op.reduce) if op.reduce is not None else None
+        process = resolve_function(op.process) if op.process is not None else None
+        return cls(reduce, process, op.field)
+
+    def __call__(self, state: list[Any] | None, record: dict[str, Any]) -> tuple[list[Any], bool]:
+        n, acc = state if state is not None else (0, None)
+        item = record[self.field] if self.field is not None else _visible(record)
+        if self.reduce is not None:
+            acc = self.reduce(acc, item)
+        else:
+            acc = acc if acc is not None else []
+            acc.append(item)
+        return [n + 1, acc], True  # an output per record: the store says which windows changed
+
+    def result(self, state: list[Any]) -> Any:
+        return state[1] if self.process is None else self.process(state[1])
+
+
+def _visible(record: dict[str, Any]) -> dict[str, Any]:
+    return {name: value for name, value in record.items() if name not in _INTERNAL}
+
+
+@dataclass(frozen=True)
+class FunctionContents:
+    """A user's reduce or process per window (`WindowFunction`) over a process-state store."""
+
+    function: WindowFunction
+    state: FunctionStore
+    aggregate: None = None
+
+    def add(
+        self, rows: pa.RecordBatch, key_field: str, as_records: Callable[[pa.RecordBatch], Any]
+    ) -> tuple[pa.Array, np.ndarray]:
+        records = as_records(rows).append_column(WINDOW_KEY, rows.column(key_field))
+        outputs, _ = self.state.apply(records, WINDOW_KEY)
+        changed = {out[KEY_COL]: out[GROUP] for out in outputs}
+        groups = np.fromiter(changed.values(), np.int64, len(changed))
+        return pa.array(list(changed), pa.string()), groups
+
+    def values(self, snapshot: pa.RecordBatch) -> tuple[pa.Array, np.ndarray]:
+        states = [self.state.codec.decode(blob) for blob in snapshot.column("state").to_pylist()]
+        results = [json.dumps(self.function.result(state)) for state in states]
+        counts = np.fromiter((state[0] for state in states), np.int64, len(states))
+        return pa.array(results, pa.string()), counts
+
+
+def window_contents(op: WindowOperator, state: Any) -> WindowContents:
+    """What `op`'s windows keep, over the store `make_state` made for it."""
+    if op.aggregate is not None:
+        return AggregateContents(op.aggregate, op.field, state)
+    assert isinstance(state.function, WindowFunction)  # make_state's store for a user's function
+    return FunctionContents(state.function, state)
+
+
+def composite_groups(key_type: pa.DataType, max_key_groups: int, keys: Sequence[str]) -> np.ndarray:
+    """The key groups of composite keys: their key's, where the senders routed its records (a
+    store that finds keys by their group is given this, `functools.partial`'d)."""
+    composite = pa.array(keys, pa.string())
+    originals = pc.list_element(pc.split_pattern(composite, SEPARATOR), 0).cast(key_type)
+    return key_groups(originals, max_key_groups)
 
 
 def _starts(keys: pa.Array) -> np.ndarray:
@@ -112,7 +270,7 @@ class KeyedWindows:
     def __init__(
         self,
         shape: WindowShape,
-        function: str,
+        contents: WindowContents,
         key_field: str,
         key_type: pa.DataType,
         state: WindowStore,
@@ -121,7 +279,7 @@ class KeyedWindows:
     ) -> None:
         self.shape = shape
         self.lateness_us = lateness_us
-        self.function = function
+        self.contents = contents
         self.key_field = key_field
         self.key_type = key_type
         self.state = state
@@ -131,7 +289,7 @@ class KeyedWindows:
         # Per group, the watermark of the instance that handed it over: its windows that had
         # fired there are late here, whatever this instance's own watermark says.
         self.handed_over = np.full(max_key_groups, np.iinfo(np.int64).min, dtype=np.int64)
-        self.out_schema = window_output_schema(function, key_type)
+        self.out_schema = window_output_schema(contents.aggregate, key_type)
 
     def expand(self, batch: pa.RecordBatch) -> pa.RecordBatch:
         """One row per (record, window it falls in), keyed by the composite key."""
@@ -145,12 +303,20 @@ class KeyedWindows:
         index = taken.schema.get_field_index(self.key_field)
         return taken.set_column(index, self.key_field, keys)
 
+    def add(self, rows: pa.RecordBatch) -> tuple[pa.Array, np.ndarray]:
+        """Expanded rows into their windows' state; the composite keys and groups of the
+        windows they changed."""
+        return self.contents.add(rows, self.key_field, self.as_records)
+
     def as_records(self, rows: pa.RecordBatch) -> pa.RecordBatch:
-        """Expanded rows as the records they came from, each with its window's start."""
+        """Expanded rows as the records they came from, each with its window's start (unless
+        a record has a field of that name, the results of a window upstream: its own stays)."""
         composite = rows.column(self.key_field)
         index = rows.schema.get_field_index(self.key_field)
         originals = pc.list_element(pc.split_pattern(composite, SEPARATOR), 0)
         records = rows.set_column(index, self.key_field, originals.cast(self.key_type))
+        if WINDOW_START in records.schema.names:
+            return records
         return records.append_column(WINDOW_START, pa.array(_starts(composite)))
 
     def hand_over(self, groups: np.ndarray, watermark: int) -> None:
@@ -227,19 +393,12 @@ class KeyedWindows:
         starts = _starts(composite)
         ends = starts + self.shape.size_us
         originals = pc.list_element(pc.split_pattern(composite, SEPARATOR), 0)
-        count = snapshot.column("count").to_numpy()
-        values = aggregate_values(
-            self.function,
-            count,
-            snapshot.column("sum").to_numpy(),
-            snapshot.column("min").to_numpy(),
-            snapshot.column("max").to_numpy(),
-        )
+        values, count = self.contents.values(snapshot)
         columns: list[Any] = [
             originals.cast(self.key_type),
             pa.array(starts),
             pa.array(ends),
-            pa.array(values).cast(self.out_schema.field("value").type),
+            values,
             pa.array(count.astype(np.int64)),
             pa.array(ends - 1),
             pa.array(np.full(len(ends), now_us(), dtype=np.int64)),

@@ -195,3 +195,14 @@ def fire_once_soon(state: Any, record: dict[str, Any], timers: Any) -> tuple[Any
 def fired_now(state: Any, key: Any, timestamp: int, kind: str, timers: Any) -> tuple[Any, Any]:
     """Emit (key, kind) and remember that the key's timer fired."""
     return "fired", [key, kind]
+
+
+class RefusedBid(ValueError):
+    """What `refuse_big_bids` raises: a user's window function failing on a record."""
+
+
+def refuse_big_bids(top: Any, bid: dict[str, Any]) -> Any:
+    """A window reduce that raises on a bid above 10,000 (NEXMark's prices reach millions)."""
+    if bid["price"] > 10_000:
+        raise RefusedBid(f"bid {bid['price']} on auction {bid['auction']} refused")
+    return bid["price"] if top is None else max(top, bid["price"])
