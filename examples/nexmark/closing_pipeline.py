@@ -15,24 +15,14 @@ import sys
 from typing import Literal
 
 from examples.nexmark import closing
-from keyshift.runtime.pipeline import Dataflow, Stream, source
+from examples.nexmark.events import timed_events
+from keyshift.runtime.pipeline import Dataflow, Stream
 
 
 def closed_auctions() -> Stream:
     """events (nexmark) -> wanted (filter) -> by-auction (map) -> close (the winning bid of
     each auction, by a timer at its `expires`) -> closed (map): Q4's and Q6's first stage."""
-    events = source(
-        "events",
-        {
-            "kind": "nexmark",
-            "seed": 1,
-            "event_rate": 10000,
-            "max_disorder_ms": 50,
-            "profile": {"kind": "constant", "rate": 20000},
-        },
-        parallelism=1,
-        event_time={"max_out_of_orderness_ms": 50, "idle_timeout_ms": 1000},
-    )
+    events = timed_events()
     return (
         events.filter(closing.is_auction_or_bid, name="wanted")
         .map(closing.by_auction, fields=closing.AUCTION_OR_BID_FIELDS, name="by-auction")

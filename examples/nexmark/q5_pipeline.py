@@ -12,24 +12,14 @@ Run it to print the job file, then run that file:
 from __future__ import annotations
 
 from examples.nexmark import queries
-from keyshift.runtime.pipeline import Dataflow, source
+from examples.nexmark.events import timed_events
+from keyshift.runtime.pipeline import Dataflow
 
 
 def q5() -> Dataflow:
     """events (nexmark) -> bids (filter) -> q5 (bids per auction and sliding window) ->
     q5-hot (the highest count per window and its auctions) -> out."""
-    events = source(
-        "events",
-        {
-            "kind": "nexmark",
-            "seed": 1,
-            "event_rate": 10000,
-            "max_disorder_ms": 50,
-            "profile": {"kind": "constant", "rate": 20000},
-        },
-        parallelism=1,
-        event_time={"max_out_of_orderness_ms": 50, "idle_timeout_ms": 1000},
-    )
+    events = timed_events()
     counts = (
         events.filter(queries.is_bid, name="bids")
         .key_by("auction")

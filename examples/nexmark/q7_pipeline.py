@@ -11,25 +11,15 @@ Run it to print the job file, then run that file:
 from __future__ import annotations
 
 from examples.nexmark import queries
+from examples.nexmark.events import timed_events
 from keyshift.runtime.job import FieldType
-from keyshift.runtime.pipeline import Dataflow, source
+from keyshift.runtime.pipeline import Dataflow
 
 
 def q7() -> Dataflow:
     """events (nexmark) -> bids (filter) -> by-window (map) -> q7 (the highest bids per
     window) -> out."""
-    events = source(
-        "events",
-        {
-            "kind": "nexmark",
-            "seed": 1,
-            "event_rate": 10000,
-            "max_disorder_ms": 50,
-            "profile": {"kind": "constant", "rate": 20000},
-        },
-        parallelism=1,
-        event_time={"max_out_of_orderness_ms": 50, "idle_timeout_ms": 1000},
-    )
+    events = timed_events()
     fields: dict[str, FieldType] = {
         "window": "int",
         "auction": "int",
