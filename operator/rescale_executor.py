@@ -36,7 +36,7 @@ RECONCILED_PHASES = ("starting", "running")
 
 def scalable_stages(spec: JobSpec) -> frozenset[str]:
     """The stages a host rescales live: every keyed stage (sources stay bounded by their
-    partitions, and rescaling the sink is not built yet)."""
+    partitions, and the sink is rescaled by hand: its bound is its partitions)."""
     return frozenset(step.stage.name for step in spec.keyed_stages())
 
 
