@@ -4,11 +4,11 @@ create / resume / update: validate the spec (the schema's rules are the API serv
 cannot express, `StreamingJobSpec.problems`, becomes a Degraded condition and an Event, and no
 child is created), then create the job's token Secret if it has none (never patched: the pods
 hold its value) and apply the children (`k8s_children`, server-side: `k8s_apply`). A
-change of the keyed stage's parallelism (an edit or `kubectl scale`) rescales the running job
-live. A timer per job reads the coordinator's status, runs the autoscaling loop
-(`k8s_scaling`), applies replica changes and writes the status, with the memory a restarted
-operator reads back (the guards' state, the last rescale it handled); delete releases the
-job's parts.
+change of a keyed stage's or the sink's parallelism (an edit, or `kubectl scale` of the keyed
+stage) rescales the running job live. A timer per job reads the coordinator's status, runs
+the autoscaling loop (`k8s_scaling`), applies replica changes and writes the status, with the
+memory a restarted operator reads back (the guards' state, the last rescale it handled, the
+rescales of a decision still to come); delete releases the job's parts.
 `keyshift operator` runs it (`run_operator`); tests build it with `build_registry` against an
 API emulator.
 """
@@ -217,6 +217,7 @@ def build_registry(config: OperatorConfig) -> kopf.OperatorRegistry:
                 old.executor.handled,
                 tuple(old.events.kept),
                 old.restarts,
+                old.executor.pending(),
             )
             old.close()
         else:
