@@ -458,6 +458,8 @@ def _write_status(
     kube: KubeJob,
 ) -> None:
     latest = kube.events.latest
+    # The parallelism each stage's step still queued in the decision takes it to.
+    queued = dict(kube.executor.pending().queued)
     stages = [
         {
             "name": s["name"],
@@ -465,6 +467,7 @@ def _write_status(
             "target": int(s["desired"]),
             "ready": ready.get(s["name"], 0),
             "lastDecision": decision.reason if (decision := latest.get(s["name"])) else "",
+            "pending": queued.get(s["name"]),
         }
         for s in current.get("stages", [])
     ]

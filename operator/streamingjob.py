@@ -291,6 +291,11 @@ class StageStatus(_Model):
         alias="lastDecision",
         description="why the autoscaler's latest decision for this stage was what it was",
     )
+    pending: int | None = Field(
+        default=None,
+        description="the parallelism a rescale of the decision being applied, not started yet, "
+        "takes it to (status.pendingRescales has the whole decision)",
+    )
 
 
 class DecisionStatus(_Model):

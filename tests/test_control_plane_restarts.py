@@ -469,6 +469,13 @@ async def test_an_operator_restarted_mid_decision_goes_on_with_its_pending_steps
                     60, "the second step waiting in the status",
                 )  # fmt: skip
                 assert pending == [{"stage": "out", "parallelism": 2}]
+
+                def pending_steps() -> dict[str, Any]:
+                    stages = job_object(emu)["status"].get("stages", [])
+                    return {s["name"]: s.get("pending") for s in stages}
+
+                # Each stage shows its step still to come, while it is to come.
+                await eventually(lambda: pending_steps().get("out") == 2, 30, "out's step shown")
             async with running_operator(emu, runner.address):
 
                 def done() -> list[tuple[str, int, str]] | None:
@@ -490,7 +497,8 @@ async def test_an_operator_restarted_mid_decision_goes_on_with_its_pending_steps
 
                 await eventually(
                     lambda: (replicas(emu, "track"), replicas(emu, "out")) == (2, 2)
-                    and nothing_pending(),
+                    and nothing_pending()
+                    and not any(pending_steps().values()),
                     60, "the StatefulSets at 2 and nothing pending",
                 )  # fmt: skip
                 await drain_and_check(client, out)
