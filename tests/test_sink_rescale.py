@@ -116,22 +116,25 @@ CHECKPOINTED = {"kind": "generator", "keys": 2000, "distribution": "zipf", "seed
                 "profile": {"rate": 3000}, "total": TOTAL}  # fmt: skip
 
 
-@pytest.mark.parametrize("when", ["during", "after"])
+@pytest.mark.parametrize(("when", "width", "victim"), [("during", 1, 1), ("after", 3, 2)])
 def test_a_sink_instance_killed_around_a_sink_rescale_recovers_exactly_once(
-    tmp_path: Path, when: str
+    tmp_path: Path, when: str, width: int, victim: int
 ) -> None:
-    """With checkpoints: a sink instance killed while the sink rescales (an old owner of a
-    moving partition) or after (a new instance): the job restarts from its checkpoint, each
-    partition is truncated to it there, and the output is still the truth, once, in order."""
+    """With checkpoints: a sink instance killed while the sink rescales (the old owner of the
+    partitions a scale-in moves, at once after the request: in its hand-over) or after one (the
+    instance a scale-out started, once a checkpoint recorded the new owners): the job restarts
+    from its checkpoint, each partition is truncated to it there, and the output is still the
+    truth, once, in order."""
     out = tmp_path / "out"
     context, port = start_run(tmp_path, sink_job(out, CHECKPOINTED, 2))
     with context as proc:
         run = Run(proc, f"127.0.0.1:{port}")
         try:
             wait_for(lambda: run.completed() >= 1, 60, "a checkpoint")
-            started = run.client.call("Rescale", {"stage": "sink", "parallelism": 3})
-            if when == "during":
-                os.kill(run.pid_of("sink", 1), signal.SIGKILL)
+            pid = run.pid_of("sink", victim) if when == "during" else None
+            started = run.client.call("Rescale", {"stage": "sink", "parallelism": width})
+            if pid is not None:
+                os.kill(pid, signal.SIGKILL)
             else:
 
                 def done() -> bool:
@@ -142,7 +145,7 @@ def test_a_sink_instance_killed_around_a_sink_rescale_recovers_exactly_once(
                 wait_for(done, 60, "the sink's rescale")
                 done_at = run.completed()
                 wait_for(lambda: run.completed() > done_at, 30, "a checkpoint after it")
-                os.kill(run.pid_of("sink", 2), signal.SIGKILL)
+                os.kill(run.pid_of("sink", victim), signal.SIGKILL)
             code = proc.wait(timeout=180)
         finally:
             run.client.close()
