@@ -101,7 +101,10 @@ class SinkPartitions:
         partition coming here are parked until it opens."""
         partitions = partition_of(batch.column(GROUP).to_numpy(), self.count)
         batch = batch.drop_columns([GROUP])
-        parts = split_by_owner(batch, partitions, self.count)
+        if len(partitions) and (partitions == partitions[0]).all():
+            parts = [(int(partitions[0]), batch)]  # the usual case: no copy
+        else:
+            parts = split_by_owner(batch, partitions, self.count)
         kept = []
         for partition, part in parts:
             if self.move is not None and partition in self.move.coming:
