@@ -895,10 +895,12 @@ class GroupRates:
 
 def max_calls(spec: JobSpec) -> int:
     """The most calls the coordinator serves at once: per instance its command stream and two
-    reports (the periodic one and a protocol step's), with the keyed stage at the most a
-    rescale may take each keyed stage to; and a few for the hosts' and the CLI's calls."""
+    reports (the periodic one and a protocol step's), with each keyed stage at the most a
+    rescale may take it to (the sink: its partitions); and a few for the hosts' and the CLI's
+    calls."""
     keyed = len(spec.keyed_stages())
-    instances = spec.source.parallelism + spec.sink.parallelism + keyed * MAX_PARALLELISM
+    sinks = spec.sink.output_partitions
+    instances = spec.source.parallelism + sinks + keyed * MAX_PARALLELISM
     return 3 * instances + CLIENT_CALLS
 
 
