@@ -1,5 +1,7 @@
-"""The coordinator: one per job. Holds the graph and every keyed stage's assignment (by epoch),
-registers instances, publishes the topology, drives draining, and reports status over gRPC.
+"""The coordinator: one per job. Holds the graph, every keyed stage's assignment and the sink's
+partition owners (each by epoch), registers instances, publishes the topology, drives rescales
+(keyshift.runtime.rescale, keyshift.runtime.sink_rescale) and draining, and reports status over
+gRPC.
 
 Started as a process by a host (`python -m keyshift.runtime.coordinator`); instances and the
 host's client talk to it through the JSON control service `keyshift.Coordinator`.
