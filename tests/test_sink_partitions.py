@@ -1,7 +1,7 @@
 """A sink instance's output partitions and its side of a rescale of the sink, on real output
 logs in a temporary directory (keyshift.runtime.sink_partitions), and the coordinator's
-refusals of rescales that cannot be (keyshift.runtime.coordinator): what a rescale of the sink
-relies on, without starting processes."""
+refusals of rescales that cannot be (keyshift.runtime.coordinator), and the CLI's summary of
+one: what a rescale of the sink relies on, without starting processes."""
 
 from __future__ import annotations
 
@@ -14,11 +14,13 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
+from keyshift.operator.cli import describe_rescale
 from keyshift.runtime.coordinator import Coordinator
 from keyshift.runtime.job import LogSink, parse_job
 from keyshift.runtime.output_log import OutputLogReader
 from keyshift.runtime.protocol import MovePartitions, RescaleRequest
 from keyshift.runtime.records import GROUP
+from keyshift.runtime.rescale import RescaleStatus
 from keyshift.runtime.sink_partitions import PartitionError, SinkPartitions
 from keyshift.runtime.sink_router import partition_owners
 from keyshift.runtime.transport import ControlError
@@ -142,3 +144,12 @@ def test_the_partitions_stay_where_a_checkpoint_had_them() -> None:
     owners = partition_owners(4, 3, 7)
     assert np.array_equal(owners.owners, [0, 0, 1, 2])
     assert partition_owners(3, 3).owners.tolist() == [0, 1, 2]  # one each, as before
+
+
+def test_the_cli_describes_a_sink_rescale_by_the_partitions_it_moved() -> None:
+    made = RescaleStatus("a", 2, "sink", 1, 3, "hot-first", {}, "done", epoch=2,
+                         groups_to_move=3, groups_moved=3,
+                         progress={"partitions_out": 3.0, "partitions_in": 3.0})  # fmt: skip
+    text = describe_rescale(made.report())
+    assert text.startswith("rescale 2 of sink 1->3: done after ")
+    assert text.endswith("; 3/3 output partitions moved")
