@@ -16,6 +16,8 @@ Firing goes through the store, as timers do (`keyshift.runtime.timers`): an inde
 `TimerQueue`: time -> keys) says which keys to look at, rebuilt from the store after a restore,
 a move in or an aborted move out; a due key is a row applied to the store, which fires its
 sessions the watermark has passed in the same update that marks them fired (or deletes them).
+Every unfired session has an entry at or before its end: a record that only makes a session
+longer adds none (the session's earlier entry, when due, indexes it again at its new end).
 Whether a session fired is stored with it, so a stale index entry does nothing and a session
 fires once: the old owner of a moving group fires nothing of it from the start of the move, the
 new owner nothing before the group is in (then all that is due), and a recovery restores the
@@ -139,34 +141,42 @@ class SessionFunction:
         self, sessions: list[list[Any]], key: Any, group: int, limit: int, record: dict[str, Any]
     ) -> list[list[Any]]:
         at = int(record[EVENT_TIME])
-        merged = [at, at + self.gap_us, 1, self._accumulator(record), False]
-        kept = []
+        end = at + self.gap_us
+        merged = [at, end, 1, self._accumulator(record), False]
+        before, after = [], []
+        # Sessions never overlap one another, so only those the record's own one overlaps
+        # merge (their union with it has no holes), and the rest stay in order around it.
+        indexed = False
         for session in sessions:
-            # Sessions never overlap one another, so only those the record's own one overlaps
-            # merge (their union with it has no holes).
-            if session[START] < at + self.gap_us and at < session[END]:
-                merged = self._merge(session, merged)
+            if session[START] >= end:
+                after.append(session)
+            elif session[END] <= at:
+                before.append(session)
             else:
-                kept.append(session)
+                # An unfired part has an index entry at or before its end: when it comes due,
+                # `_fire` finds the merged session not due yet and indexes it at its own end.
+                indexed |= not session[FIRED]
+                merged = self._merge(session, merged)
         if merged[END] + self.lateness_us <= limit:
             self.late.append({WINDOW_START: merged[START]} | record)
             return sessions
         if merged[END] <= limit:  # within the lateness of a fired session: updated at once
             self._emit(key, group, merged)
-        else:
+        elif not indexed:
             self.queue.add(EVENT, merged[END], key, group)
-        kept.append(merged)
-        kept.sort(key=lambda session: int(session[START]))
-        return kept
+        return [*before, merged, *after]
 
     def _fire(self, sessions: list[list[Any]], key: Any, group: int, limit: int) -> list[list[Any]]:
         kept = []
         for session in sessions:
-            if not session[FIRED] and session[END] <= limit:
+            if not session[FIRED]:
+                if session[END] > limit:  # merged into a later end since it was indexed
+                    self.queue.add(EVENT, session[END], key, group)
+                    kept.append(session)
+                    continue
                 self._emit(key, group, session)
-            if session[FIRED] and session[END] + self.lateness_us <= limit:
-                continue  # fired, and its lateness is over
-            kept.append(session)
+            if session[END] + self.lateness_us > limit:  # fired, kept for its lateness
+                kept.append(session)
         return kept
 
     def _emit(self, key: Any, group: int, session: list[Any]) -> None:
