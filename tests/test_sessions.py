@@ -14,6 +14,7 @@ import pyarrow as pa
 import pytest
 
 from keyshift.operator.streamingjob import StreamingJobSpec
+from keyshift.runtime.checkpoint_store import CheckpointStore
 from keyshift.runtime.ingest_client import IngestClient
 from keyshift.runtime.job import JobError, WindowOperator, parse_job
 from keyshift.runtime.metrics import MetricName
@@ -25,6 +26,7 @@ from keyshift.runtime.sessions import SessionFunction, SessionWindows
 from keyshift.runtime.state import ProcessState
 from keyshift.runtime.state_values import ValueCodec
 from tests.conftest import count_job, running_job, wait_for
+from tests.test_checkpoints import checkpoint, restored
 from tests.test_windows import metric_of, windowed_job
 
 GROUPS = 8
@@ -198,6 +200,28 @@ def test_sessions_move_with_their_group_and_fire_once_at_the_new_owner(
     assert add(new, 5, ("b", 1)) == ([("b", 0, 11, 2, 2)], [])  # fired there: updated at once
     assert fire(new, 40) == [("b", 30, 40, 1, 1)]
     assert fire(new, 500) == [] and keys(new) == 0
+
+
+def test_sessions_checkpoint_incrementally_and_a_restore_fires_the_unfired_ones_once(
+    tmp_path: Path,
+) -> None:
+    """Memory store (RocksDB's checkpoints are native: Q11's kill -9 test): a checkpoint, then
+    a fire (a session deleted) and a record: the second checkpoint holds the change and the
+    deletion; restored into a fresh instance told the checkpoint's watermark, the sessions
+    fire as they would have, the fired one never again."""
+    checkpoints = CheckpointStore(str(tmp_path / "checkpoints"))
+    windows = sessions(tmp_path, "memory")
+    add(windows, None, ("a", 0), ("a", 30), ("b", 5))
+    first, _ = checkpoint(checkpoints, windows.state, 1, None)
+    assert fire(windows, 12) == [("a", 0, 10, 1, 1)]
+    add(windows, 12, ("b", 13))  # [5, 15) -> [5, 23)
+    meta, _ = checkpoint(checkpoints, windows.state, 2, first)
+    again = sessions(tmp_path, "memory", "s-1")
+    restored(checkpoints, meta, again.state)
+    again.hand_over(np.arange(GROUPS), 12)
+    again.rebuild(range(GROUPS), 12)
+    assert fire(again, 12) == []
+    assert fire(again, 100) == [("b", 5, 23, 2, 2), ("a", 30, 40, 1, 1)]
 
 
 # -- the job's settings -----------------------------------------------------------------------
