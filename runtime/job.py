@@ -460,12 +460,27 @@ class SlidingWindow(_Model):
 
 
 class SessionWindow(_Model):
-    kind: Literal["session"]
-    gap_ms: float = Field(gt=0)
+    """A key's records less than `gap_ms` apart in event time are one session; a record that
+    bridges two sessions merges them (keyshift.runtime.sessions)."""
 
-    @model_validator(mode="after")
-    def _not_yet(self) -> SessionWindow:
-        raise ValueError("not supported yet: session windows (tumbling and sliding are)")
+    kind: Literal["session"]
+    gap_ms: float = Field(
+        ge=0.001,  # event times are µs
+        le=365 * 86_400_000,
+        description="a session ends this long after its last record",
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_size(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            given = [name for name in ("size_ms", "slide_ms") if name in data]
+            if given:
+                raise ValueError(
+                    f"a session window has a gap_ms and no {' or '.join(given)}: a session "
+                    "lasts as long as its key's records keep coming less than gap_ms apart"
+                )
+        return data
 
 
 WindowConfig = Annotated[
@@ -502,13 +517,14 @@ class WindowOperator(_Model):
     reduce: str | None = Field(
         default=None,
         description="module:function(accumulator, record) -> accumulator, folding each record "
-        "into its window as it arrives (accumulator None at first); the window's result is the "
-        "last accumulator",
+        "into its window as it arrives (accumulator None at first; a session's records when it "
+        "fires, as sessions merge); the window's result is the last accumulator",
     )
     process: str | None = Field(
         default=None,
         description="module:function(records) -> result, called once when the window fires "
-        "with its records in arrival order (each with its window_start)",
+        "with its records in arrival order (each with its window_start; a session's merged "
+        "parts one after another, earliest first)",
     )
     allowed_lateness_ms: float = Field(
         default=0,
@@ -547,11 +563,24 @@ class WindowOperator(_Model):
     def allowed_lateness_us(self) -> int:
         return round(self.allowed_lateness_ms * 1000)
 
+    @property
+    def session(self) -> bool:
+        return isinstance(self.window, SessionWindow)
+
     def size_and_slide_us(self) -> tuple[int, int]:
+        """A tumbling or sliding window's size and slide."""
         window = self.window
-        size = round(window.size_ms * 1000) if not isinstance(window, SessionWindow) else 0
+        if isinstance(window, SessionWindow):
+            raise ValueError("a session window has a gap, no size or slide")
+        size = round(window.size_ms * 1000)
         slide = round(window.slide_ms * 1000) if isinstance(window, SlidingWindow) else size
         return size, slide
+
+    def gap_us(self) -> int:
+        """A session window's gap."""
+        if not isinstance(self.window, SessionWindow):
+            raise ValueError(f"a {self.window.kind} window has no gap")
+        return round(self.window.gap_ms * 1000)
 
 
 OperatorConfig = Annotated[
