@@ -62,6 +62,7 @@ from keyshift.runtime.records import (
     SOURCE,
     decode,
     now_us,
+    with_record_ids,
 )
 from keyshift.runtime.rocksdb_state import (
     RocksAggregateState,
@@ -225,16 +226,6 @@ def sink_schema(spec: JobSpec) -> pa.Schema:
     return schema.remove(schema.get_field_index(GROUP))
 
 
-def with_record_ids(out: pa.RecordBatch) -> pa.RecordBatch:
-    """Updates as records for the stages after: a process function's carry the (source, seq)
-    of the record they came from; an aggregate's update stands for all of a key's records so
-    far, so it goes on with source -1 and its version as its sequence number."""
-    if SOURCE in out.schema.names:
-        return out
-    sources = pa.array(np.full(out.num_rows, -1, dtype=np.int32))
-    return out.append_column(SOURCE, sources).append_column(SEQ, out.column("version"))
-
-
 class KeyedStage:
     """One keyed instance: its state, its outputs, and its side of any migration."""
 
@@ -274,8 +265,8 @@ class KeyedStage:
         self.upstream = step.inputs
         keyed = tuple(route for route in step.outputs if route.target != spec.sink.name)
         self.outputs = Outputs(ctx, keyed)
-        to_sink = len(keyed) < len(step.outputs)
-        self.sink = SinkRouter(ctx) if to_sink else None
+        to_sink = [route for route in step.outputs if route.target == spec.sink.name]
+        self.sink = SinkRouter(ctx, to_sink[0].transforms) if to_sink else None
         self.owned = ctx.assignment(ctx.stage).owners == ctx.index
         self.ended: set[str] = set()
         self.backlog: deque[tuple[str, bytes, Any]] = deque()
