@@ -13,6 +13,7 @@ import json
 import logging
 import time
 from collections import Counter, deque
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -27,11 +28,13 @@ from keyshift.runtime.edge_router import Outputs, Routed
 from keyshift.runtime.job import (
     AggregateOperator,
     JobSpec,
+    JoinOperator,
     KeyedStep,
     ProcessOperator,
     WindowOperator,
     resolve_function,
 )
+from keyshift.runtime.joins import Join, make_join, pairs
 from keyshift.runtime.keyspace import Assignment
 from keyshift.runtime.late_records import LateRecordsWriter
 from keyshift.runtime.metrics import MetricName
@@ -109,9 +112,13 @@ PUSH_SLICE = 0.05  # seconds of state pushing between two batches of records, at
 log = logging.getLogger("keyshift.keyed")
 
 
-def make_timers(spec: JobSpec, step: KeyedStep) -> KeyedTimers | None:
-    """The timers of a process stage whose function has an `on_timer`."""
+def make_timers(spec: JobSpec, step: KeyedStep, join: Join | None) -> KeyedTimers | None:
+    """The timers of a process stage whose function has an `on_timer`, or of a join (whose
+    functions are the join's)."""
     op = step.stage.operator
+    if join is not None:
+        key_type = ARROW_TYPES[step.fields[step.stage.key_by]]
+        return KeyedTimers(join, join.on_timer, step.stage.key_by, key_type, event_time=True)
     if not isinstance(op, ProcessOperator) or op.on_timer is None:
         return None
     key_field = step.stage.key_by
@@ -160,15 +167,19 @@ def make_state(
 
 
 def _state_function(
-    op: AggregateOperator | ProcessOperator | WindowOperator, timers: KeyedTimers | None
+    op: AggregateOperator | ProcessOperator | WindowOperator | JoinOperator,
+    timers: KeyedTimers | None,
 ) -> str | ProcessFunction:
     """The built-in aggregate a keyed operator keeps, or the per-record function of its
     process state (a window's reduce or process keeps [records, accumulator] per window; a
-    process function with timers is called through them)."""
+    process function with timers, and a join, are called through them)."""
     if isinstance(op, AggregateOperator):
         return op.function
     if isinstance(op, WindowOperator):
         return op.aggregate if op.aggregate is not None else WindowFunction.of(op)
+    if isinstance(op, JoinOperator):
+        assert timers is not None  # make_timers makes a join's
+        return timers
     return timers or resolve_function(op.function)
 
 
@@ -220,11 +231,12 @@ class KeyedStage:
         self.spec = spec
         step = spec.keyed_step(ctx.stage)
         self.seal = StateSeal.from_environment()
-        self.timers = make_timers(spec, step)
+        op = step.stage.operator
+        self.join = make_join(op) if isinstance(op, JoinOperator) else None
+        self.timers = make_timers(spec, step, self.join)
         self.state = make_state(spec, step, self.seal, f"{ctx.stage}-{ctx.index}", self.timers)
         ctx.state_size = lambda: (self.state.key_count, self.state.bytes_estimate())
         ctx.group_hits = self.state.group_hits
-        op = step.stage.operator
         self.value_field = op.field if isinstance(op, AggregateOperator) else None
         self.key_field = step.stage.key_by
         self.windows = (
@@ -242,7 +254,7 @@ class KeyedStage:
         )
         self.late_records = (
             LateRecordsWriter(spec.late_records, ctx.stage, ctx.index)
-            if self.windows is not None and spec.late_records is not None
+            if (self.windows is not None or self.join is not None) and spec.late_records is not None
             else None
         )
         self.out_schema = process_output_schema(self.state.key_type)
@@ -330,7 +342,9 @@ class KeyedStage:
     def process_rows(self, rows: list[dict[str, Any]]) -> pa.RecordBatch:
         """A process function's outputs as a batch; timer registrations it made that were
         refused are counted as invalid records."""
-        for row in rows:
+        if self.join is not None:
+            rows = pairs(rows)
+        for row in rows if self.join is None else ():
             row["value"] = json.dumps(row["value"])
         if self.timers is not None:
             refused = self.timers.take_invalid()
@@ -364,11 +378,32 @@ class KeyedStage:
         assert self.windows is not None
         groups = batch.column(GROUP).to_numpy()
         late = self.windows.too_late(batch, self.windows.threshold(watermark, groups))
+        return self.set_aside(batch, late, self.windows.as_records)
+
+    def drop_late_joined(self, batch: pa.RecordBatch) -> pa.RecordBatch:
+        """A join's records but those too late for it at this instance's watermark (their
+        window fired, or partners they should meet may be gone): counted, and written to the
+        late-records log if the job has one (as the join reads them: key, side, record)."""
+        assert self.join is not None
+        current = self.watermark.current
+        if current is None:
+            return batch
+        late = self.join.late(batch.column(EVENT_TIME).to_numpy(), current)
+        return self.set_aside(batch, late, lambda rows: rows)
+
+    def set_aside(
+        self,
+        batch: pa.RecordBatch,
+        late: np.ndarray,
+        as_records: Callable[[pa.RecordBatch], pa.RecordBatch],
+    ) -> pa.RecordBatch:
+        """`batch` but its `late` rows, which are counted and written to the late-records
+        log (as `as_records` has them) if the job has one."""
         if not late.any():
             return batch
         self.ctx.metrics.count(MetricName.LATE_RECORDS, int(late.sum()))
         if self.late_records is not None:
-            self.late_records.write(self.windows.as_records(batch.filter(pa.array(late))))
+            self.late_records.write(as_records(batch.filter(pa.array(late))))
         return batch.filter(pa.array(~late))
 
     def apply_to_windows(self, batch: pa.RecordBatch) -> None:
@@ -425,8 +460,10 @@ class KeyedStage:
         """A batch from upstream: split it by what this instance does with each group."""
         if self.windows is not None:
             batch = self.drop_late(self.windows.expand(batch), self.watermark.current)
-            if not batch.num_rows:
-                return
+        elif self.join is not None:
+            batch = self.drop_late_joined(batch)
+        if not batch.num_rows:
+            return
         groups = batch.column(GROUP).to_numpy()
         rest = np.ones(batch.num_rows, dtype=bool)
         if self.move_out is not None:
