@@ -176,9 +176,7 @@ def join_job(**change: Any) -> dict[str, Any]:
         "operator": {"kind": "window_join", "window": {"kind": "tumbling", "size_ms": 10}},
     }
     joined = {k: v for k, v in (joined | change).items() if v is not None}
-    job = {
-        "name": "join",
-        "graph": [
+    graph: list[dict[str, Any]] = [
             events,
             {"name": "persons", "kind": "filter", "input": "events",
              "function": "examples.nexmark.queries:is_person"},
@@ -190,12 +188,11 @@ def join_job(**change: Any) -> dict[str, Any]:
                         "state": "str"}},
             joined,
             {"name": "out", "kind": "sink", "input": "j"},
-        ],
-    }  # fmt: skip
+    ]  # fmt: skip
     # The filters and map the join does not read go (a stage without an output is refused).
-    read = {name for stage in job["graph"] for name in stage.get("inputs", [stage.get("input")])}
-    job["graph"] = [s for s in job["graph"] if s["kind"] in ("source", "sink") or s["name"] in read]
-    return job
+    read = {name for stage in graph for name in stage.get("inputs", [stage.get("input")])}
+    kept = [s for s in graph if s["kind"] in ("source", "sink") or s["name"] in read]
+    return {"name": "join", "graph": kept}
 
 
 INTERVAL = {"kind": "interval_join", "lower_ms": 5, "upper_ms": -5}
