@@ -97,7 +97,7 @@ from keyshift.runtime.transport import (
     WATERMARK,
     Outlet,
 )
-from keyshift.runtime.watermarks import WatermarkTracker
+from keyshift.runtime.watermarks import HandedOver, WatermarkTracker
 from keyshift.runtime.windows import (
     KeyedWindows,
     WindowFunction,
@@ -252,6 +252,15 @@ class KeyedStage:
             if isinstance(op, WindowOperator)
             else None
         )
+        # What was complete at the instance a group came from is complete here (windows and
+        # joins: keyshift.runtime.watermarks).
+        self.handed_over = (
+            self.windows.handed_over
+            if self.windows is not None
+            else HandedOver(spec.max_key_groups)
+            if self.join is not None
+            else None
+        )
         self.late_records = (
             LateRecordsWriter(spec.late_records, ctx.stage, ctx.index)
             if (self.windows is not None or self.join is not None) and spec.late_records is not None
@@ -292,19 +301,21 @@ class KeyedStage:
                 ctx.restore.id,
                 self.watermark.current,
             )
-            if self.windows is not None:
-                self.restore_windows(restore)
+            self.restore_handed_over(restore)
             self.index_timers(np.flatnonzero(self.owned))
         ctx.fetch_served.set()
 
-    def restore_windows(self, restore: CheckpointMeta) -> None:
-        """Each group's windows that fired before the checkpoint, as fired: below the
-        watermark its instance had then (the stage's is the lowest of them)."""
-        assert self.windows is not None
+    def restore_handed_over(self, restore: CheckpointMeta) -> None:
+        """Each group's windows that fired before the checkpoint, as fired, and records its
+        join dropped, as dropped: below the watermark its instance had then (the stage's is
+        the lowest of them)."""
+        if self.handed_over is None:
+            return
         owners = Assignment.from_json(restore.assignment).owners
         for index, mark in restore.instance_watermarks.get(self.ctx.stage, {}).items():
-            self.windows.hand_over(np.flatnonzero(owners == int(index)), mark)
-        self.windows.rebuild(np.flatnonzero(self.owned).tolist(), self.watermark.current)
+            self.handed_over.hand_over(np.flatnonzero(owners == int(index)), mark)
+        if self.windows is not None:
+            self.windows.rebuild(np.flatnonzero(self.owned).tolist(), self.watermark.current)
 
     def index_timers(self, groups: np.ndarray) -> None:
         """Index the timers these groups' keys hold (restored, or moved in)."""
@@ -330,6 +341,10 @@ class KeyedStage:
         elif isinstance(self.state, AggregateState | RocksAggregateState):
             out = self.state.apply(batch, self.key_field, self.value_field).batch
         else:
+            if self.join is not None:
+                # Parked records of a group moving in were judged before its old owner's
+                # watermark was known: what that one dropped is late here too.
+                batch = self.drop_late_joined(batch, None)
             if self.timers is not None:
                 self.timers.at(self.watermark.current)
             rows, _ = self.state.apply(batch, self.key_field)
@@ -380,15 +395,14 @@ class KeyedStage:
         late = self.windows.too_late(batch, self.windows.threshold(watermark, groups))
         return self.set_aside(batch, late, self.windows.as_records)
 
-    def drop_late_joined(self, batch: pa.RecordBatch) -> pa.RecordBatch:
-        """A join's records but those too late for it at this instance's watermark (their
-        window fired, or partners they should meet may be gone): counted, and written to the
-        late-records log if the job has one (as the join reads them: key, side, record)."""
-        assert self.join is not None
-        current = self.watermark.current
-        if current is None:
-            return batch
-        late = self.join.late(batch.column(EVENT_TIME).to_numpy(), current)
+    def drop_late_joined(self, batch: pa.RecordBatch, watermark: int | None) -> pa.RecordBatch:
+        """A join's records but those too late for it at `watermark` or at the instance their
+        group came from (their window fired, or partners they should meet may be gone):
+        counted, and written to the late-records log if the job has one (as the join reads
+        them: key, side, record)."""
+        assert self.join is not None and self.handed_over is not None
+        threshold = self.handed_over.threshold(watermark, batch.column(GROUP).to_numpy())
+        late = self.join.late(batch.column(EVENT_TIME).to_numpy(), threshold)
         return self.set_aside(batch, late, lambda rows: rows)
 
     def set_aside(
@@ -461,7 +475,7 @@ class KeyedStage:
         if self.windows is not None:
             batch = self.drop_late(self.windows.expand(batch), self.watermark.current)
         elif self.join is not None:
-            batch = self.drop_late_joined(batch)
+            batch = self.drop_late_joined(batch, self.watermark.current)
         if not batch.num_rows:
             return
         groups = batch.column(GROUP).to_numpy()
@@ -508,8 +522,8 @@ class KeyedStage:
             move = MoveOut(self.ctx, self.state, command, self.seal)
             self.move_out = move
             current = self.watermark.current
-            if self.windows is not None and current is not None:
-                # Windows fired here are late at the new owners too (keyshift.runtime.windows).
+            if self.handed_over is not None and current is not None:
+                # Windows fired here (and join records dropped) are late at the new owners too.
                 move.tell(WATERMARK, json.dumps(Watermark(watermark=current).wire()).encode())
             # Downstream, nothing may go past this instance's watermark until the new owners
             # have sent what the moving groups still hold (parked records, unfired windows).
@@ -643,10 +657,10 @@ class KeyedStage:
         """A watermark from upstream, or from the old owner of groups moving here."""
         stage, index = sender.rsplit("/", 1)
         if stage == self.ctx.stage:
-            if mark.watermark is not None and self.windows is not None and self.move_in is not None:
-                # Its windows that fired are late here.
-                coming = self.move_in.source_of == int(index)
-                self.windows.hand_over(np.flatnonzero(coming), mark.watermark)
+            handed, move = self.handed_over, self.move_in
+            if mark.watermark is not None and handed is not None and move is not None:
+                # Its windows that fired (and join records it dropped) are late here.
+                handed.hand_over(np.flatnonzero(move.source_of == int(index)), mark.watermark)
             return
         if mark.hold is not None:
             until = {f"{stage}/{i}" for i in mark.hold.until}

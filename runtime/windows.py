@@ -52,6 +52,7 @@ from keyshift.runtime.keyspace import key_groups
 from keyshift.runtime.records import EVENT_TIME, GROUP, INGEST_TIME, SEQ, SOURCE, now_us
 from keyshift.runtime.state import GROUP_COL, KEY_COL, aggregate_values
 from keyshift.runtime.state_values import ValueCodec
+from keyshift.runtime.watermarks import HandedOver
 
 SEPARATOR = "\x1f"  # between a key and its window's start in a composite key
 WINDOW_START, WINDOW_END = "window_start", "window_end"
@@ -288,7 +289,7 @@ class KeyedWindows:
         self.retained: dict[int, dict[str, int]] = {}
         # Per group, the watermark of the instance that handed it over: its windows that had
         # fired there are late here, whatever this instance's own watermark says.
-        self.handed_over = np.full(max_key_groups, np.iinfo(np.int64).min, dtype=np.int64)
+        self.handed_over = HandedOver(max_key_groups)
         self.out_schema = window_output_schema(contents.aggregate, key_type)
 
     def expand(self, batch: pa.RecordBatch) -> pa.RecordBatch:
@@ -321,12 +322,11 @@ class KeyedWindows:
 
     def hand_over(self, groups: np.ndarray, watermark: int) -> None:
         """Groups moving here from an instance at `watermark`."""
-        self.handed_over[groups] = np.maximum(self.handed_over[groups], watermark)
+        self.handed_over.hand_over(groups, watermark)
 
     def threshold(self, watermark: int | None, groups: np.ndarray) -> np.ndarray:
         """Per row (of these groups), the event time below which a window is complete."""
-        floor: np.ndarray = self.handed_over[groups]
-        return floor if watermark is None else np.maximum(floor, watermark)
+        return self.handed_over.threshold(watermark, groups)
 
     def ends(self, keys: pa.Array) -> np.ndarray:
         """The end of each composite key's window."""

@@ -37,6 +37,7 @@ from keyshift.runtime.rocksdb_state import RocksProcessState, open_database, pre
 from keyshift.runtime.state import ProcessState
 from keyshift.runtime.state_values import ValueCodec
 from keyshift.runtime.timers import EVENT, KeyedTimers
+from keyshift.runtime.watermarks import HandedOver
 from tests.test_crd import example as crd_example
 from tests.test_state import G
 
@@ -339,3 +340,21 @@ def test_the_python_api_builds_joins_and_refuses_bad_ones() -> None:
         joined(lambda a, b: a.window_join(b, 5, lambda left, right: 1), {})
     with pytest.raises(JobError, match="key_by 'nope' is not a field of its input 'auctions'"):
         joined(lambda a, b: a.window_join(b.stream.key_by("nope"), 5, name="j"), {}).build()
+
+
+def test_a_record_late_at_the_instance_its_group_came_from_is_late_for_the_join_here() -> None:
+    """A move or a restore hands a group over with its old instance's watermark: what was
+    complete there (a fired window, dropped partners) is complete here, below the new
+    instance's own watermark too."""
+    handed = HandedOver(G)
+    groups = np.array([0, 1])
+    handed.hand_over(np.array([1]), 20)  # group 1's old owner was at 20
+    window = window_join(0.01)  # windows of 10 µs
+    interval = IntervalJoin(
+        IntervalJoinOperator.model_validate({"kind": "interval_join", "lower_ms": 0, "upper_ms": 1})
+    )
+    times = np.array([15, 15])
+    assert window.late(times, handed.threshold(12, groups)).tolist() == [False, True]
+    assert interval.late(times, handed.threshold(12, groups)).tolist() == [False, True]
+    assert interval.late(times, handed.threshold(None, groups)).tolist() == [False, True]
+    assert window.late(times, handed.threshold(30, groups)).tolist() == [True, True]
