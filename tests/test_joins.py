@@ -191,9 +191,12 @@ def join_job(**change: Any) -> dict[str, Any]:
             {"name": "out", "kind": "sink", "input": "j"},
     ]  # fmt: skip
     # The filters and map the join does not read go (a stage without an output is refused).
-    read = {name for stage in graph for name in stage.get("inputs", [stage.get("input")])}
-    kept = [s for s in graph if s["kind"] in ("source", "sink") or s["name"] in read]
-    return {"name": "join", "graph": kept}
+    while True:
+        read = {name for stage in graph for name in stage.get("inputs", [stage.get("input")])}
+        kept = [s for s in graph if s["kind"] in ("source", "sink") or s["name"] in read]
+        if kept == graph:
+            return {"name": "join", "graph": graph}
+        graph = kept
 
 
 INTERVAL = {"kind": "interval_join", "lower_ms": 5, "upper_ms": -5}
@@ -304,6 +307,25 @@ def test_a_join_job_reads_each_side_with_its_schema_and_key() -> None:
         ("j", 1, 1),
     ]
     assert step.inputs == ("events",)
+
+
+def test_a_join_of_a_keyed_stage_and_the_source_has_a_side_on_each_senders_route() -> None:
+    """Two senders (the source's instances, a keyed stage's): each routes its side."""
+    job = join_job(inputs=["bids", "auctions"], key_by=["key", "seller"])
+    job["graph"][1:1] = [
+        {"name": "only-bids", "kind": "filter", "input": "events",
+         "function": "examples.nexmark.queries:is_bid"},
+        {"name": "bids", "kind": "keyed", "input": "only-bids", "key_by": "auction",
+         "operator": {"kind": "aggregate", "function": "count"}},
+    ]  # fmt: skip
+    spec = parse_job(job)
+    step = spec.keyed_step("j")
+    assert step.inputs == ("events", "bids")
+    keys = [(s.key_by, s.fields[s.key_by]) for s in step.sides]
+    assert keys == [("key", "int"), ("seller", "int")]
+    (to_join,) = spec.keyed_step("bids").outputs
+    assert (to_join.target, to_join.side) == ("j", 0)
+    assert {(r.target, r.side) for r in spec.source_routes()} == {("bids", None), ("j", 1)}
 
 
 def test_the_examples_python_twins_build_their_job_files() -> None:

@@ -187,7 +187,7 @@ def test_the_python_twins_of_q3_q5_and_q7_build_their_job_files() -> None:
     assert q3_pipeline.q3(ttl=True).build() == load_job(examples / "q3_ttl.yaml")
     assert q5_pipeline.q5().build() == load_job(examples / "q5.yaml")
     assert q7_pipeline.q7().build() == load_job(examples / "q7.yaml")
-    for query in ("q0", "q1", "q2", "q3", "q3_ttl", "q5_counts", "q8"):
+    for query in ("q0", "q1", "q2", "q3", "q3_ttl", "q5_counts", "q8", "early_bids"):
         load_job(examples / f"{query}.yaml")  # every example loads
 
 
