@@ -14,8 +14,9 @@ with it, and each timer fires once across a rescale or a recovery.
 - `WindowJoin` keeps, per window, both sides' records; the window's timer (its end) sends
   every pair, once, when the watermark passes the end, and forgets the window.
 - `IntervalJoin` sends a pair as soon as its second record arrives (the first is in the
-  state), and a record's timer drops it once the watermark makes later matches impossible
-  (the last time a partner could have: left.ts + upper, right.ts - lower).
+  state), and drops a record once the watermark makes later matches impossible (past the last
+  time a partner could have: left.ts + upper, right.ts - lower), by one timer per key at the
+  earliest such time of its records.
 
 A record too late for its join (its window fired, or its time behind the watermark: partners
 it should have met may be gone) is not joined: `late` says which, and the keyed stage counts
@@ -167,17 +168,31 @@ class IntervalJoin(_Join):
                 if low <= t <= high:
                     self.matched(max(at, t), left, item, out)
         sides[side].append([at, item])
-        timers.register_event_time_timer(self.expiry(side, at))
+        # One timer per key, at its earliest expiry, rather than one per record: a key's
+        # records mostly come in time order, so most need none of their own.
+        expiry = self.expiry(side, at)
+        pending = timers.event_time_timers()
+        if not pending or expiry < pending[0]:
+            timers.register_event_time_timer(expiry)
         return sides, out or None
 
     def on_timer(
         self, state: Any, key: Any, timestamp: int, kind: TimerKind, timers: TimerService
     ) -> tuple[Any, None]:
+        # Everything the watermark has made useless goes now, not only what this timer was for:
+        # the next timer is then after the watermark, not due already.
+        now = max(timestamp, timers.current_watermark or timestamp)
         sides = [
-            [[t, r] for t, r in state[side] if self.expiry(side, t) > timestamp]
-            for side in (LEFT, RIGHT)
+            [[t, r] for t, r in state[side] if self.expiry(side, t) > now] for side in (LEFT, RIGHT)
         ]
-        return (sides if sides[LEFT] or sides[RIGHT] else None), None
+        if not sides[LEFT] and not sides[RIGHT]:
+            return None, None
+        left = [self.expiry(LEFT, t) for t, _ in sides[LEFT]]
+        earliest = min(left + [self.expiry(RIGHT, t) for t, _ in sides[RIGHT]])
+        pending = timers.event_time_timers()
+        if not pending or earliest < pending[0]:
+            timers.register_event_time_timer(earliest)
+        return sides, None
 
 
 Join = WindowJoin | IntervalJoin

@@ -383,8 +383,8 @@ class KeyedStage:
         t0 = time.perf_counter()
         self.timers.at(self.watermark.current)
         rows = self.timers.fire(self.state, kind, limit, self.ready())
-        if rows:
-            self.send_out(self.process_rows(rows), t0)
+        # Timers that send nothing (a join dropping records) were work too: busy time.
+        self.send_out(self.process_rows(rows) if rows else None, t0)
 
     def drop_late(self, batch: pa.RecordBatch, watermark: int | None) -> pa.RecordBatch:
         """Window rows (keyshift.runtime.windows) but those too late for their window at

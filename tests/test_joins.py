@@ -153,6 +153,7 @@ def test_an_interval_join_sends_a_pair_as_its_second_record_arrives(make_store: 
     assert kept() == [[10_000, 11_000], [8_000, 13_000, 13_001]]
     assert timers.fire(store, EVENT, 13_001, ALL) == []
     assert kept() == [[11_000], [13_000, 13_001]]
+    timers.at(20_000)  # the stage's watermark, as it fires the timers it has reached
     timers.fire(store, EVENT, 20_000, ALL)
     assert store.get(1) is None and store.get(2) is None
     assert join.late(np.array([9, 10, 11]), 10).tolist() == [True, False, False]
