@@ -183,9 +183,12 @@ class IntervalJoin(_Join):
         # the next timer is then after the watermark, not due already.
         now = max(timestamp, timers.current_watermark or timestamp)
         sides = [
-            [[t, r] for t, r in state[side] if self.expiry(side, t) > now] for side in (LEFT, RIGHT)
+            [[t, r] for t, r in (state or [[], []])[side] if self.expiry(side, t) > now]
+            for side in (LEFT, RIGHT)
         ]
         if not sides[LEFT] and not sides[RIGHT]:
+            for stale in timers.event_time_timers():  # for records gone already
+                timers.delete_event_time_timer(stale)
             return None, None
         left = [self.expiry(LEFT, t) for t, _ in sides[LEFT]]
         earliest = min(left + [self.expiry(RIGHT, t) for t, _ in sides[RIGHT]])

@@ -157,6 +157,13 @@ def test_an_interval_join_sends_a_pair_as_its_second_record_arrives(make_store: 
     timers.fire(store, EVENT, 20_000, ALL)
     assert store.get(1) is None and store.get(2) is None
     assert join.late(np.array([9, 10, 11]), 10).tolist() == [True, False, False]
+    # A watermark past several of a key's timers drops all it made useless at the first: the
+    # key (records and timers) is gone, and its other timers do nothing.
+    store.apply(side(0, [(5, "cy", 30_000)]), "key")
+    store.apply(side(1, [(5, 1, 28_000), (5, 2, 27_000)]), "key")
+    assert len(store.get(5)[1]) == 3
+    timers.at(40_000)
+    assert timers.fire(store, EVENT, 40_000, ALL) == [] and store.get(5) is None
 
 
 # -- declared, and refused before anything starts -------------------------------------------
