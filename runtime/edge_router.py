@@ -37,6 +37,7 @@ from keyshift.runtime.records import (
     GROUP,
     INGEST_TIME,
     METADATA_FIELDS,
+    RESERVED_FIELDS,
     SEQ,
     SOURCE,
     decode,
@@ -44,7 +45,7 @@ from keyshift.runtime.records import (
     record_schema,
     split_by_owner,
 )
-from keyshift.runtime.schema_check import check_records
+from keyshift.runtime.schema_check import check_records, event_time_problem
 from keyshift.runtime.stage_context import InstanceContext
 from keyshift.runtime.transport import BARRIER, END, MARKER, WATERMARK, TransportError
 
@@ -62,10 +63,13 @@ def apply_transforms(
     batch: pa.RecordBatch,
     transforms: list[Function],
     fields: Mapping[str, FieldType],
+    time_field: str | None = None,
 ) -> pa.RecordBatch:
     """Run map/filter/flat_map per record; reject what fails or does not fit `fields`; keep
     the rest in order, each with the metadata of the record it came from (a flat_map's
-    records share it)."""
+    records share it). A record whose event-time field (`time_field`, at a source that takes
+    event times from one) is missing, null or no int is a bad event time
+    (`InstanceContext.bad_event_times`)."""
     results: list[Any] = []
     for record in batch.to_pylist():
         current: list[Any] = [record]
@@ -86,6 +90,8 @@ def apply_transforms(
             ctx.reject(f"function_error {type(exc).__name__}: {exc}", record)
             continue
         results += [r for r in current if r is not None]  # a map's None drops its record
+    if time_field is not None:
+        results = _without_bad_times(ctx, results, time_field)
     checked = check_records(results, fields, ctx.spec.allow_non_finite)
     for bad, reason in checked.rejected:
         ctx.reject(f"schema {reason}", bad)
@@ -102,6 +108,20 @@ def apply_transforms(
         {**columns, GROUP: pa.array(np.zeros(len(kept), dtype=np.int32))},
         schema=record_schema(fields),
     )
+
+
+def _without_bad_times(ctx: InstanceContext, results: list[Any], time_field: str) -> list[Any]:
+    kept, bad, reasons = [], [], []
+    for record in results:
+        reason = event_time_problem(record, time_field)
+        if reason is None:
+            kept.append(record)
+        else:
+            # As the function made it: the metadata it was given is the runtime's.
+            bad.append({k: v for k, v in record.items() if k not in RESERVED_FIELDS})
+            reasons.append(reason)
+    ctx.bad_event_times(bad, reasons)
+    return kept
 
 
 class EdgeRouter:
@@ -124,6 +144,10 @@ class EdgeRouter:
         # one sender into a join go on the same streams, one after the other per batch).
         self.ways = [(resolve_transforms(route.transforms), route.side) for route in routes]
         self.sides = step.sides
+        # A source stamps its records' event times from this field, after the functions.
+        settings = ctx.spec.source.event_time
+        at_source = ctx.stage == ctx.spec.source.name
+        self.time_field = settings.field if settings is not None and at_source else None
         self.outlets = ctx.connect(target)
         self.assignment = ctx.assignment(target)
         self.dead: set[int] = set()
@@ -138,7 +162,11 @@ class EdgeRouter:
         parts = []
         for transforms, side in self.ways:
             fields = self.fields if side is None else self.sides[side].fields
-            way = apply_transforms(self.ctx, batch, transforms, fields) if transforms else batch
+            way = (
+                apply_transforms(self.ctx, batch, transforms, fields, self.time_field)
+                if transforms
+                else batch
+            )
             way = stamp(way)
             if side is not None:
                 way = wrap(way, side, self.sides[side].key_by, self.sides[side].fields)

@@ -10,9 +10,6 @@ complete. Pure code: no clock reads (`now` is passed in) and no I/O.
   new owner has released it (`release`): the moved windows fire at the new owners, later than
   the watermarks of the stage may have gone. A new owner is an input from its release on,
   also before its first watermark (an instance the rescale started may not have one yet).
-- `HandedOver`, at each keyed instance: per key group, the watermark of the instance that
-  handed it over, below which the group's windows and joins are complete whatever this
-  instance's own watermark says.
 
 The source stage loop (`keyshift.runtime.source_stage`) sends what its generator says as
 `WATERMARK` messages (`keyshift.runtime.protocol.Watermark`); the keyed stage loop
@@ -23,28 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import numpy as np
-
-__all__ = ["HandedOver", "WatermarkGenerator", "WatermarkTracker"]
-
-
-class HandedOver:
-    """Per key group, the watermark of the instance that handed it over here: a move's old
-    owner (which tells the new owner its watermark first), or at a restore the instance that
-    had it at the checkpoint. What was complete there (a fired window, a join's partners
-    dropped) is complete here too: a record below it is late here as it was there."""
-
-    def __init__(self, max_key_groups: int) -> None:
-        self.floor = np.full(max_key_groups, np.iinfo(np.int64).min, dtype=np.int64)
-
-    def hand_over(self, groups: np.ndarray, watermark: int) -> None:
-        """Groups coming here from an instance at `watermark`."""
-        self.floor[groups] = np.maximum(self.floor[groups], watermark)
-
-    def threshold(self, watermark: int | None, groups: np.ndarray) -> np.ndarray:
-        """Per row (of these groups), the event time below which their state is complete."""
-        floor: np.ndarray = self.floor[groups]
-        return floor if watermark is None else np.maximum(floor, watermark)
+__all__ = ["WatermarkGenerator", "WatermarkTracker"]
 
 
 @dataclass

@@ -37,7 +37,7 @@ from keyshift.runtime.rocksdb_state import RocksProcessState, open_database, pre
 from keyshift.runtime.state import ProcessState
 from keyshift.runtime.state_values import ValueCodec
 from keyshift.runtime.timers import EVENT, KeyedTimers
-from keyshift.runtime.watermarks import HandedOver
+from keyshift.runtime.windows import GroupFloors
 from tests.test_crd import example as crd_example
 from tests.test_state import G
 
@@ -376,7 +376,7 @@ def test_a_record_late_at_the_instance_its_group_came_from_is_late_for_the_join_
     """A move or a restore hands a group over with its old instance's watermark: what was
     complete there (a fired window, dropped partners) is complete here, below the new
     instance's own watermark too."""
-    handed = HandedOver(G)
+    handed = GroupFloors(G)
     groups = np.array([0, 1])
     handed.hand_over(np.array([1]), 20)  # group 1's old owner was at 20
     window = window_join(0.01)  # windows of 10 µs
