@@ -19,7 +19,7 @@ from tests.test_end_to_end import generated
 from tests.test_recovery import Run, recover_through
 from tests.test_rescale import applied_once
 
-pytestmark = pytest.mark.live
+pytestmark = [pytest.mark.live, pytest.mark.slow]
 
 # 5 s at 3k records/s: the kill comes after two checkpoints, well before the sources end.
 SOURCE = {"kind": "generator", "keys": 500, "distribution": "zipf", "seed": 23,
