@@ -31,7 +31,7 @@ _ACCEPTS: Mapping[str, tuple[type, ...]] = {
 _INT64 = (-(2**63), 2**63 - 1)
 # The plain Python type of each field kind: a value of exactly that type skips the abstract
 # checks above, which cost most of the check (a record of 20 fields took ~0.25 ms).
-_EXACT: Mapping[str, type] = {"int": int, "float": float, "str": str, "bool": bool}
+_EXACT: Mapping[str, Any] = {"int": int, "float": float, "str": str, "bool": bool}
 
 
 @dataclass
