@@ -193,6 +193,9 @@ def latency_run(
             before = all_stats(probe.poll())
             probe.run_for(steady)
             report["steady_usage"] = usage(before, all_stats(probe.status))
+            # Below 1 the source fell behind R: latency then grows with its backlog.
+            made = report["steady_usage"][f"{SOURCE}/0"]["records_in_per_s"]
+            report["steady_share_of_rate"] = round(made / rate, 3)
             client = JsonClient(local.address, COORDINATOR_SERVICE, local.security)
             try:
                 moved = rescale(probe, client, 2, strategy, keyed=stage)
@@ -306,7 +309,8 @@ def brief(result: dict[str, Any]) -> dict[str, Any]:
         row = {"query": r["query"], "strategy": r["strategy"], "round": r["round"] + 1}
         if "rescale" in r:
             s, w = r["steady"], r["rescale"]
-            row |= {"rate": r["rate"], "steady_p50_ms": s["p50_ms"], "steady_p99_ms": s["p99_ms"],
+            row |= {"rate": r["rate"], "kept_up": r["steady_share_of_rate"],
+                    "steady_p50_ms": s["p50_ms"], "steady_p99_ms": s["p99_ms"],
                     "rescale_s": w["duration_s"], "rescale_p99_ms": w["p99_ms"],
                     "rescale_max_ms": w["max_ms"], "p99_ratio": r["p99_ratio"]}  # fmt: skip
         else:
@@ -435,7 +439,8 @@ def main() -> int:
                 if "rescale" in r:
                     s, w = r["steady"], r["rescale"]
                     say(
-                        f"{query} {strategy} round {round_ + 1} at {rate:,} events/s: steady "
+                        f"{query} {strategy} round {round_ + 1} at {rate:,} events/s "
+                        f"({r['steady_share_of_rate']:.0%} of it made): steady "
                         f"p50/p99 {s['p50_ms']}/{s['p99_ms']} ms; 1->2 of {stage} {w['phase']} "
                         f"in {w['duration_s']} s, p99/max {w['p99_ms']}/{w['max_ms']} ms "
                         f"(p99 x{r['p99_ratio']})"
