@@ -613,7 +613,7 @@ class KeyedStage:
             return
         if mark.hold is not None:
             until = {f"{stage}/{i}" for i in mark.hold.until}
-            self.watermark.hold(stage, mark.hold.epoch, mark.watermark, until)
+            self.watermark.hold(stage, mark.hold.epoch, sender, mark.watermark, until)
         moved = False
         if mark.release is not None:
             moved = self.watermark.release(stage, mark.release, sender)

@@ -8,7 +8,8 @@ complete. Pure code: no clock reads (`now` is passed in) and no I/O.
   never moving backwards; an input that ended or left no longer holds it back. A keyed stage
   upstream that moves key groups holds it (`hold`) at the old owner's watermark until every
   new owner has released it (`release`): the moved windows fire at the new owners, later than
-  the watermarks of the stage may have gone.
+  the watermarks of the stage may have gone. A new owner is an input from its release on,
+  also before its first watermark (an instance the rescale started may not have one yet).
 
 The source stage loop (`keyshift.runtime.source_stage`) sends what its generator says as
 `WATERMARK` messages (`keyshift.runtime.protocol.Watermark`); the keyed stage loop
@@ -81,9 +82,11 @@ class WatermarkTracker:
     _marks: dict[str, int] = field(default_factory=dict)
     _idle: set[str] = field(default_factory=set)
     _ended: set[str] = field(default_factory=set)
-    # (stage, epoch) -> the holder's watermark (None: it had none) and the new owners not yet
-    # released; releases that overtook their hold (they travel on other streams).
-    _holds: dict[tuple[str, int], tuple[int | None, set[str]]] = field(default_factory=dict)
+    # (stage, epoch, holder) -> the holder's watermark (None: it had none) and the new owners
+    # not yet released: every old owner of a move holds, each at its own watermark. Releases
+    # by (stage, epoch), kept for holds they overtook (they travel on other streams): a few
+    # names per move.
+    _holds: dict[tuple[str, int, str], tuple[int | None, set[str]]] = field(default_factory=dict)
     _released: dict[tuple[str, int], set[str]] = field(default_factory=dict)
 
     def advance(self, sender: str, watermark: int | None, idle: bool = False) -> bool:
@@ -112,22 +115,26 @@ class WatermarkTracker:
         self._idle.discard(sender)
         return self._recompute()
 
-    def hold(self, stage: str, epoch: int, watermark: int | None, until: set[str]) -> None:
-        """Stay at or below `watermark` until every instance in `until` (named as senders
-        are) has released `stage`'s move of `epoch`."""
-        waiting = until - self._released.pop((stage, epoch), set())
+    def hold(
+        self, stage: str, epoch: int, holder: str, watermark: int | None, until: set[str]
+    ) -> None:
+        """Stay at or below `holder`'s `watermark` until every instance in `until` (named as
+        senders are) has released `stage`'s move of `epoch`."""
+        waiting = until - self._released.get((stage, epoch), set())
         if waiting:
-            self._holds[(stage, epoch)] = (watermark, waiting)
+            self._holds[(stage, epoch, holder)] = (watermark, waiting)
 
     def release(self, stage: str, epoch: int, sender: str) -> bool:
         """`sender`, a new owner of `stage`'s move of `epoch`, has sent what the move held."""
-        held = self._holds.get((stage, epoch))
-        if held is None:
-            self._released.setdefault((stage, epoch), set()).add(sender)
-            return False
-        held[1].discard(sender)
-        if not held[1]:
-            del self._holds[(stage, epoch)]
+        # It sends the moved groups' records from now on: an input, though it may have sent no
+        # watermark yet (an instance the rescale started), which then holds everything.
+        self.inputs.add(sender)
+        self._released.setdefault((stage, epoch), set()).add(sender)
+        for held in [h for h in self._holds if h[:2] == (stage, epoch)]:
+            waiting = self._holds[held][1]
+            waiting.discard(sender)
+            if not waiting:
+                del self._holds[held]
         return self._recompute()
 
     def _recompute(self) -> bool:

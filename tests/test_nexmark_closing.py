@@ -1,7 +1,7 @@
 """NEXMark Q4 and Q6 (examples/nexmark/q4.yaml, q6.yaml: auctions closed by event-time timers in
 one keyed stage, closing prices averaged in a second) run through real processes and answer
 what DuckDB answers over the same events (examples/nexmark/sql/q4.sql, q6.sql), row for row:
-to the end, Q4 under live rescales of each keyed stage with every strategy, Q6 through a kill -9
+to the end, under live rescales of each keyed stage with every strategy, Q6 through a kill -9
 of a keyed instance with checkpoints."""
 
 from __future__ import annotations
@@ -137,18 +137,19 @@ def test_the_query_answers_what_duckdb_answers(tmp_path: Path, query: str) -> No
 @pytest.mark.live
 @pytest.mark.slow
 @pytest.mark.parametrize("strategy", STRATEGIES)
-def test_q4_under_live_rescales_of_both_keyed_stages_answers_what_duckdb_answers(
-    tmp_path: Path, strategy: str
+@pytest.mark.parametrize("query", QUERIES)
+def test_the_query_under_live_rescales_of_both_keyed_stages_answers_what_duckdb_answers(
+    tmp_path: Path, query: str, strategy: str
 ) -> None:
     """Auctions with their bids and closing timers move while bids flow (each closes once),
-    then the categories' running means. (Q6 is not run so: under a hot-first rescale some
-    closings reach its second stage after its watermark passed them, and Q6 takes them out of
-    closing order; Q4's mean does not depend on the order.)"""
+    then the second stage moves: Q4's running means per category, Q6's sellers with the
+    closings they wait to take in closing order (none may come after the watermark passed it,
+    or it would be taken out of order)."""
     out = tmp_path / "out"
-    job = example("q4", out, total=None, profile={"rate": 10000})
-    during = rescaling_mid_stream([("close", 3), ("q4", 3)], strategy, flow=2000)
+    job = example(query, out, total=None, profile={"rate": 10000})
+    during = rescaling_mid_stream([("close", 3), (query, 3)], strategy, flow=2000)
     emitted = run_query_job(tmp_path, job, during, drain=True)
-    assert rows_of("q4", out) == approx_rows(truth(tmp_path, "q4", emitted))
+    assert rows_of(query, out) == approx_rows(truth(tmp_path, query, emitted))
 
 
 @pytest.mark.live

@@ -105,19 +105,38 @@ def test_a_move_upstream_holds_the_watermark_until_every_new_owner_releases_it()
     tracker = WatermarkTracker({"a/0", "a/1"})
     tracker.advance("a/0", 120)
     assert tracker.advance("a/1", 100) and tracker.current == 100
-    tracker.hold("a", 7, 100, {"a/0", "a/2"})
+    tracker.hold("a", 7, "a/1", 100, {"a/0", "a/2"})
     assert not tracker.advance("a/1", 130) and tracker.current == 100
     assert not tracker.release("a", 7, "a/0")  # a/2 has not released yet
-    assert not tracker.release("b", 7, "a/2")  # another stage's epoch 7: not this hold
-    assert tracker.release("a", 7, "a/2") and tracker.current == 120
+    assert not tracker.release("a", 6, "a/2")  # not this move
+    # a/2, started by the rescale, has sent no watermark yet: from its release on it is an
+    # input, and one with no watermark holds everything (else the moved groups' records it
+    # sends next would be behind the watermark).
+    assert not tracker.release("a", 7, "a/2") and tracker.current == 100
+    assert tracker.advance("a/2", 125) and tracker.current == 120
     # A release that overtakes its hold (they come on different streams) is kept for it.
     assert not tracker.release("a", 8, "a/0")
-    tracker.hold("a", 8, 120, {"a/0"})
-    assert tracker.advance("a/0", 200) and tracker.current == 130
+    tracker.hold("a", 8, "a/1", 120, {"a/0"})
+    assert tracker.advance("a/0", 200) and tracker.current == 125
+    assert tracker.advance("a/2", 400) and tracker.current == 130
     # A holder with no watermark yet holds everything.
-    tracker.hold("a", 9, None, {"a/2"})
+    tracker.hold("a", 9, "a/1", None, {"a/2"})
     assert not tracker.advance("a/1", 300) and tracker.current == 130
     assert tracker.release("a", 9, "a/2") and tracker.current == 200
+
+
+def test_every_old_owner_of_a_move_holds_at_its_own_watermark() -> None:
+    """a/0 and a/1 both give groups to a/2 in one move: the watermark stays at the lower of
+    their watermarks, whichever hold comes last, until a/2 has released the move (a/1's moved
+    timers between 100 and 150 fire at a/2, and their records must not be behind it)."""
+    tracker = WatermarkTracker({"a/0", "a/1"})
+    tracker.advance("a/0", 150)
+    assert tracker.advance("a/1", 100) and tracker.current == 100
+    tracker.hold("a", 3, "a/1", 100, {"a/2"})
+    tracker.hold("a", 3, "a/0", 150, {"a/2"})
+    assert not tracker.advance("a/1", 200) and tracker.current == 100
+    assert not tracker.release("a", 3, "a/2")  # no watermark from a/2 yet
+    assert tracker.advance("a/2", 180) and tracker.current == 150
 
 
 def test_an_input_that_left_holds_nothing_back_until_it_joins_again() -> None:
