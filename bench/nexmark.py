@@ -329,6 +329,14 @@ def brief(result: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def is_commit(revision: str) -> bool:
+    found = subprocess.run(
+        ["git", "-C", str(REPO), "rev-parse", "--verify", "--quiet", f"{revision}^{{commit}}"],
+        capture_output=True, check=False, timeout=30,
+    )  # fmt: skip
+    return found.returncode == 0
+
+
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -341,7 +349,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--strategies", default=",".join(STRATEGIES), help="comma list")
     parser.add_argument("--warmup", type=float, help="throughput warm-up seconds")
     parser.add_argument("--window", type=float, help="throughput window seconds")
-    parser.add_argument("--steady", type=float, help="latency: warm-up and steady seconds")
+    parser.add_argument(
+        "--steady", type=float, help="latency: seconds of warm-up, steady window and tail, each"
+    )
     parser.add_argument("--rounds", type=int, help="times each query / strategy runs")
     parser.add_argument("--out-dir", type=Path, default=Path(__file__).parent / "reports")
     parser.add_argument(
@@ -369,6 +379,8 @@ def parse_args() -> argparse.Namespace:
     missing = sorted(set(args.latency_queries) - set(args.queries))
     if missing:
         parser.error(f"latency queries {missing} need their full-speed rate: add to --queries")
+    if args.baseline and not is_commit(args.baseline):
+        parser.error(f"--baseline {args.baseline!r} is not a commit of this repository")
     warmup, window, lat_warmup, steady, tail, rounds = MODES["full" if args.full else "quick"]
     args.warmup = warmup if args.warmup is None else args.warmup
     args.window = window if args.window is None else args.window

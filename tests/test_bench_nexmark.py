@@ -52,6 +52,7 @@ def test_the_nexmark_bench_runs_end_to_end(tmp_path: Path) -> None:
         (["--queries", "q0", "--latency-queries", "q5"], "latency queries ['q5'] need"),
         (["--rounds", "0"], "--rounds must be >= 1"),
         (["--window", "0"], "--window and --steady > 0"),
+        (["--baseline", "no-such-rev"], "--baseline 'no-such-rev' is not a commit"),
     ],
 )
 def test_bad_arguments_are_refused_with_a_reason(
