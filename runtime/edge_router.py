@@ -36,6 +36,7 @@ from keyshift.runtime.records import (
     GROUP,
     INGEST_TIME,
     METADATA_FIELDS,
+    RESERVED_FIELDS,
     SEQ,
     SOURCE,
     decode,
@@ -43,7 +44,7 @@ from keyshift.runtime.records import (
     record_schema,
     split_by_owner,
 )
-from keyshift.runtime.schema_check import check_records
+from keyshift.runtime.schema_check import check_records, event_time_problem
 from keyshift.runtime.stage_context import InstanceContext
 from keyshift.runtime.transport import BARRIER, END, MARKER, WATERMARK, TransportError
 
@@ -61,12 +62,19 @@ def apply_transforms(
     batch: pa.RecordBatch,
     transforms: list[Function],
     fields: Mapping[str, FieldType],
+    time_field: str | None = None,
 ) -> pa.RecordBatch:
     """Run map/filter/flat_map per record; reject what fails or does not fit `fields`; keep
     the rest in order, each with the metadata of the record it came from (a flat_map's
-    records share it)."""
-    if all(kind == "filter" for kind, _ in transforms) and batch.schema.equals(
-        record_schema(fields)
+    records share it). A record whose event-time field (`time_field`, at a source that takes
+    event times from one) is missing, null or no int is a bad event time
+    (`InstanceContext.bad_event_times`)."""
+    # Filters alone keep rows as they are; event times taken from a field are checked per
+    # record, so that source takes the general path.
+    if (
+        time_field is None
+        and all(kind == "filter" for kind, _ in transforms)
+        and batch.schema.equals(record_schema(fields))
     ):
         return _filter_rows(ctx, batch, transforms)
     results: list[Any] = []
@@ -89,6 +97,8 @@ def apply_transforms(
             ctx.reject(f"function_error {type(exc).__name__}: {exc}", record)
             continue
         results += [r for r in current if r is not None]  # a map's None drops its record
+    if time_field is not None:
+        results = _without_bad_times(ctx, results, time_field)
     checked = check_records(results, fields, ctx.spec.allow_non_finite)
     for bad, reason in checked.rejected:
         ctx.reject(f"schema {reason}", bad)
@@ -105,6 +115,20 @@ def apply_transforms(
         {**columns, GROUP: pa.array(np.zeros(len(kept), dtype=np.int32))},
         schema=record_schema(fields),
     )
+
+
+def _without_bad_times(ctx: InstanceContext, results: list[Any], time_field: str) -> list[Any]:
+    kept, bad, reasons = [], [], []
+    for record in results:
+        reason = event_time_problem(record, time_field)
+        if reason is None:
+            kept.append(record)
+        else:
+            # As the function made it: the metadata it was given is the runtime's.
+            bad.append({k: v for k, v in record.items() if k not in RESERVED_FIELDS})
+            reasons.append(reason)
+    ctx.bad_event_times(bad, reasons)
+    return kept
 
 
 def _filter_rows(
@@ -140,6 +164,10 @@ class EdgeRouter:
         self.fields = step.fields
         self.key_by = step.stage.key_by
         self.transforms = resolve_transforms(route.transforms)
+        # A source stamps its records' event times from this field, after the functions.
+        settings = ctx.spec.source.event_time
+        at_source = ctx.stage == ctx.spec.source.name
+        self.time_field = settings.field if settings is not None and at_source else None
         self.outlets = ctx.connect(route.target)
         self.assignment = ctx.assignment(route.target)
         self.dead: set[int] = set()
@@ -151,7 +179,7 @@ class EdgeRouter:
         """The records as the keyed stage reads them (transformed, checked, `stamp`ed with
         their event times, with their key groups), and their parts by owner."""
         if self.transforms:
-            batch = apply_transforms(self.ctx, batch, self.transforms, self.fields)
+            batch = apply_transforms(self.ctx, batch, self.transforms, self.fields, self.time_field)
         batch = stamp(batch)
         groups = key_groups(batch.column(self.key_by), self.ctx.spec.max_key_groups)
         batch = batch.set_column(batch.schema.get_field_index(GROUP), GROUP, pa.array(groups))

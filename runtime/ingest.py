@@ -15,7 +15,13 @@ The reply is JSON: `{"accepted": n, "rejected": m, "reasons": [up to 5 distinct 
 
 Rows must carry every field of the job's schema (extra columns are ignored). An optional
 `event_time` column (int64 microseconds; an Arrow timestamp column is converted) is the rows'
-event time; without it, or where it is null, the event time is the ingest time. Rows that do
+event time; without it, or where it is null, the event time is the ingest time, except in a
+source with event-time settings (`EventTimeCheck`), where a null there is a bad event time (a
+column that is absent still means the ingest time). A source that takes its event times from a
+field of the job's finds a row whose field is missing, null or not an int a bad event time.
+Rows with a bad event time are rejected as any bad row is, and also handed to `on_bad_times`
+(the source counts them under the reason `event_time` and writes them to the job's
+late-records log). Rows that do
 not fit are rejected one by one with a reason (the same reasons as
 `keyshift.runtime.schema_check.why_invalid`: strings must be valid UTF-8, floats finite unless
 the job's `allow_non_finite` names the field); the valid rows around them are kept, in order,
@@ -82,7 +88,12 @@ from keyshift.runtime.job import (
     IngestSource,
 )
 from keyshift.runtime.records import ARROW_TYPES, EVENT_TIME, SEQ, now_us, record_schema
-from keyshift.runtime.schema_check import check_records, non_finite_reason, why_invalid
+from keyshift.runtime.schema_check import (
+    check_records,
+    event_time_problem,
+    non_finite_reason,
+    why_invalid,
+)
 from keyshift.runtime.storage import retrying
 
 log = logging.getLogger("keyshift.ingest")
@@ -102,6 +113,17 @@ _HEADER_LENGTH = struct.Struct("<I")
 _INT64_MAX = 2**63 - 1
 
 Mask = npt.NDArray[np.bool_]
+NULL_EVENT_TIME = f"field {EVENT_TIME!r} is null (in a source with event time)"
+
+
+@dataclass(frozen=True)
+class EventTimeCheck:
+    """What a row's event time must be, beside the schema: the job field a source takes it from
+    (`field`), or, in a source with event-time settings and no field, a non-null `event_time`
+    wherever the column is given (`nulls_bad`)."""
+
+    field: str | None = None
+    nulls_bad: bool = False
 
 
 @dataclass(frozen=True)
@@ -204,6 +226,7 @@ class Rejection:
     reason: str
     sample: Any  # the first rejected row with this reason
     count: int
+    event_time: bool = False  # a bad event time: its rows are in `CheckedRows.bad_times`
 
 
 @dataclass
@@ -214,6 +237,7 @@ class CheckedRows:
     event_time: pa.Array | None  # int64 microseconds; null where the ingest time applies
     num_rows: int
     rejections: list[Rejection] = field(default_factory=list)
+    bad_times: list[tuple[Any, str]] = field(default_factory=list)  # (row, reason) each
 
     @property
     def rejected(self) -> int:
@@ -234,11 +258,12 @@ class CheckedRows:
                 found[rejection.reason].count += rejection.count
             else:
                 found[rejection.reason] = Rejection(
-                    rejection.reason, rejection.sample, rejection.count
+                    rejection.reason, rejection.sample, rejection.count, rejection.event_time
                 )
+        bad_times = [bad for p in parts for bad in p.bad_times]
         kept = [p for p in parts if p.num_rows]
         if not kept:
-            return cls([], None, 0, list(found.values()))
+            return cls([], None, 0, list(found.values()), bad_times)
         columns = [pa.concat_arrays(list(c)) for c in zip(*(p.columns for p in kept), strict=True)]
         event_time = None
         if any(p.event_time is not None for p in kept):
@@ -246,7 +271,8 @@ class CheckedRows:
                 [p.event_time if p.event_time is not None else pa.nulls(p.num_rows, pa.int64())
                  for p in kept]
             )  # fmt: skip
-        return cls(columns, event_time, sum(p.num_rows for p in kept), list(found.values()))
+        rows = sum(p.num_rows for p in kept)
+        return cls(columns, event_time, rows, list(found.values()), bad_times)
 
     def to_table(self, fields: Sequence[str]) -> pa.Table:
         """The valid rows as a table (rejections are not kept: they were answered)."""
@@ -272,6 +298,8 @@ class _Verdicts:
 
     bad: Mask
     found: dict[str, tuple[int, int]] = field(default_factory=dict)  # reason -> (first, count)
+    timing: bool = False  # the checks now running judge the rows' event times
+    bad_times: list[tuple[Mask, str]] = field(default_factory=list)  # rows, reason
 
     def reject(self, mask: Mask, reason: str) -> None:
         new = mask & ~self.bad
@@ -283,6 +311,8 @@ class _Verdicts:
                 first, count = min(first, before), count + n
             self.found[reason] = (first, count)
             self.bad |= new
+            if self.timing:
+                self.bad_times.append((new, reason))
 
 
 def _mask(array: pa.Array) -> Mask:
@@ -381,10 +411,12 @@ def _check_values(
     return column
 
 
-def _event_time(table: pa.Table, verdicts: _Verdicts) -> pa.Array | None:
+def _event_time(table: pa.Table, verdicts: _Verdicts, nulls_bad: bool) -> pa.Array | None:
     column = _single_column(table, EVENT_TIME, verdicts)
     if column is None:
         return None
+    if nulls_bad:
+        verdicts.reject(_mask(column.is_null()), NULL_EVENT_TIME)
     source = column.type
     converted: pa.Array | None
     if pa.types.is_null(source):
@@ -406,46 +438,62 @@ def _event_time(table: pa.Table, verdicts: _Verdicts) -> pa.Array | None:
 
 
 def check_table(
-    table: pa.Table, fields: Mapping[str, str], non_finite: Collection[str] = ()
+    table: pa.Table,
+    fields: Mapping[str, str],
+    non_finite: Collection[str] = (),
+    times: EventTimeCheck = EventTimeCheck(),
 ) -> CheckedRows:
     """Vectorized check of an Arrow table: whole-column type checks, per-row null and value
-    checks. Columns that are not the job's are dropped unseen."""
+    checks. Columns that are not the job's are dropped unseen. The event time is judged first,
+    so a row it rejects is a bad event time whatever else is wrong with it."""
     table = table.select(
         [i for i, f in enumerate(table.schema) if f.name in fields or f.name == EVENT_TIME]
     )
     n = table.num_rows
-    verdicts = _Verdicts(bad=np.zeros(n, np.bool_))
-    converted: list[pa.Array | None] = []
-    for name, kind in fields.items():
-        column = _single_column(table, name, verdicts)
-        if column is None:
-            verdicts.reject(np.ones(n, np.bool_), f"missing field {name!r}")
-            converted.append(None)
-            continue
-        verdicts.reject(_mask(column.is_null()), f"missing field {name!r}")
-        as_field = _convert(column, kind, name, verdicts)
-        if as_field is None:
-            verdicts.reject(
-                np.ones(n, np.bool_), f"field {name!r} should be {kind}, got {column.type}"
-            )
-        else:
-            as_field = _check_values(as_field, kind, name, name in non_finite, verdicts)
-        converted.append(as_field)
-    event_time = _event_time(table, verdicts)
+    verdicts = _Verdicts(bad=np.zeros(n, np.bool_), timing=True)
+    event_time = _event_time(table, verdicts, times.nulls_bad and times.field is None)
+    converted: dict[str, pa.Array | None] = {}
+    for name in sorted(fields, key=lambda name: name != times.field):
+        verdicts.timing = name == times.field
+        converted[name] = _check_column(table, name, fields[name], name in non_finite, verdicts)
+    time_reasons = {reason for _, reason in verdicts.bad_times}
     rejections = [
-        Rejection(reason, _row(table, first), count)
+        Rejection(reason, _row(table, first), count, reason in time_reasons)
         for reason, (first, count) in verdicts.found.items()
+    ]
+    bad_times = [
+        (row, reason)
+        for mask, reason in verdicts.bad_times
+        for row in _rows(table, np.flatnonzero(mask))
     ]
     keep = ~verdicts.bad
     kept = int(keep.sum())
     if kept == 0:
-        return CheckedRows([], None, 0, rejections)
-    columns = [c for c in converted if c is not None]  # all present when a row is kept
+        return CheckedRows([], None, 0, rejections, bad_times)
+    columns = [c for name in fields if (c := converted[name]) is not None]  # all, if kept
     if kept < n:
         selection = pa.array(keep)
         columns = [c.filter(selection) for c in columns]
         event_time = None if event_time is None else event_time.filter(selection)
-    return CheckedRows(columns, event_time, kept, rejections)
+    return CheckedRows(columns, event_time, kept, rejections, bad_times)
+
+
+def _check_column(
+    table: pa.Table, name: str, kind: str, non_finite: bool, verdicts: _Verdicts
+) -> pa.Array | None:
+    """Field `name` as its Arrow type, its bad rows rejected; None when its type does not fit
+    (every row rejected)."""
+    n = table.num_rows
+    column = _single_column(table, name, verdicts)
+    if column is None:
+        verdicts.reject(np.ones(n, np.bool_), f"missing field {name!r}")
+        return None
+    verdicts.reject(_mask(column.is_null()), f"missing field {name!r}")
+    as_field = _convert(column, kind, name, verdicts)
+    if as_field is None:
+        verdicts.reject(np.ones(n, np.bool_), f"field {name!r} should be {kind}, got {column.type}")
+        return None
+    return _check_values(as_field, kind, name, non_finite, verdicts)
 
 
 def _row(table: pa.Table, index: int) -> Any:
@@ -455,35 +503,54 @@ def _row(table: pa.Table, index: int) -> Any:
         return f"row {index}"
 
 
-def _event_time_problem(record: Mapping[str, Any]) -> str | None:
-    """The problem of a JSON row's event time, which `why_invalid` does not look at."""
-    value = record.get(EVENT_TIME)
+def _rows(table: pa.Table, indices: npt.NDArray[np.intp]) -> list[Any]:
+    try:
+        rows: list[Any] = table.take(pa.array(indices)).to_pylist()
+        return rows
+    except (pa.ArrowException, ValueError):  # a column type with no Python equivalent
+        return [f"row {index}" for index in indices.tolist()]
+
+
+def _event_time_problem(row: Any, times: EventTimeCheck) -> str | None:
+    """The problem of a JSON row's event time (its field's, or its `event_time`'s)."""
+    if not isinstance(row, Mapping):
+        return None  # no record at all: why_invalid says so
+    if times.field is not None and (problem := event_time_problem(row, times.field)):
+        return problem
+    value = row.get(EVENT_TIME)
     if value is None:
-        return None
+        return NULL_EVENT_TIME if times.nulls_bad and EVENT_TIME in row else None
     return why_invalid({EVENT_TIME: value}, {EVENT_TIME: "int"})
 
 
 def check_rows(
-    rows: Sequence[Any], fields: Mapping[str, str], non_finite: Collection[str] = ()
+    rows: Sequence[Any],
+    fields: Mapping[str, str],
+    non_finite: Collection[str] = (),
+    times: EventTimeCheck = EventTimeCheck(),
 ) -> CheckedRows:
-    """Per-row check of decoded JSON rows."""
+    """Per-row check of decoded JSON rows (the event time first, as `check_table`)."""
     valid: list[Mapping[str, Any]] = []
     found: dict[str, Rejection] = {}
+    bad_times: list[tuple[Any, str]] = []
     for row in rows:
-        reason = why_invalid(row, fields, non_finite) or _event_time_problem(row)
+        time_problem = _event_time_problem(row, times)
+        reason = time_problem or why_invalid(row, fields, non_finite)
+        if time_problem is not None:
+            bad_times.append((row, time_problem))
         if reason is None:
             valid.append(row)
         elif reason in found:
             found[reason].count += 1
         else:
-            found[reason] = Rejection(reason, row, 1)
+            found[reason] = Rejection(reason, row, 1, time_problem is not None)
     if not valid:
-        return CheckedRows([], None, 0, list(found.values()))
+        return CheckedRows([], None, 0, list(found.values()), bad_times)
     checked = check_records(valid, fields, non_finite)
     columns = [checked.columns[name] for name in fields]
-    times = [row.get(EVENT_TIME) for row in valid]
-    event_time = None if all(t is None for t in times) else pa.array(times, pa.int64())
-    return CheckedRows(columns, event_time, len(valid), list(found.values()))
+    stamps = [row.get(EVENT_TIME) for row in valid]
+    event_time = None if all(t is None for t in stamps) else pa.array(stamps, pa.int64())
+    return CheckedRows(columns, event_time, len(valid), list(found.values()), bad_times)
 
 
 def _decode(
@@ -492,6 +559,7 @@ def _decode(
     fields: Mapping[str, str],
     non_finite: Collection[str],
     limits: IngestLimits,
+    times: EventTimeCheck,
 ) -> CheckedRows:
     if len(payload) > limits.max_request_bytes:
         raise _too_big(f"{len(payload):,} bytes of payload", "max_request_bytes", limits)
@@ -504,9 +572,11 @@ def _decode(
             ) from None
         if table.num_rows > limits.max_request_rows:
             raise _too_big(f"{table.num_rows:,} rows", "max_request_rows", limits)
-        return check_table(table, fields, non_finite)
+        return check_table(table, fields, non_finite, times)
     try:
-        parts = [check_rows(rows, fields, non_finite) for rows in _json_rows(payload, limits)]
+        parts = [
+            check_rows(rows, fields, non_finite, times) for rows in _json_rows(payload, limits)
+        ]
     except (ValueError, RecursionError) as exc:  # RecursionError: nesting too deep
         raise IngestRefused(
             grpc.StatusCode.INVALID_ARGUMENT, f"payload is not JSON: {exc}"
@@ -602,11 +672,14 @@ class IngestService:
         position: int | None = None,
         limits: IngestLimits = IngestLimits(),
         non_finite: Collection[str] = (),
+        event_times: EventTimeCheck = EventTimeCheck(),
+        on_bad_times: Callable[[list[Any], list[str]], None] = lambda rows, reasons: None,
     ) -> None:
         """With `durable`, accepted rows are logged there before they are acknowledged, and the
         service starts from what the log holds: after a recovery (`position`, the checkpoint's
         sequence number) the rows from there on are taken first. `non_finite` names the float
-        fields that may hold NaN and infinities."""
+        fields that may hold NaN and infinities. Rows rejected for their event time
+        (`event_times`) go to `on_bad_times` with their reasons, not to `on_reject`."""
         if max_pending < 1:
             raise ValueError(f"max_pending must be at least 1, got {max_pending}")
         self.fields = dict(fields)
@@ -617,6 +690,8 @@ class IngestService:
         self.push_timeout = push_timeout
         self.staged_ttl = staged_ttl
         self._on_reject = on_reject
+        self.event_times = event_times
+        self._on_bad_times = on_bad_times
         self._schema = record_schema(self.fields)
         self._cv = threading.Condition()
         self._queue: deque[pa.RecordBatch] = deque()
@@ -721,7 +796,9 @@ class IngestService:
         header, payload = unpack_request(body)
         if header.backlog is not None:
             self.client_backlogs.report(header.backlog, time.monotonic())
-        rows = _decode(header.format, payload, self.fields, self.non_finite, self.limits)
+        rows = _decode(
+            header.format, payload, self.fields, self.non_finite, self.limits, self.event_times
+        )
         if header.transaction is not None:
             assert header.part is not None
             done = self._stage(header.transaction, header.part, rows)
@@ -903,7 +980,14 @@ class IngestService:
             self._cv.notify_all()
 
     def _report(self, rows: CheckedRows) -> None:
+        try:
+            if rows.bad_times:
+                self._on_bad_times([r for r, _ in rows.bad_times], [w for _, w in rows.bad_times])
+        except Exception:  # the rows are accepted; a broken callback must not undo that
+            log.exception("on_bad_times failed")
         for rejection in rows.rejections:
+            if rejection.event_time:
+                continue  # with its rows, just above
             try:
                 self._on_reject(rejection.reason, rejection.sample, rejection.count)
             except Exception:  # the rows are accepted; a broken callback must not undo that

@@ -91,7 +91,10 @@ def run_stage(ctx: InstanceContext) -> None:
     modules = {spec.source.name: "source_stage", spec.sink.name: "sink_stage"}
     module = modules.get(ctx.stage, "keyed_stage")
     stage = importlib.import_module(f"keyshift.runtime.{module}")
-    stage.run(ctx)
+    try:
+        stage.run(ctx)
+    finally:
+        ctx.close_logs()
 
 
 def _index(text: str) -> int:

@@ -460,12 +460,27 @@ class SlidingWindow(_Model):
 
 
 class SessionWindow(_Model):
-    kind: Literal["session"]
-    gap_ms: float = Field(gt=0)
+    """A key's records less than `gap_ms` apart in event time are one session; a record that
+    bridges two sessions merges them (keyshift.runtime.sessions)."""
 
-    @model_validator(mode="after")
-    def _not_yet(self) -> SessionWindow:
-        raise ValueError("not supported yet: session windows (tumbling and sliding are)")
+    kind: Literal["session"]
+    gap_ms: float = Field(
+        ge=0.001,  # event times are µs
+        le=365 * 86_400_000,
+        description="a session ends this long after its last record",
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_size(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            given = [name for name in ("size_ms", "slide_ms") if name in data]
+            if given:
+                raise ValueError(
+                    f"a session window has a gap_ms and no {' or '.join(given)}: a session "
+                    "lasts as long as its key's records keep coming less than gap_ms apart"
+                )
+        return data
 
 
 WindowConfig = Annotated[
@@ -502,13 +517,14 @@ class WindowOperator(_Model):
     reduce: str | None = Field(
         default=None,
         description="module:function(accumulator, record) -> accumulator, folding each record "
-        "into its window as it arrives (accumulator None at first); the window's result is the "
-        "last accumulator",
+        "into its window as it arrives (accumulator None at first; a session's records when it "
+        "fires, as sessions merge); the window's result is the last accumulator",
     )
     process: str | None = Field(
         default=None,
         description="module:function(records) -> result, called once when the window fires "
-        "with its records in arrival order (each with its window_start)",
+        "with its records in arrival order (each with its window_start; a session's merged "
+        "parts one after another, earliest first)",
     )
     allowed_lateness_ms: float = Field(
         default=0,
@@ -547,11 +563,24 @@ class WindowOperator(_Model):
     def allowed_lateness_us(self) -> int:
         return round(self.allowed_lateness_ms * 1000)
 
+    @property
+    def session(self) -> bool:
+        return isinstance(self.window, SessionWindow)
+
     def size_and_slide_us(self) -> tuple[int, int]:
+        """A tumbling or sliding window's size and slide."""
         window = self.window
-        size = round(window.size_ms * 1000) if not isinstance(window, SessionWindow) else 0
+        if isinstance(window, SessionWindow):
+            raise ValueError("a session window has a gap, no size or slide")
+        size = round(window.size_ms * 1000)
         slide = round(window.slide_ms * 1000) if isinstance(window, SlidingWindow) else size
         return size, slide
+
+    def gap_us(self) -> int:
+        """A session window's gap."""
+        if not isinstance(self.window, SessionWindow):
+            raise ValueError(f"a {self.window.kind} window has no gap")
+        return round(self.window.gap_ms * 1000)
 
 
 OperatorConfig = Annotated[
@@ -627,9 +656,44 @@ class KeyedStage(Stage):
     state: StateSettings = Field(default_factory=StateSettings)
 
 
-class SinkStage(Stage):
+def _partitions_field() -> Any:
+    return Field(
+        default=None,
+        ge=1,
+        le=MAX_PARALLELISM,
+        description="output partitions, fixed for the job's life: a key's updates go to "
+        "partition `key group % partitions`, and a rescale of the sink moves whole partitions "
+        "between its instances; none: the sink's parallelism (the most it can be rescaled to)",
+    )
+
+
+class _Partitions:
+    """A sink's output partitions: `partitions`, or its parallelism when not given."""
+
+    parallelism: int
+    partitions: int | None
+
+    @property
+    def output_partitions(self) -> int:
+        return self.partitions if self.partitions is not None else self.parallelism
+
+    def _check_partitions(self) -> None:
+        if self.parallelism > self.output_partitions:
+            raise ValueError(
+                f"sink parallelism {self.parallelism} exceeds its partitions "
+                f"({self.output_partitions}): each sink instance writes whole partitions"
+            )
+
+
+class SinkStage(_Partitions, Stage):
     name: str = Field(default="sink", pattern=STAGE_NAME_PATTERN)
     config: SinkConfig = Field(default_factory=LogSink)
+    partitions: int | None = _partitions_field()
+
+    @model_validator(mode="after")
+    def _fits(self) -> SinkStage:
+        self._check_partitions()
+        return self
 
 
 @dataclass(frozen=True)
@@ -786,9 +850,15 @@ class KeyedNode(_Downstream):
     state: StateSettings = Field(default_factory=StateSettings)
 
 
-class SinkNode(_Partitioned):
+class SinkNode(_Partitions, _Partitioned):
     kind: Literal["sink"]
     config: SinkConfig = Field(default_factory=LogSink)
+    partitions: int | None = _partitions_field()
+
+    @model_validator(mode="after")
+    def _fits(self) -> SinkNode:
+        self._check_partitions()
+        return self
 
 
 def _graph_kind(value: Any) -> str | None:
@@ -1032,7 +1102,12 @@ class JobSpec(_Model):
             ),
             "keyed": steps[0].stage,
             "sink": SinkStage.model_validate(
-                {"name": sink.name, "parallelism": sink.parallelism, "config": sink.config},
+                {
+                    "name": sink.name,
+                    "parallelism": sink.parallelism,
+                    "config": sink.config,
+                    "partitions": sink.partitions,
+                },
                 context=context,
             ),
             "fields": dict(chain.fields),

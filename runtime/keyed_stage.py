@@ -1,8 +1,8 @@
 """The keyed stage loop: apply incoming batches to keyed state (vectorized aggregates or a
-per-record function), send one update per changed key on (to the sink instance of its group,
-and/or through the chained map/filter functions to its owner in each keyed stage it feeds, by
-its `Outputs`), and take part in live migrations (`keyshift.runtime.migration`) while records
-keep flowing.
+per-record function), send one update per changed key on (to the sink instance owning its
+output partition, and/or through the chained map/filter functions to its owner in each keyed
+stage it feeds, by its `Outputs`), and take part in live migrations
+(`keyshift.runtime.migration`) while records keep flowing.
 
 Called by `keyshift.runtime.instance` for instances of the job's keyed stages.
 """
@@ -19,7 +19,6 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 
 from keyshift.runtime.checkpoint_store import CheckpointMeta
 from keyshift.runtime.checkpointing import BarrierAligner, KeyedCheckpointer
@@ -46,6 +45,7 @@ from keyshift.runtime.protocol import (
     MigrateIn,
     MigrateOut,
     OutDone,
+    Reroute,
     Rescaling,
     Retire,
     Topology,
@@ -61,9 +61,7 @@ from keyshift.runtime.records import (
     SEQ,
     SOURCE,
     decode,
-    encode,
     now_us,
-    split_by_owner,
 )
 from keyshift.runtime.rocksdb_state import (
     RocksAggregateState,
@@ -71,6 +69,8 @@ from keyshift.runtime.rocksdb_state import (
     open_database,
     prepare_directory,
 )
+from keyshift.runtime.sessions import SessionFunction, SessionWindows
+from keyshift.runtime.sink_router import SinkRouter
 from keyshift.runtime.stage_context import FetchRequest, InstanceContext
 from keyshift.runtime.state import (
     KEY_COL,
@@ -92,10 +92,10 @@ from keyshift.runtime.transport import (
     MARKER,
     STATE,
     WATERMARK,
-    Outlet,
 )
 from keyshift.runtime.watermarks import WatermarkTracker
 from keyshift.runtime.windows import (
+    EventWindows,
     KeyedWindows,
     WindowFunction,
     WindowShape,
@@ -130,13 +130,14 @@ def make_state(
     """Keyed stage `step`'s state store for instance `owner` ("<stage>-<index>"); with
     timers, a key's timers are stored in its value (keyshift.runtime.timers)."""
     op = step.stage.operator
-    # A window's state is keyed by (key, window) in one string (keyshift.runtime.windows).
-    windowed = isinstance(op, WindowOperator)
+    # A window's state is keyed by (key, window) in one string (keyshift.runtime.windows); a
+    # key's sessions are one value under the key (keyshift.runtime.sessions).
+    windowed = isinstance(op, WindowOperator) and not op.session
     key_type = pa.string() if windowed else ARROW_TYPES[step.fields[step.stage.key_by]]
     # Pickled values are only safe to keep when every state byte that arrives is authenticated.
     codec = ValueCodec(allow_pickle=seal.authenticated)
     settings = step.stage.state
-    kept = _state_function(op, timers)
+    kept = _state_function(op, timers, step.stage.key_by, spec.max_key_groups)
     if settings.backend == "rocksdb":
         directory = prepare_directory(Path(settings.path) / spec.name / owner, owner)
         db = open_database(directory, settings.block_cache_mb, settings.write_buffer_mb)
@@ -160,16 +161,39 @@ def make_state(
 
 
 def _state_function(
-    op: AggregateOperator | ProcessOperator | WindowOperator, timers: KeyedTimers | None
+    op: AggregateOperator | ProcessOperator | WindowOperator,
+    timers: KeyedTimers | None,
+    key_field: str,
+    max_key_groups: int,
 ) -> str | ProcessFunction:
     """The built-in aggregate a keyed operator keeps, or the per-record function of its
-    process state (a window's reduce or process keeps [records, accumulator] per window; a
-    process function with timers is called through them)."""
+    process state (a window's reduce or process keeps [records, accumulator] per window, a
+    session window a key's sessions; a process function with timers is called through them)."""
     if isinstance(op, AggregateOperator):
         return op.function
+    if isinstance(op, WindowOperator) and op.session:
+        return SessionFunction.of(op, key_field, max_key_groups)
     if isinstance(op, WindowOperator):
         return op.aggregate if op.aggregate is not None else WindowFunction.of(op)
     return timers or resolve_function(op.function)
+
+
+def make_windows(
+    op: WindowOperator, state: Any, key_field: str, key_type: pa.DataType, max_key_groups: int
+) -> EventWindows:
+    """A window stage's windows over the store `make_state` made for it."""
+    if op.session:
+        assert isinstance(state.function, SessionFunction)  # make_state's store for sessions
+        return SessionWindows(state.function, key_field, key_type, state, max_key_groups)
+    return KeyedWindows(
+        WindowShape(*op.size_and_slide_us()),
+        window_contents(op, state),
+        key_field,
+        key_type,
+        state,
+        max_key_groups,
+        op.allowed_lateness_us(),
+    )
 
 
 def process_output_schema(key_type: pa.DataType) -> pa.Schema:
@@ -228,14 +252,12 @@ class KeyedStage:
         self.value_field = op.field if isinstance(op, AggregateOperator) else None
         self.key_field = step.stage.key_by
         self.windows = (
-            KeyedWindows(
-                WindowShape(*op.size_and_slide_us()),
-                window_contents(op, self.state),
+            make_windows(
+                op,
+                self.state,
                 self.key_field,
                 ARROW_TYPES[step.fields[self.key_field]],
-                self.state,
                 spec.max_key_groups,
-                op.allowed_lateness_us(),
             )
             if isinstance(op, WindowOperator)
             else None
@@ -253,7 +275,7 @@ class KeyedStage:
         keyed = tuple(route for route in step.outputs if route.target != spec.sink.name)
         self.outputs = Outputs(ctx, keyed)
         to_sink = len(keyed) < len(step.outputs)
-        self.sinks: dict[int, Outlet] = ctx.connect(spec.sink.name) if to_sink else {}
+        self.sink = SinkRouter(ctx) if to_sink else None
         self.owned = ctx.assignment(ctx.stage).owners == ctx.index
         self.ended: set[str] = set()
         self.backlog: deque[tuple[str, bytes, Any]] = deque()
@@ -366,10 +388,14 @@ class KeyedStage:
         late = self.windows.too_late(batch, self.windows.threshold(watermark, groups))
         if not late.any():
             return batch
-        self.ctx.metrics.count(MetricName.LATE_RECORDS, int(late.sum()))
-        if self.late_records is not None:
-            self.late_records.write(self.windows.as_records(batch.filter(pa.array(late))))
+        self.too_late(self.windows.as_records(batch.filter(pa.array(late))))
         return batch.filter(pa.array(~late))
+
+    def too_late(self, records: pa.RecordBatch) -> None:
+        """Records too late for their windows: counted, and logged if the job keeps a log."""
+        self.ctx.metrics.count(MetricName.LATE_RECORDS, records.num_rows)
+        if self.late_records is not None:
+            self.late_records.write(records)
 
     def apply_to_windows(self, batch: pa.RecordBatch) -> None:
         """Window rows into their windows' state. They were judged too late or not against the
@@ -382,18 +408,11 @@ class KeyedStage:
         t0 = time.perf_counter()
         batch = self.drop_late(batch, None)
         if batch.num_rows:
-            keys, groups = self.windows.add(batch)
-            ready = self.ready()[groups]
-            floor = self.windows.threshold(None, groups)
-            current = self.watermark.current
-            # A group still moving in has fired nothing here yet: only its old owner's fires
-            # count for it (its own wait for in_done).
-            threshold = (
-                floor if current is None else np.where(ready, np.maximum(floor, current), floor)
-            )
-            fired = self.windows.track(keys, groups, threshold)
-            if len(fired):
-                self.send_out(self.windows.results(pc.unique(fired).to_pylist()), t0)
+            thresholds = self.windows.thresholds(self.watermark.current, self.ready())
+            updated, late = self.windows.absorb(batch, thresholds)
+            if late is not None:
+                self.too_late(late)
+            self.send_out(updated, t0)
 
     def send_out(self, out: pa.RecordBatch | None, started: float) -> None:
         """Updates to the sink instance of each one's key group and to the keyed stages fed."""
@@ -403,17 +422,15 @@ class KeyedStage:
         if out is None or not out.num_rows:
             self.ctx.metrics.count(MetricName.BUSY_SECONDS, time.perf_counter() - started)
             return
-        if self.sinks:
-            sinks = len(self.sinks)
-            owners = (out.column(GROUP).to_numpy() % sinks).astype(np.int64)
-            parts = [(o, encode(p)) for o, p in split_by_owner(out, owners, sinks)]
+        if self.sink is not None:
+            parts = self.sink.route(out)
             sent += out.num_rows
         if self.outputs.routers:
             routed_out, routed = self.outputs.prepare(with_record_ids(out))
             sent += routed_out
         self.ctx.metrics.count(MetricName.BUSY_SECONDS, time.perf_counter() - started)
-        for owner, payload in parts:
-            self.ctx.send(self.sinks[owner], payload)
+        if self.sink is not None:
+            self.sink.send(parts)
         self.outputs.send(routed)
         self.ctx.metrics.count(MetricName.RECORDS_OUT, sent)
 
@@ -453,9 +470,13 @@ class KeyedStage:
     def command(self, command: Command) -> None:
         if isinstance(command, Topology):
             self.outputs.handle(command)
+            if self.sink is not None:
+                self.sink.handle(command)
             # A retired sender's barrier never comes: an alignment waiting for it ends here.
             self.checkpoint_if_aligned()
             return
+        if isinstance(command, Reroute) and self.sink is not None and self.sink.handle(command):
+            return  # a rescale of the sink
         if self.outputs.handle(command):
             self.forward_watermark()  # to instances that joined a stage downstream
             return  # a rescale of a keyed stage downstream
@@ -487,8 +508,10 @@ class KeyedStage:
             if self.move_out is not None:
                 kept = self.move_out.abandon(lost)
                 self.owned |= kept
-                # Their timers left the index while they were moving out.
+                # Their timers and windows left the indexes while they were moving out.
                 self.index_timers(np.flatnonzero(kept))
+                if self.windows is not None:
+                    self.windows.rebuild(np.flatnonzero(kept).tolist(), self.watermark.current)
             if self.move_in is not None:
                 self.move_in.abandon(lost)
             # Groups whose state died with a lost instance go on here, from empty.
@@ -677,9 +700,8 @@ class KeyedStage:
         watermark = current if current is not None and current < WatermarkTracker.FINAL else None
         self.checkpointer.start(barrier, self.state, self.owned, watermark)
         self.outputs.barrier(barrier)
-        encoded = json.dumps(barrier.wire()).encode()
-        for outlet in self.sinks.values():
-            self.ctx.send(outlet, encoded, kind=BARRIER)
+        if self.sink is not None:
+            self.sink.barrier(barrier)
         for delivery in self.aligner.finish():
             self.backlog.append((delivery.sender, delivery.kind, delivery.payload))
             delivery.release()
@@ -753,8 +775,8 @@ class KeyedStage:
         if self.late_records is not None:
             self.late_records.close()
         self.outputs.finish(kind)
-        for outlet in self.sinks.values():
-            outlet.finish(kind=kind)
+        if self.sink is not None:
+            self.sink.finish(kind)
 
 
 def run(ctx: InstanceContext) -> None:

@@ -594,9 +594,10 @@ class KeyedStream:
         allowed_lateness_ms: float | None = None,
     ) -> Stream:
         """A count (the default)/sum/min/max/mean of `field` per key and event-time window
-        (`window` as a job file's: `{"kind": "tumbling", "size_ms": ...}` or `{"kind":
-        "sliding", "size_ms": ..., "slide_ms": ...}`), each result sent once the watermark
-        passes the window's end; the source needs `event_time` settings. Instead of an
+        (`window` as a job file's: `{"kind": "tumbling", "size_ms": ...}`, `{"kind":
+        "sliding", "size_ms": ..., "slide_ms": ...}` or `{"kind": "session", "gap_ms": ...}`),
+        each result sent once the watermark passes the window's end; the source needs
+        `event_time` settings. Instead of an
         aggregate, `reduce(accumulator, record) -> accumulator` folds each record into its
         window, or `process(records) -> result` is called with the window's records when it
         fires (with `field`, they get that field's values instead of whole records). With

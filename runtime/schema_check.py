@@ -5,6 +5,7 @@ not fit the job's `fields`. Each bad record is rejected with a reason; the valid
 it are kept. Whatever `why_invalid` accepts can be made into Arrow columns and processed by every
 stage: strings are valid Unicode (no lone surrogates, which UTF-8 cannot encode), floats are
 finite unless the field is in the job's `allow_non_finite`, and ints fit their field's type.
+`event_time_problem` judges the one field a source takes its records' event times from.
 Used by the source stage instances and the ingest endpoint.
 """
 
@@ -71,6 +72,14 @@ def why_invalid(
         if isinstance(value, str) and not _encodable(value):
             return f"field {name!r} is not valid UTF-8 (it holds a lone surrogate)"
     return None
+
+
+def event_time_problem(record: Any, name: str) -> str | None:
+    """Why a record's event time, its int field `name`, is missing, null or not a timestamp;
+    None when it is one (or the record is no mapping: `why_invalid` says so)."""
+    if not isinstance(record, Mapping):
+        return None
+    return why_invalid({name: record.get(name)}, {name: "int"})
 
 
 def _float_problem(name: str, value: Any, non_finite: bool) -> str | None:

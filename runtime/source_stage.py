@@ -19,7 +19,12 @@ import pyarrow.compute as pc
 from keyshift.runtime import nexmark
 from keyshift.runtime.edge_router import Outputs
 from keyshift.runtime.generator import KeyGenerator, Pacer, instance_total, rate_at
-from keyshift.runtime.ingest import REMEMBERED_BATCH_IDS, IngestLimits, IngestService
+from keyshift.runtime.ingest import (
+    REMEMBERED_BATCH_IDS,
+    EventTimeCheck,
+    IngestLimits,
+    IngestService,
+)
 from keyshift.runtime.ingest_log import IngestLog, ingest_log_url
 from keyshift.runtime.job import (
     GENERATED_FIELDS,
@@ -198,6 +203,8 @@ def run_ingest(ctx: InstanceContext, config: IngestSource, emitter: Emitter) -> 
         position=position,
         limits=IngestLimits.of(config),
         non_finite=spec.allow_non_finite,
+        event_times=event_time_check(ctx),
+        on_bad_times=ctx.bad_event_times,
     )
     emitter.start_at(service.next_seq)
     emitter.on_complete = service.trim
@@ -229,6 +236,15 @@ def run_ingest(ctx: InstanceContext, config: IngestSource, emitter: Emitter) -> 
                 emitter.emit(batch, time.perf_counter())
     finally:
         server.stop(grace=0.5)
+
+
+def event_time_check(ctx: InstanceContext) -> EventTimeCheck:
+    """What the ingest endpoint asks of a row's event time: its field's, when the source takes
+    it from one; else, with event time on, no null `event_time`."""
+    settings = ctx.spec.source.event_time
+    if settings is None:
+        return EventTimeCheck()
+    return EventTimeCheck(field=settings.field, nulls_bad=settings.field is None)
 
 
 def _listen(

@@ -13,7 +13,7 @@ import queue
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,6 +24,7 @@ from keyshift.runtime.checkpoint_store import CheckpointMeta
 from keyshift.runtime.identity import Identity
 from keyshift.runtime.job import JobSpec
 from keyshift.runtime.keyspace import Assignment
+from keyshift.runtime.late_records import BAD_EVENT_TIME, BadEventTimesWriter
 from keyshift.runtime.metrics import InstanceMetrics, MetricName
 from keyshift.runtime.protocol import (
     Command,
@@ -122,6 +123,8 @@ class InstanceContext:
         self.fetches: queue.Queue[FetchRequest] = queue.Queue()
         self.fetch_served = threading.Event()  # set by a stage that answers fetches
         self._sampled: dict[str, float] = {}
+        self._bad_times: BadEventTimesWriter | None = None
+        self._bad_times_lock = threading.Lock()
         self._outlets: list[Outlet] = []
         self._reports = 0
         self.metrics_address = ""
@@ -221,6 +224,27 @@ class InstanceContext:
         if now - self._sampled.get(reason, -1e9) >= SAMPLE_LOG_INTERVAL:
             self._sampled[reason] = now
             log.warning("rejected %d record(s): %s; sample: %r", count, reason, sample)
+
+    def bad_event_times(self, records: Sequence[Any], reasons: Sequence[str]) -> None:
+        """Records whose event time is missing, null or not a timestamp (one reason each): never
+        applied, counted as invalid records with reason `event_time` (a sample logged), and
+        written to the job's late-records log if it names one (keyshift.runtime.late_records).
+        Called from the stage loop and the ingest endpoint's threads."""
+        if not records:
+            return
+        self.reject(f"{BAD_EVENT_TIME} {reasons[0]}", records[0], len(records))
+        settings = self.spec.late_records
+        if settings is None:
+            return
+        with self._bad_times_lock:
+            if self._bad_times is None:
+                self._bad_times = BadEventTimesWriter(settings, self.stage, self.index)
+        self._bad_times.write(records, reasons)
+
+    def close_logs(self) -> None:
+        """Write what a refused write of the bad-event-times log still holds, at the end."""
+        if self._bad_times is not None:
+            self._bad_times.close()
 
     def stats(self) -> dict[str, Any]:
         m = self.metrics

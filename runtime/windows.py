@@ -33,7 +33,9 @@ instance the group came from (`hand_over`: a move tells the new owner its waterm
 a restore tells each group the watermark its instance had at the checkpoint). So a window the
 old owner fired is late at the new owner too, never fired twice.
 
-Called by `keyshift.runtime.keyed_stage` only.
+Session windows (`keyshift.runtime.sessions`) share this module's group floors, output schema
+and record view, and implement `EventWindows` as `KeyedWindows` does; the keyed stage
+(`keyshift.runtime.keyed_stage`) drives both through it.
 """
 
 from __future__ import annotations
@@ -202,7 +204,7 @@ class WindowFunction:
 
     def __call__(self, state: list[Any] | None, record: dict[str, Any]) -> tuple[list[Any], bool]:
         n, acc = state if state is not None else (0, None)
-        item = record[self.field] if self.field is not None else _visible(record)
+        item = record[self.field] if self.field is not None else visible(record)
         if self.reduce is not None:
             acc = self.reduce(acc, item)
         else:
@@ -214,7 +216,8 @@ class WindowFunction:
         return state[1] if self.process is None else self.process(state[1])
 
 
-def _visible(record: dict[str, Any]) -> dict[str, Any]:
+def visible(record: dict[str, Any]) -> dict[str, Any]:
+    """A record as a user's window function sees it: without the runtime's own columns."""
     return {name: value for name, value in record.items() if name not in _INTERNAL}
 
 
@@ -264,7 +267,75 @@ def _starts(keys: pa.Array) -> np.ndarray:
     return starts
 
 
-class KeyedWindows:
+class EventWindows(Protocol):
+    """What the keyed stage needs of its windows: tumbling and sliding (`KeyedWindows`) or
+    sessions (`keyshift.runtime.sessions.SessionWindows`)."""
+
+    out_schema: pa.Schema
+
+    def expand(self, batch: pa.RecordBatch) -> pa.RecordBatch:
+        """Records as the rows the store keeps them in."""
+        ...
+
+    def too_late(self, batch: pa.RecordBatch, threshold: np.ndarray) -> np.ndarray:
+        """A mask of the rows too late for their windows whatever the state holds."""
+        ...
+
+    def as_records(self, rows: pa.RecordBatch) -> pa.RecordBatch:
+        """Rows as the records they came from, each with its window's start."""
+        ...
+
+    def absorb(
+        self, rows: pa.RecordBatch, thresholds: np.ndarray
+    ) -> tuple[pa.RecordBatch | None, pa.RecordBatch | None]:
+        """Rows into their windows, fired or not by the per-group `thresholds`: the updated
+        results of windows that had fired, and the records found too late (as records)."""
+        ...
+
+    def hand_over(self, groups: np.ndarray, watermark: int) -> None: ...
+
+    def threshold(self, watermark: int | None, groups: np.ndarray) -> np.ndarray: ...
+
+    def thresholds(self, watermark: int | None, ready: np.ndarray) -> np.ndarray: ...
+
+    def rebuild(self, groups: Iterable[int], watermark: int | None) -> None:
+        """Index the windows `groups` hold (after a restore, a move in, an aborted move out)."""
+        ...
+
+    def fire(self, watermark: int, owned: np.ndarray) -> pa.RecordBatch | None:
+        """The results of the windows of owned groups the watermark has passed."""
+        ...
+
+
+class GroupFloors:
+    """Per key group, the watermark of the instance that handed it over (a move, a restore):
+    its windows that had fired there are late here, whatever this instance's own watermark
+    says."""
+
+    def __init__(self, max_key_groups: int) -> None:
+        self.handed_over = np.full(max_key_groups, np.iinfo(np.int64).min, dtype=np.int64)
+
+    def hand_over(self, groups: np.ndarray, watermark: int) -> None:
+        """Groups moving here from an instance at `watermark`."""
+        self.handed_over[groups] = np.maximum(self.handed_over[groups], watermark)
+
+    def threshold(self, watermark: int | None, groups: np.ndarray) -> np.ndarray:
+        """Per row (of these groups), the event time below which a window is complete."""
+        floor: np.ndarray = self.handed_over[groups]
+        return floor if watermark is None else np.maximum(floor, watermark)
+
+    def thresholds(self, watermark: int | None, ready: np.ndarray) -> np.ndarray:
+        """Per group, the event time below which a window is complete here. A group still
+        moving in (not `ready`) has fired nothing here yet: only its old owner's fires count
+        for it (its own wait for in_done)."""
+        floor = self.handed_over
+        if watermark is None:
+            return floor
+        result: np.ndarray = np.where(ready, np.maximum(floor, watermark), floor)
+        return result
+
+
+class KeyedWindows(GroupFloors):
     """The windows of one keyed instance over its aggregate store (string composite keys)."""
 
     def __init__(
@@ -277,6 +348,7 @@ class KeyedWindows:
         max_key_groups: int,
         lateness_us: int = 0,
     ) -> None:
+        super().__init__(max_key_groups)
         self.shape = shape
         self.lateness_us = lateness_us
         self.contents = contents
@@ -286,9 +358,6 @@ class KeyedWindows:
         self.pending: dict[int, dict[str, int]] = {}  # window end -> composite key -> group
         # Fired windows kept for late records: end + lateness -> composite key -> group.
         self.retained: dict[int, dict[str, int]] = {}
-        # Per group, the watermark of the instance that handed it over: its windows that had
-        # fired there are late here, whatever this instance's own watermark says.
-        self.handed_over = np.full(max_key_groups, np.iinfo(np.int64).min, dtype=np.int64)
         self.out_schema = window_output_schema(contents.aggregate, key_type)
 
     def expand(self, batch: pa.RecordBatch) -> pa.RecordBatch:
@@ -319,14 +388,14 @@ class KeyedWindows:
             return records
         return records.append_column(WINDOW_START, pa.array(_starts(composite)))
 
-    def hand_over(self, groups: np.ndarray, watermark: int) -> None:
-        """Groups moving here from an instance at `watermark`."""
-        self.handed_over[groups] = np.maximum(self.handed_over[groups], watermark)
-
-    def threshold(self, watermark: int | None, groups: np.ndarray) -> np.ndarray:
-        """Per row (of these groups), the event time below which a window is complete."""
-        floor: np.ndarray = self.handed_over[groups]
-        return floor if watermark is None else np.maximum(floor, watermark)
+    def absorb(
+        self, rows: pa.RecordBatch, thresholds: np.ndarray
+    ) -> tuple[pa.RecordBatch | None, pa.RecordBatch | None]:
+        """Expanded rows into their windows; the updated results of those that had fired
+        (within their lateness: `too_late` took the others out before)."""
+        keys, groups = self.add(rows)
+        fired = self.track(keys, groups, thresholds[groups])
+        return (self.results(pc.unique(fired).to_pylist()) if len(fired) else None), None
 
     def ends(self, keys: pa.Array) -> np.ndarray:
         """The end of each composite key's window."""

@@ -206,3 +206,9 @@ def refuse_big_bids(top: Any, bid: dict[str, Any]) -> Any:
     if bid["price"] > 10_000:
         raise RefusedBid(f"bid {bid['price']} on auction {bid['auction']} refused")
     return bid["price"] if top is None else max(top, bid["price"])
+
+
+def forget_refund_times(record: dict[str, Any]) -> dict[str, Any]:
+    """A map that loses the event time (`at`) of a refund (negative clicks): a bad event time
+    made by a user's function."""
+    return {**record, "at": None} if record["clicks"] < 0 else record

@@ -19,7 +19,13 @@ import pytest
 
 from keyshift.runtime import ingest
 from keyshift.runtime.auth import Security
-from keyshift.runtime.ingest import PUSH_METHOD, IngestService, pack_request
+from keyshift.runtime.ingest import (
+    NULL_EVENT_TIME,
+    PUSH_METHOD,
+    EventTimeCheck,
+    IngestService,
+    pack_request,
+)
 from keyshift.runtime.ingest_backlog import ClientBacklog
 from keyshift.runtime.ingest_client import IngestClient, IngestError, IngestReply
 from keyshift.runtime.records import now_us, record_schema
@@ -28,6 +34,7 @@ from tests.conftest import wait_for
 
 FIELDS = {"user": "str", "clicks": "int", "amount": "float", "mobile": "bool"}
 SOURCE_ID = 3
+NO_TIME_CHECK = EventTimeCheck()
 
 
 def good(i: int) -> dict[str, Any]:
@@ -44,6 +51,7 @@ class Endpoint:
     client: IngestClient
     port: int
     rejects: list[tuple[str, Any, int]] = field(default_factory=list)
+    bad_times: list[tuple[Any, str]] = field(default_factory=list)  # (row, reason)
 
     def take(self) -> pa.RecordBatch:
         batch = self.service.take(timeout=5)
@@ -51,9 +59,13 @@ class Endpoint:
         return batch
 
     def rejected_counts(self) -> dict[str, int]:
+        """Per reason, the rows rejected: for the schema, or (handed over apart, one by one)
+        for their event time."""
         counts: dict[str, int] = {}
         for reason, _sample, count in self.rejects:
             counts[reason] = counts.get(reason, 0) + count
+        for _row, reason in self.bad_times:
+            counts[reason] = counts.get(reason, 0) + 1
         return counts
 
 
@@ -65,20 +77,26 @@ def start() -> Iterator[Start]:
     started: list[tuple[grpc.Server, IngestClient]] = []
 
     def make(
-        fields: dict[str, str] = FIELDS, max_pending: int = 64, push_timeout: float = 30.0
+        fields: dict[str, str] = FIELDS,
+        max_pending: int = 64,
+        push_timeout: float = 30.0,
+        event_times: EventTimeCheck = NO_TIME_CHECK,
     ) -> Endpoint:
         rejects: list[tuple[str, Any, int]] = []
+        bad_times: list[tuple[Any, str]] = []
         service = IngestService(
             fields,
             SOURCE_ID,
             max_pending,
             lambda reason, sample, count: rejects.append((reason, sample, count)),
             push_timeout=push_timeout,
+            event_times=event_times,
+            on_bad_times=lambda rows, reasons: bad_times.extend(zip(rows, reasons, strict=True)),
         )
         server, port = start_server("127.0.0.1:0", [service.handler()])
         client = IngestClient(f"127.0.0.1:{port}")
         started.append((server, client))
-        return Endpoint(service, client, port, rejects)
+        return Endpoint(service, client, port, rejects, bad_times)
 
     try:
         yield make
@@ -283,6 +301,53 @@ def test_json_bad_rows_are_rejected_and_the_rest_kept_in_order(start: Start) -> 
     }
     samples = {reason: sample for reason, sample, _ in ep.rejects}
     assert samples["missing field 'amount'"] == missing
+
+
+def test_rows_whose_event_time_field_is_bad_go_to_the_bad_times_not_to_the_rejects(
+    start: Start,
+) -> None:
+    """A source taking its event times from `clicks`: a row whose clicks are null or no int is
+    a bad event time, even when something else is wrong with it too (its event time is judged
+    first); handed over with its reason, row by row, on both formats. A row bad otherwise is a
+    plain reject; the rest go on."""
+    ep = start(event_times=EventTimeCheck(field="clicks"))
+    rows = table([good(0), {**good(1), "clicks": None}, {**good(2), "user": None}, good(3),
+                  {**good(4), "clicks": None, "user": None}])  # fmt: skip
+    reply = ep.client.push(rows)
+    assert reply.accepted == 2 and reply.rejected == 3
+    assert ep.take().to_pydict()["user"] == ["u0", "u3"]
+    missing = "missing field 'clicks'"
+    assert [(row["user"], why) for row, why in ep.bad_times] == [("u1", missing), (None, missing)]
+    assert ep.rejects == [("missing field 'user'", {**good(2), "user": None}, 1)]
+    reply = ep.client.push([{**good(5), "clicks": "soon"}, {**good(6), "clicks": 1.5}, good(7)])
+    assert reply.accepted == 1 and reply.rejected == 2
+    assert [why for _, why in ep.bad_times[2:]] == [
+        "field 'clicks' should be int, got str",
+        "field 'clicks' should be int, got float",
+    ]
+    assert ep.bad_times[2][0] == {**good(5), "clicks": "soon"}
+    reply = ep.client.push([{**good(8), "event_time": "x"}])  # unused, but no timestamp either
+    assert reply.rejected == 1 and ep.bad_times[4][1] == "field 'event_time' should be int, got str"
+
+
+def test_a_null_event_time_is_bad_in_a_source_with_event_time_and_the_ingest_time_else(
+    start: Start,
+) -> None:
+    """With event-time settings (no field), a null where `event_time` is given is a bad event
+    time; a row (or push) without it still takes its ingest time. Without them, a null is the
+    ingest time as ever."""
+    strict = start(event_times=EventTimeCheck(nulls_bad=True))
+    rows = table([good(0), good(1), good(2)]).append_column(
+        "event_time", pa.array([10, None, 30], pa.int64())
+    )
+    assert strict.client.push(rows).accepted == 2
+    assert strict.take().to_pydict()["event_time"] == [10, 30]
+    assert [(r["user"], why) for r, why in strict.bad_times] == [("u1", NULL_EVENT_TIME)]
+    reply = strict.client.push([{**good(3), "event_time": None}, good(4)])
+    assert reply.accepted == 1 and reply.reasons == (NULL_EVENT_TIME,)
+    assert len(strict.bad_times) == 2 and strict.rejects == []
+    lenient = start()
+    assert lenient.client.push(rows).accepted == 3 and lenient.bad_times == []
 
 
 def test_json_non_objects_are_rejected_and_ints_become_floats(start: Start) -> None:

@@ -62,8 +62,21 @@ def latest_values(out: Path) -> list[tuple[Any, Any, int]]:
     )
 
 
+def sessions_of(out: Path) -> list[tuple[Any, ...]]:
+    """Q11's sessions as (bidder, start, end, bids), sorted; each fired once (no lateness: a
+    session's result is never updated)."""
+    table = OutputLogReader(out).read_all()
+    columns = ("key", "window_start", "window_end", "value")
+    sessions = list(zip(*(table.column(c).to_pylist() for c in columns), strict=True))
+    twice = [s for s, n in Counter(s[:2] for s in sessions).items() if n > 1]
+    assert not twice, f"{len(twice)} sessions fired more than once, e.g. {twice[:3]}"
+    return sorted(sessions)
+
+
 def rows_of(query: str, out: Path) -> list[tuple[Any, ...]]:
     """keyshift's answer as the rows of the query's SQL, sorted."""
+    if query == "q11":
+        return sessions_of(out)
     outputs = latest_values(out)
     if query in ("q0", "q1"):
         return sorted((k, v["bidder"], v["price"], t) for k, v, t in outputs)
@@ -148,7 +161,7 @@ def rescaling_mid_stream(
 
 
 # Q5 (two windowed stages) is tests/test_windows.py's, to the end and under live rescales.
-@pytest.mark.parametrize("query", ["q0", "q1", "q2", "q3", "q3_ttl", "q7", "q8"])
+@pytest.mark.parametrize("query", ["q0", "q1", "q2", "q3", "q3_ttl", "q7", "q8", "q11"])
 def test_each_query_job_answers_what_duckdb_answers(tmp_path: Path, query: str) -> None:
     out = tmp_path / "out"
     run_query_job(tmp_path, example(query, out), lambda local, client: None)
@@ -158,14 +171,15 @@ def test_each_query_job_answers_what_duckdb_answers(tmp_path: Path, query: str) 
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
-@pytest.mark.parametrize("query", ["q7", "q8"])
+@pytest.mark.parametrize("query", ["q7", "q8", "q11"])
 def test_the_windowed_queries_under_live_rescales_answer_what_duckdb_answers(
     tmp_path: Path, query: str, strategy: str
 ) -> None:
     """Q7 (an event-time window per 10 s with a reduce, keyed by window: each window fired
-    once, `rows_of` checks) and Q8 (keyed per person and window, thousands of keys): the
-    query's keyed stage goes 2 -> 3 -> 1 while events flow; they flow until the rescales are
-    done, then the job is drained."""
+    once, `rows_of` checks), Q8 (keyed per person and window, thousands of keys) and Q11
+    (session windows per bidder, a thousand keys; each session fired once): the query's keyed
+    stage goes 2 -> 3 -> 1 while events flow; they flow until the rescales are done, then the
+    job is drained."""
     out = tmp_path / "out"
     job = example(query, out, total=None, profile={"rate": 4000})
     # Q8: people and auctions pass the source's filter, 4 of every 50 events; Q7: the bids.
@@ -177,25 +191,26 @@ def test_the_windowed_queries_under_live_rescales_answer_what_duckdb_answers(
     assert rows_of(query, out) == truth(tmp_path, query, emitted)
 
 
-@pytest.mark.parametrize("query", ["q3", "q3_ttl", "q7"])
+@pytest.mark.parametrize("query", ["q3", "q3_ttl", "q7", "q11"])
 def test_a_query_through_kill_minus_9_answers_what_duckdb_answers(
     tmp_path: Path, query: str
 ) -> None:
     """Q3 (an incremental join, in memory; with a state TTL, its state expiring by event-time
-    timers) and Q7 (a window with a reduce, on RocksDB, whose checkpoints are native),
-    checkpoints every 0.5 s: a keyed instance is killed; the job restarts from its latest
-    checkpoint and the output equals DuckDB's, no match twice and no window fired twice."""
+    timers), Q7 (a window with a reduce) and Q11 (session windows; both on RocksDB, whose
+    checkpoints are native), checkpoints every 0.5 s: a keyed instance is killed; the job
+    restarts from its latest checkpoint and the output equals DuckDB's, no match twice and no
+    window or session fired twice."""
     out = tmp_path / "out"
     job = example(query, out, profile={"rate": 5000})
-    if query == "q7":
-        stage = next(stage for stage in job["graph"] if stage["name"] == "q7")
+    if query in ("q7", "q11"):
+        stage = next(stage for stage in job["graph"] if stage["name"] == query)
         stage["state"] = state_settings("rocksdb", tmp_path)
     context, port = start_run(tmp_path, job)
     with context as proc:
         run = Run(proc, f"127.0.0.1:{port}")
         try:
             wait_for(lambda: run.completed() >= 2, 60, "two checkpoints")
-            stage = "q7" if query == "q7" else "q3"  # q3_ttl's keyed stage is q3 too
+            stage = query if query in ("q7", "q11") else "q3"  # q3_ttl's keyed stage is q3
             os.kill(run.pid_of(stage, random.randint(0, 1)), signal.SIGKILL)
             code = proc.wait(timeout=180)
         finally:

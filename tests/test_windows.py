@@ -105,8 +105,6 @@ def windowed_job(window: dict[str, Any], event_time: Any = None, **operator: Any
         ({"kind": "tumbling", "size_ms": -5}, {}, {}, "size_ms: Input should be greater than 0"),
         ({"kind": "sliding", "size_ms": 5, "slide_ms": 10}, {}, {}, "must not exceed size_ms"),
         ({"kind": "sliding", "size_ms": 5}, {}, {}, "slide_ms: Field required"),
-        ({"kind": "session", "gap_ms": 5}, {}, {}, "not supported yet: session windows"),
-        ({"kind": "session", "gap_ms": 0}, {}, {}, "gap_ms: Input should be greater than 0"),
         ({"kind": "hopping", "size_ms": 5}, {}, {}, "unknown kind 'hopping'"),
         ({"kind": "tumbling", "size_ms": 5}, None, {}, "a window needs event time"),
         ({"kind": "tumbling", "size_ms": 5}, {}, {"function": "sum"},

@@ -1,7 +1,7 @@
-"""The NEXMark source of the event-time query jobs' Python twins (q5, q7, closing: Q4 and Q6):
-one generator instance at 20,000 events/s, up to 50 ms out of order, with a watermark that
-allows for it and does not wait on an idle partition. Each twin builds on it, so their job files
-agree with the YAML ones (tests/test_nexmark_queries.py compares them)."""
+"""The NEXMark source of the event-time query jobs' Python twins (q5, q7, q11, closing: Q4
+and Q6): one generator instance at 20,000 events/s, up to 50 ms out of order, with a watermark
+that allows for it and does not wait on an idle partition. Each twin builds on it, so their job
+files agree with the YAML ones (tests/test_nexmark_queries.py compares them)."""
 
 from __future__ import annotations
 
