@@ -64,7 +64,7 @@ from keyshift.runtime.transport import JsonClient, TransportError
 
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLES = REPO / "examples" / "nexmark"
-QUERIES = ("q0", "q1", "q2", "q3", "q3_ttl", "q4", "q5", "q6", "q7", "q8")
+QUERIES = ("q0", "q1", "q2", "q3", "q3_ttl", "q4", "q5", "q6", "q7", "q8", "q11")
 JOINS = frozenset({"q3", "q3_ttl", "q8"})  # the issue's "Q3/Q8's joins"
 TARGET = 500_000
 JOIN_TARGET = 250_000
