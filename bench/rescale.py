@@ -153,8 +153,8 @@ def stage(status: dict[str, Any], name: str) -> dict[str, Any]:
     return next(s for s in status["stages"] if s["name"] == name)
 
 
-def keyed_stats(status: dict[str, Any]) -> dict[int, dict[str, Any]]:
-    return {i["index"]: i["stats"] for i in stage(status, KEYED)["instances"]}
+def keyed_stats(status: dict[str, Any], name: str = KEYED) -> dict[int, dict[str, Any]]:
+    return {i["index"]: i["stats"] for i in stage(status, name)["instances"]}
 
 
 def keyed_rate(before: dict[int, dict[str, Any]], after: dict[int, dict[str, Any]]) -> float:
@@ -205,11 +205,16 @@ def max_ms(values: list[float]) -> float | None:
 
 class Probe:
     """Polls a running job, plays its host (starts the instances the coordinator wants) and
-    keeps the sink's per-batch latencies and each rescale's phase timeline."""
+    keeps the sink's per-batch latencies and each rescale's phase timeline. `source` and
+    `sink` name the job's source and sink stages."""
 
-    def __init__(self, local: LocalJob, began: float) -> None:
+    def __init__(
+        self, local: LocalJob, began: float, source: str = "source", sink: str = "sink"
+    ) -> None:
         self.local = local
         self.began = began
+        self.source = source
+        self.sink = sink
         self.latency: dict[float, float] = {}  # sink emit time (s) -> worst latency of the batch
         self.phases: list[tuple[float, int, str]] = []  # (time first seen, rescale id, phase)
         self.emitted: dict[float, float] = {}  # source report time (s) -> records emitted so far
@@ -225,10 +230,10 @@ class Probe:
         self.local.ensure_instances(status)
         if status["phase"] == "failed":
             raise RunError("job failed: " + "; ".join(status["errors"]))
-        for instance in stage(status, "sink")["instances"]:
+        for instance in stage(status, self.sink)["instances"]:
             for emitted, worst in instance["stats"].get("latency_recent", []):
                 self.latency[float(emitted)] = float(worst)
-        for instance in stage(status, "source")["instances"]:
+        for instance in stage(status, self.source)["instances"]:
             stats = instance["stats"]
             if "emitted" in stats and "time" in stats:
                 self.emitted[float(stats["time"])] = float(stats["emitted"])
@@ -369,15 +374,16 @@ def rescale(
     parallelism: int,
     strategy: str,
     options: dict[str, float] | None = None,
+    keyed: str = KEYED,
 ) -> dict[str, Any]:
-    """Rescale live with the strategy's `options` and wait for it, polling (and starting wanted
-    instances) meanwhile."""
-    state = keyed_stats(probe.status)
+    """Rescale the keyed stage `keyed` live with the strategy's `options` and wait for it,
+    polling (and starting wanted instances) meanwhile."""
+    state = keyed_stats(probe.status, keyed)
     state_bytes = sum(s.get("state_bytes", 0) for s in state.values())
     state_keys = sum(s.get("state_keys", 0) for s in state.values())
     called = time.time()
     request = protocol.RescaleRequest(
-        stage=KEYED,
+        stage=keyed,
         parallelism=parallelism,
         strategy=protocol.parse_strategy(strategy),
         options=options or {},
@@ -630,10 +636,10 @@ def package_tree(source: Path, dest: Path) -> Path:
     return dest
 
 
-def baseline_source(dest: Path) -> Path:
-    """The repository's files at BASELINE_COMMIT, read with `git archive` (nothing checked out)."""
+def baseline_source(dest: Path, commit: str = BASELINE_COMMIT) -> Path:
+    """The repository's files at `commit`, read with `git archive` (nothing checked out)."""
     archive = subprocess.run(
-        ["git", "-C", str(REPO), "archive", "--format=tar", BASELINE_COMMIT,
+        ["git", "-C", str(REPO), "archive", "--format=tar", commit,
          "runtime", "policies", "operator", "bench"],
         capture_output=True, check=True, timeout=60,
     )  # fmt: skip
