@@ -488,9 +488,9 @@ class KeyedStage:
         elif isinstance(command, MigrateOut):
             if self.move_out is not None:
                 raise ProtocolError("migrate_out while another move out is running")
-            move = MoveOut(self.ctx, self.state, command, self.seal)
-            self.move_out = move
             current = self.watermark.current
+            move = MoveOut(self.ctx, self.state, command, self.seal, current)
+            self.move_out = move
             if self.windows is not None and current is not None:
                 # Windows fired here are late at the new owners too (keyshift.runtime.windows).
                 move.tell(WATERMARK, json.dumps(Watermark(watermark=current).wire()).encode())
@@ -507,10 +507,13 @@ class KeyedStage:
             if self.move_out is not None:
                 kept = self.move_out.abandon(lost)
                 self.owned |= kept
-                # Their timers and windows left the indexes while they were moving out.
+                # Their timers and windows left the indexes while they were moving out; those
+                # that came due meanwhile fire now, the watermark may not move again.
                 self.index_timers(np.flatnonzero(kept))
                 if self.windows is not None:
-                    self.windows.rebuild(np.flatnonzero(kept).tolist(), self.watermark.current)
+                    self.windows.take_back(np.flatnonzero(kept), self.move_out.left_at)
+                    self.fire_windows()
+                self.fire_timers(EVENT)
             if self.move_in is not None:
                 self.move_in.abandon(lost)
             # Groups whose state died with a lost instance go on here, from empty.
