@@ -68,6 +68,8 @@ from keyshift.runtime.protocol import (
     Retire,
     SourceCheckpointAck,
     StageStatus,
+    StandbyAssignment,
+    StandbyRequest,
     StatusReply,
     Stop,
     Topology,
@@ -76,6 +78,7 @@ from keyshift.runtime.protocol import (
     parse,
 )
 from keyshift.runtime.rescale import RescaleDriver, RescaleError, RescaleStatus, options_for
+from keyshift.runtime.standbys import StandbyPool
 from keyshift.runtime.storage import retrying
 from keyshift.runtime.transport import ControlError, PortInUseError, json_handler, start_server
 
@@ -146,6 +149,7 @@ class Coordinator:
                 self.assignments[name] = assignment
                 self.desired[name] = assignment.parallelism
         self.members: dict[str, dict[int, InstanceRecord]] = {s.name: {} for s in spec.stages()}
+        self.standbys = StandbyPool([s.stage.name for s in spec.keyed_stages() if s.stage.standby])
         self._drain_requested = False
         self._lock = threading.RLock()
         self._changed = threading.Condition(self._lock)
@@ -266,8 +270,11 @@ class Coordinator:
             self.members[stage][index].commands.put(command)
 
     def set_desired(self, stage: str, parallelism: int) -> None:
-        with self._lock:
+        with self._changed:
+            # A scale-out's new instances are standbys first: they only need to register.
+            self.standbys.take(stage, range(self.desired[stage], parallelism))
             self.desired[stage] = parallelism
+            self._changed.notify_all()
 
     def broadcast(self, stage: str, command: Command) -> None:
         with self._lock:
@@ -329,6 +336,7 @@ class Coordinator:
                 identity=self.identities.issue(f"{stage}/{index}"),
             )
             self.members[stage][index] = record
+            self.standbys.registered(stage, index)
             log.info("registered %s at %s", record.name, record.data_address)
             if self.phase == "starting" and self._all_registered():
                 self.phase = "running"
@@ -345,6 +353,33 @@ class Coordinator:
                 restore=self.restored_from,
                 identity=record.identity.to_json(),
             )
+
+    def standby(self, body: dict[str, Any], context: grpc.ServicerContext) -> Any:
+        """A standby's stream: held open while it waits; its one message is the index a
+        scale-out gave it. It ends without one when the job stops running."""
+        try:
+            request = parse(StandbyRequest, body)
+        except ProtocolError as exc:
+            raise ControlError(str(exc), grpc.StatusCode.INVALID_ARGUMENT) from None
+        with self._changed:
+            if request.stage not in self.standbys.waiting:
+                raise ControlError(
+                    f"stage {request.stage!r} of job {self.spec.name} keeps no standbys",
+                    grpc.StatusCode.NOT_FOUND,
+                )
+            standby = self.standbys.offer(request.stage, request.pid)
+            log.info("standby of %s waiting (pid %d)", request.stage, request.pid)
+            while (
+                standby.index is None
+                and context.is_active()
+                and self.phase in ("starting", "running")
+            ):
+                self._changed.wait(0.5)
+            index = standby.index
+            if index is None:
+                self.standbys.leave(standby)
+        if index is not None:
+            yield StandbyAssignment(index=index).wire()
 
     def watch(self, body: dict[str, Any], context: grpc.ServicerContext) -> Any:
         try:
@@ -707,6 +742,7 @@ class Coordinator:
                         parallelism=len(instances),
                         desired=self.desired[stage.name],
                         instances=instances,
+                        standbys=self.standbys.status(stage.name),
                     )
                 )
             rescale = None
@@ -807,7 +843,7 @@ class Coordinator:
                 "Status": handles(Empty, self.status),
                 "Shutdown": handles(Empty, self.shutdown),
             },
-            {"Watch": self.watch},
+            {"Watch": self.watch, "Standby": self.standby},
         )
 
 
@@ -840,9 +876,12 @@ class GroupRates:
 def max_calls(spec: JobSpec) -> int:
     """The most calls the coordinator serves at once: per instance its command stream and two
     reports (the periodic one and a protocol step's), with the keyed stage at the most a
-    rescale may take each keyed stage to; and a few for the hosts' and the CLI's calls."""
+    rescale may take each keyed stage to; a stream per standby; and a few for the hosts' and the
+    CLI's calls."""
     keyed = len(spec.keyed_stages())
+    standbys = sum(step.stage.standby for step in spec.keyed_stages())
     instances = spec.source.parallelism + spec.sink.parallelism + keyed * MAX_PARALLELISM
+    instances += standbys
     return 3 * instances + CLIENT_CALLS
 
 

@@ -59,6 +59,8 @@ from keyshift.runtime.transport import MAX_MESSAGE
 AggregateFunction = Literal["count", "sum", "min", "max", "mean"]
 STAGE_NAME_PATTERN = r"^[a-z][a-z0-9-]{0,39}$"
 MAX_PARALLELISM = 256  # instances of one stage at most (the policies' bounds stop there too)
+# Idle pre-started instances of one keyed stage at most: each is a whole process kept waiting.
+MAX_STANDBY = 8
 
 
 class JobError(ValueError):
@@ -654,6 +656,12 @@ class KeyedStage(Stage):
     key_by: str = Field(default="key", description="the field whose value is the key")
     operator: OperatorConfig = Field(default_factory=AggregateOperator)
     state: StateSettings = Field(default_factory=StateSettings)
+    standby: int = Field(
+        default=0,
+        ge=0,
+        le=MAX_STANDBY,
+        description="idle pre-started instances a scale-out takes before starting processes",
+    )
 
 
 class SinkStage(Stage):
