@@ -118,9 +118,9 @@ def build_parser() -> argparse.ArgumentParser:
         type=Path,
         help="keep a Prometheus file_sd list of the job's metrics endpoints in this file",
     )
-    rescale = sub.add_parser("rescale", help="change a keyed stage's parallelism, live")
+    rescale = sub.add_parser("rescale", help="change a keyed stage's or the sink's width, live")
     rescale.add_argument("job", help="job name (as run by `keyshift run` here) or HOST:PORT")
-    rescale.add_argument("stage", help="the keyed stage")
+    rescale.add_argument("stage", help="a keyed stage, or the sink")
     rescale.add_argument("parallelism", type=_parallelism)
     rescale.add_argument(
         "--strategy",
@@ -202,6 +202,14 @@ def job_client(job: str) -> JsonClient:
 
 def describe_rescale(r: RescaleReport) -> str:
     progress = r.progress
+    if "partitions_out" in progress or "partitions_in" in progress:
+        # A rescale of the sink: whole output partitions moved, no state.
+        text = (
+            f"rescale {r.id} of {r.stage} {r.from_parallelism}->{r.to_parallelism}: {r.phase} "
+            f"after {r.duration:.2f} s; {r.groups_moved}/{r.groups_to_move} output partitions "
+            "moved"
+        )
+        return text + (f"; error: {r.error}" if r.error else "")
     moved = progress.get("keys_in", 0) + progress.get("keys_fetched", 0)
     megabytes = progress.get("bytes_in", 0) / 1e6
     text = (

@@ -347,6 +347,19 @@ def _output_problems(spec: StreamingJobSpec, job: JobSpec) -> list[str]:
     return []
 
 
+def sink_rescale_problem(spec: StreamingJobSpec, job: JobSpec) -> str | None:
+    """Why the sink cannot be rescaled live here, if it cannot: its partitions move between
+    pods, so a log on local files must be in the one directory every sink pod mounts."""
+    local = _local_output_dir(job)
+    if local is None or spec.output is not None:
+        return None
+    return (
+        f"the sink's output log in {local} lives in each sink pod's own emptyDir: a rescale "
+        "would move its partitions to pods that cannot see them; give spec.output.claim (a "
+        "ReadWriteMany PersistentVolumeClaim every sink pod mounts) to rescale the sink"
+    )
+
+
 def _output_volume(output: OutputLocation | None) -> Manifest:
     """The sink's output log volume: the shared claim, else an emptyDir of the pod's own."""
     if output is None:

@@ -4,11 +4,11 @@ create / resume / update: validate the spec (the schema's rules are the API serv
 cannot express, `StreamingJobSpec.problems`, becomes a Degraded condition and an Event, and no
 child is created), then create the job's token Secret if it has none (never patched: the pods
 hold its value) and apply the children (`k8s_children`, server-side: `k8s_apply`). A
-change of the keyed stage's parallelism (an edit or `kubectl scale`) rescales the running job
-live. A timer per job reads the coordinator's status, runs the autoscaling loop
-(`k8s_scaling`), applies replica changes and writes the status, with the memory a restarted
-operator reads back (the guards' state, the last rescale it handled); delete releases the
-job's parts.
+change of a keyed stage's or the sink's parallelism (an edit, or `kubectl scale` of the keyed
+stage) rescales the running job live. A timer per job reads the coordinator's status, runs
+the autoscaling loop (`k8s_scaling`), applies replica changes and writes the status, with the
+memory a restarted operator reads back (the guards' state, the last rescale it handled, the
+rescales of a decision still to come); delete releases the job's parts.
 `keyshift operator` runs it (`run_operator`); tests build it with `build_registry` against an
 API emulator.
 """
@@ -49,6 +49,7 @@ from keyshift.operator.k8s_children import (
     coordinator_service_name,
     job_secret,
     job_secret_name,
+    sink_rescale_problem,
     stage_selector,
     stage_set_name,
 )
@@ -57,7 +58,7 @@ from keyshift.operator.k8s_scaling import KubeJob, Memory, kube_job, remembered
 from keyshift.operator.rescale_executor import MigrationPlan
 from keyshift.operator.streamingjob import GROUP, PLURAL, VERSION, StreamingJobSpec
 from keyshift.runtime.auth import Security, Tls
-from keyshift.runtime.job import JobSpec, KeyedNode
+from keyshift.runtime.job import JobSpec, KeyedNode, SinkNode
 from keyshift.runtime.job_secret import new_job_secret
 from keyshift.runtime.metrics import AutoscalerMetrics, OperatorMetrics
 from keyshift.runtime.transport import TransportError
@@ -216,6 +217,7 @@ def build_registry(config: OperatorConfig) -> kopf.OperatorRegistry:
                 old.executor.handled,
                 tuple(old.events.kept),
                 old.restarts,
+                old.executor.pending(),
             )
             old.close()
         else:
@@ -242,43 +244,72 @@ def build_registry(config: OperatorConfig) -> kopf.OperatorRegistry:
     kopf.on.resume(*resource, registry=registry, id="reconcile-resume")(reconcile)
     kopf.on.update(*resource, registry=registry, id="reconcile-update")(reconcile)
 
+    def manual_steps(
+        parsed: StreamingJobSpec, steps: list[tuple[str, int]], body: kopf.Body
+    ) -> list[tuple[str, int]]:
+        """The steps that can run: a sink rescale whose output log the sink pods cannot share
+        is left out, with a warning Event saying why."""
+        job = parsed.job_spec()
+        problem = sink_rescale_problem(parsed, job)
+        if problem is None or job.sink.name not in {stage for stage, _ in steps}:
+            return steps
+        kopf.warn(body, reason="RescaleRefused", message=f"{job.sink.name}: {problem}")
+        return [(stage, n) for stage, n in steps if stage != job.sink.name]
+
+    async def rescale_one(
+        stage: str, new: Any, parsed: StreamingJobSpec, kube: KubeJob, body: kopf.Body
+    ) -> None:
+        current = _running_parallelism(kube.latest(), stage)
+        if current == new or not manual_steps(parsed, [(stage, int(new))], body):
+            return
+        try:
+            await asyncio.to_thread(kube.executor.apply, [(stage, int(new))])
+        except Exception as exc:  # RescaleRefused, or the coordinator not up yet
+            raise kopf.TemporaryError(f"rescale to {new} not started: {exc}", delay=5) from exc
+        kopf.info(body, reason="ManualRescale", message=f"{stage}: {current} -> {new}")
+
+    def reconciled(memo: kopf.Memo) -> tuple[KubeJob, StreamingJobSpec]:
+        kube = memo.get("job")
+        parsed = memo.get("spec")
+        if not isinstance(kube, KubeJob) or not isinstance(parsed, StreamingJobSpec):
+            raise kopf.TemporaryError("the job is not reconciled yet", delay=2)
+        return kube, parsed
+
     @kopf.on.field(*resource, field="spec.job.keyed.parallelism", registry=registry, id="rescale")
     async def rescale(old: Any, new: Any, body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
         """An edit or `kubectl scale` of the keyed stage: rescale the running job live."""
         if old is None or new is None or old == new:
             return
-        kube = memo.get("job")
-        parsed = memo.get("spec")
-        if not isinstance(kube, KubeJob) or not isinstance(parsed, StreamingJobSpec):
-            raise kopf.TemporaryError("the job is not reconciled yet", delay=2)
-        keyed = parsed.job_spec().keyed.name
-        current = _keyed_parallelism(kube.latest(), keyed)
-        if current == new:
+        kube, parsed = reconciled(memo)
+        await rescale_one(parsed.job_spec().keyed.name, new, parsed, kube, body)
+
+    @kopf.on.field(
+        *resource, field="spec.job.sink.parallelism", registry=registry, id="rescale-sink"
+    )
+    async def rescale_sink(old: Any, new: Any, body: kopf.Body, memo: kopf.Memo, **_: Any
+                           ) -> None:  # fmt: skip
+        """An edit of the sink's parallelism (a job of the older shape): rescale it live."""
+        if old is None or new is None or old == new:
             return
-        try:
-            await asyncio.to_thread(kube.executor.apply, [(keyed, int(new))])
-        except Exception as exc:  # RescaleRefused, or the coordinator not up yet
-            raise kopf.TemporaryError(f"rescale to {new} not started: {exc}", delay=5) from exc
-        kopf.info(body, reason="ManualRescale", message=f"{keyed}: {current} -> {new}")
+        kube, parsed = reconciled(memo)
+        await rescale_one(parsed.job_spec().sink.name, new, parsed, kube, body)
 
     @kopf.on.field(*resource, field="spec.job.graph", registry=registry, id="rescale-graph")
     async def rescale_graph(old: Any, new: Any, body: kopf.Body, memo: kopf.Memo, **_: Any
                             ) -> None:  # fmt: skip
-        """An edit of keyed stages' parallelism in a graph job: rescale them live, one after
-        another (the order of the graph)."""
+        """An edit of keyed stages' or the sink's parallelism in a graph job: rescale them
+        live, one after another (the order of the graph)."""
         if not old or not new:
             return
-        kube = memo.get("job")
-        parsed = memo.get("spec")
-        if not isinstance(kube, KubeJob) or not isinstance(parsed, StreamingJobSpec):
-            raise kopf.TemporaryError("the job is not reconciled yet", delay=2)
+        kube, parsed = reconciled(memo)
         latest = kube.latest()
         steps = [
             (stage, parallelism)
-            for stage, parallelism in keyed_parallelism(new).items()
-            if keyed_parallelism(old).get(stage) != parallelism
-            and _keyed_parallelism(latest, stage) != parallelism
+            for stage, parallelism in rescalable_parallelism(new).items()
+            if rescalable_parallelism(old).get(stage) != parallelism
+            and _running_parallelism(latest, stage) != parallelism
         ]
+        steps = manual_steps(parsed, steps, body)
         if not steps:
             return
         try:
@@ -356,20 +387,21 @@ def build_registry(config: OperatorConfig) -> kopf.OperatorRegistry:
     return registry
 
 
-def keyed_parallelism(graph: Any) -> dict[str, int]:
-    """Each keyed stage's parallelism in a StreamingJob's `spec.job.graph` (as kopf hands it:
-    plain lists and mappings; the reconcile has checked it)."""
-    default = KeyedNode.model_fields["parallelism"].default
+def rescalable_parallelism(graph: Any) -> dict[str, int]:
+    """Each keyed stage's and the sink's parallelism in a StreamingJob's `spec.job.graph` (as
+    kopf hands it: plain lists and mappings; the reconcile has checked it)."""
+    defaults = {kind: model.model_fields["parallelism"].default
+                for kind, model in (("keyed", KeyedNode), ("sink", SinkNode))}  # fmt: skip
     return {
-        str(stage["name"]): int(stage.get("parallelism", default))
+        str(stage["name"]): int(stage.get("parallelism", defaults[stage["kind"]]))
         for stage in graph
-        if isinstance(stage, Mapping) and stage.get("kind") == "keyed"
+        if isinstance(stage, Mapping) and stage.get("kind") in defaults
     }
 
 
-def _keyed_parallelism(status: Mapping[str, Any], keyed: str) -> int | None:
+def _running_parallelism(status: Mapping[str, Any], stage_name: str) -> int | None:
     for stage in status.get("stages", []):
-        if stage["name"] == keyed:
+        if stage["name"] == stage_name:
             return int(stage["parallelism"])
     return None
 
@@ -426,6 +458,8 @@ def _write_status(
     kube: KubeJob,
 ) -> None:
     latest = kube.events.latest
+    # The parallelism each stage's step still queued in the decision takes it to.
+    queued = dict(kube.executor.pending().queued)
     stages = [
         {
             "name": s["name"],
@@ -433,6 +467,7 @@ def _write_status(
             "target": int(s["desired"]),
             "ready": ready.get(s["name"], 0),
             "lastDecision": decision.reason if (decision := latest.get(s["name"])) else "",
+            "pending": queued.get(s["name"]),
         }
         for s in current.get("stages", [])
     ]
@@ -451,7 +486,7 @@ def _write_status(
         condition("Degraded", problem is not None, problem or "SpecValid", errors),
     ]
     patch.status["phase"] = phase
-    patch.status["parallelism"] = _keyed_parallelism(current, job.keyed.name) or 0
+    patch.status["parallelism"] = _running_parallelism(current, job.keyed.name) or 0
     patch.status["stages"] = stages
     patch.status["decisions"] = kube.events.status_decisions()
     patch.status["rescales"] = [

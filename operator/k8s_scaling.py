@@ -29,6 +29,7 @@ from keyshift.operator.rescale_executor import (
     CoordinatorExecutor,
     LatestStatus,
     MigrationPlan,
+    PendingSteps,
     RescaleMark,
     scalable_stages,
 )
@@ -154,6 +155,7 @@ class KubeJob:
         return {
             "guards": self.loop.state.to_json() if self.loop is not None else {},
             "handledRescale": handled.to_json() if handled is not None else None,
+            "pendingRescales": self.executor.pending().to_json(),
             "restarts": self.restarts.to_json(),
         }
 
@@ -166,6 +168,7 @@ class Memory:
     handled: RescaleMark | None = None
     decisions: tuple[dict[str, Any], ...] = ()  # the latest, as the status lists them
     restarts: Restarts | None = None
+    pending: PendingSteps = field(default_factory=PendingSteps)  # what is left of a decision
 
 
 def remembered(status: Mapping[str, Any]) -> tuple[Memory, list[str]]:
@@ -192,13 +195,19 @@ def remembered(status: Mapping[str, Any]) -> tuple[Memory, list[str]]:
             )
         except (ValidationError, TypeError) as exc:
             problems.append(f"status.decisions ignored: {exc}")
+    pending = PendingSteps()
+    if status.get("pendingRescales") is not None:
+        try:
+            pending = PendingSteps.from_json(status["pendingRescales"])
+        except ValueError as exc:
+            problems.append(f"status.pendingRescales ignored: {exc}")
     restarts = None
     if status.get("restarts"):
         try:
             restarts = Restarts.from_json(status["restarts"])
         except ValueError as exc:
             problems.append(f"status.restarts ignored: {exc}")
-    return Memory(guards, handled, decisions, restarts), problems
+    return Memory(guards, handled, decisions, restarts, pending), problems
 
 
 def kube_job(
@@ -217,7 +226,9 @@ def kube_job(
     latest = LatestStatus()
     pool = StatefulSetPool(name, namespace)
     scalable = scalable_stages(job)
-    executor = CoordinatorExecutor(client, pool, latest, scalable, plan, memory.handled)
+    executor = CoordinatorExecutor(
+        client, pool, latest, scalable, plan, memory.handled, memory.pending
+    )
     kept = deque(memory.decisions, maxlen=KEPT_DECISIONS)
     events = KubeEvents(kept=kept, scalable=scalable)
     restarts = memory.restarts or Restarts()

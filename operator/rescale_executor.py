@@ -5,7 +5,9 @@ The coordinator refuses a worker it does not expect yet, so a scale-out asks the
 first (it then waits for the new workers to register) and grows the pool right after; a
 scale-in shrinks the pool only once the coordinator reports the rescale done, when the retired
 workers hold no state. Local host: the pool is the job's subprocesses (`LocalJob`); Kubernetes:
-the stage's StatefulSet replicas (`keyshift.operator.k8s_scaling`).
+the stage's StatefulSet replicas (`keyshift.operator.k8s_scaling`). What is left of a
+decision it applies one rescale at a time is a `PendingSteps` value, which a host may keep
+where it outlives the host (the operator: the StreamingJob's status) and hand a new executor.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ RECONCILED_PHASES = ("starting", "running")
 
 def scalable_stages(spec: JobSpec) -> frozenset[str]:
     """The stages a host rescales live: every keyed stage (sources stay bounded by their
-    partitions, and rescaling the sink is not built yet)."""
+    partitions, and the sink is rescaled by hand: its bound is its partitions)."""
     return frozenset(step.stage.name for step in spec.keyed_stages())
 
 
@@ -88,6 +90,55 @@ class RescaleMark:
         return cls(incarnation, id_)
 
 
+@dataclass(frozen=True)
+class PendingSteps:
+    """What is left of a decision's rescales: the one started last whose end has not been seen
+    (its mark and stage), and those to start after it, in order. A host keeps it where it
+    outlives the host (the StreamingJob's status), so a restarted one goes on with it."""
+
+    started: RescaleMark | None = None
+    stage: str | None = None  # the started one's
+    queued: tuple[tuple[str, int], ...] = ()
+
+    def __bool__(self) -> bool:
+        return self.started is not None or bool(self.queued)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "started": None if self.started is None else {**self.started.to_json(),
+                                                          "stage": self.stage},
+            "queued": [{"stage": stage, "parallelism": n} for stage, n in self.queued],
+        }  # fmt: skip
+
+    @classmethod
+    def from_json(cls, value: Any) -> PendingSteps:
+        """Raises ValueError saying what is wrong."""
+        if not isinstance(value, Mapping):
+            raise ValueError(f"pending rescales are a mapping, got {value!r}")
+        started, stage = None, None
+        if value.get("started") is not None:
+            started = RescaleMark.from_json(value["started"])
+            stage = value["started"].get("stage")
+            if not isinstance(stage, str) or not stage:
+                raise ValueError(f"the started rescale's stage must be a name, got {stage!r}")
+        queued = value.get("queued", [])
+        if not isinstance(queued, list):
+            raise ValueError(f"queued must be a list, got {queued!r}")
+        steps = []
+        for step in queued:
+            name = step.get("stage") if isinstance(step, Mapping) else None
+            n = step.get("parallelism") if isinstance(step, Mapping) else None
+            if not isinstance(name, str) or not name:
+                raise ValueError(f"a queued rescale's stage must be a name, got {step!r}")
+            if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+                raise ValueError(f"a queued rescale's parallelism must be >= 1, got {step!r}")
+            steps.append((name, n))
+        return cls(started, stage, tuple(steps))
+
+
+NO_PENDING = PendingSteps()
+
+
 class CoordinatorExecutor:
     """Starts a rescale at the job's coordinator, then the workers a scale-out needs: the
     coordinator refuses a worker before it expects one. Reads progress from the status. A
@@ -110,6 +161,7 @@ class CoordinatorExecutor:
         scalable: frozenset[str],
         plan: MigrationPlan = MigrationPlan(),
         handled: RescaleMark | None = None,
+        pending: PendingSteps = NO_PENDING,
     ) -> None:
         self.client = client
         self.pool = pool
@@ -119,10 +171,20 @@ class CoordinatorExecutor:
         self.handled = handled
         self._incarnation: str | None = None
         self._reconcile = True
-        # The rescale this executor started last whose end the status has not shown yet, and
-        # the rest of its decision's rescales, to start one by one.
-        self._started: RescaleReport | None = None
-        self._queued: deque[tuple[str, int]] = deque()
+        # The rescale this executor (or the host before it) started last whose end the status
+        # has not shown yet, with its stage, and the rest of its decision's rescales, to start
+        # one by one.
+        self._started: tuple[RescaleMark, str] | None = (
+            (pending.started, pending.stage or "") if pending.started is not None else None
+        )
+        self._queued: deque[tuple[str, int]] = deque(pending.queued)
+
+    def pending(self) -> PendingSteps:
+        """What is left of the decision being applied (empty once it is done)."""
+        if self._started is None:
+            return PendingSteps(queued=tuple(self._queued))
+        mark, stage = self._started
+        return PendingSteps(mark, stage, tuple(self._queued))
 
     def apply(self, steps: Sequence[tuple[str, int]]) -> None:
         if not steps:
@@ -143,7 +205,8 @@ class CoordinatorExecutor:
             raise RescaleRefused(str(exc)) from None
         self.pool.ensure(stage, parallelism)
         try:
-            self._started = parse(RescaleReport, reply)
+            report = parse(RescaleReport, reply)
+            self._started = (RescaleMark(report.incarnation, report.id), report.stage)
         except ProtocolError as exc:
             # Started, yet unreadable: the next steps cannot know when it ends.
             self._queued.clear()
@@ -155,7 +218,7 @@ class CoordinatorExecutor:
             return rescale.stage
         # Started by this executor, but the status fetched last is older than the start.
         if self._started is not None:
-            return self._started.stage
+            return self._started[1]
         return self._queued[0][0] if self._queued else None
 
     def finished(self) -> list[RescaleOutcome]:
@@ -168,9 +231,11 @@ class CoordinatorExecutor:
             if self._incarnation is None and self.handled is None:
                 last = max((r.id for r in history), default=0)
                 self.handled = RescaleMark(incarnation, last)
-            if self._incarnation is not None:
+            started_here = self._started is None or self._started[0].incarnation == incarnation
+            if self._incarnation is not None or not started_here:
                 # A restarted coordinator (restored to a checkpoint's parallelism) ends what
-                # was started of a decision; the loop decides again on what it finds.
+                # was started of a decision, also while the host was down; the loop decides
+                # again on what it finds.
                 self._started = None
                 self._queued.clear()
             self._incarnation = incarnation
@@ -180,6 +245,10 @@ class CoordinatorExecutor:
             if self.handled is not None and (
                 self.handled.incarnation == incarnation and rescale.id <= self.handled.id
             ):
+                # Its outcome was taken before (by a host before this one): if it is the one
+                # started last, the decision goes on only if it succeeded.
+                if self._ends_started(rescale) and rescale.phase != "done":
+                    self._queued.clear()
                 continue
             self.handled = RescaleMark(incarnation, rescale.id)
             ok = rescale.phase == "done"
@@ -201,10 +270,7 @@ class CoordinatorExecutor:
     def _ends_started(self, rescale: RescaleReport) -> bool:
         """Whether `rescale` is the one this executor started last (which has now ended)."""
         started = self._started
-        if started is None or (started.incarnation, started.id) != (
-            rescale.incarnation,
-            rescale.id,
-        ):
+        if started is None or started[0] != RescaleMark(rescale.incarnation, rescale.id):
             return False
         self._started = None
         return True

@@ -298,6 +298,11 @@ class StageStatus(_Model):
         alias="lastDecision",
         description="why the autoscaler's latest decision for this stage was what it was",
     )
+    pending: int | None = Field(
+        default=None,
+        description="the parallelism a rescale of the decision being applied, not started yet, "
+        "takes it to (status.pendingRescales has the whole decision)",
+    )
 
 
 class DecisionStatus(_Model):
@@ -379,6 +384,27 @@ class RescaleMarkStatus(_Model):
     id: int = Field(ge=0)
 
 
+class PendingStepStatus(_Model):
+    stage: str
+    parallelism: int = Field(ge=1)
+
+
+class StartedRescaleStatus(RescaleMarkStatus):
+    stage: str = Field(description="the stage it rescales")
+
+
+class PendingRescalesStatus(_Model):
+    """What is left of the decision (the autoscaler's, or an edit of several stages) the
+    operator applies one rescale at a time; read back on start, so a restart loses none."""
+
+    started: StartedRescaleStatus | None = Field(
+        default=None, description="the rescale started last, its end not seen yet"
+    )
+    queued: list[PendingStepStatus] = Field(
+        default_factory=list, description="the rescales to start after it, in order"
+    )
+
+
 class Condition(_Model):
     """One aspect of the job's state, as the Kubernetes API conventions shape conditions; the
     operator keeps them with `keyshift.operator.conditions.upsert_conditions`."""
@@ -427,6 +453,11 @@ class StreamingJobStatus(_Model):
         default=None,
         alias="handledRescale",
         description="the last rescale the operator took the outcome of, read back on start",
+    )
+    pending_rescales: PendingRescalesStatus | None = Field(
+        default=None,
+        alias="pendingRescales",
+        description="the rescales of a decision not done yet, one at a time; read back on start",
     )
     recoveries: RecoveryStatus = Field(
         default_factory=RecoveryStatus, description="recoveries from checkpoints"

@@ -104,7 +104,7 @@ class CheckpointMeta:
     created: float  # wall-clock seconds
     epochs: dict[str, int] = field(default_factory=dict)  # assignment epoch per stage
     sources: dict[str, Any] = field(default_factory=dict)  # source positions to rewind to
-    outputs: dict[str, int] = field(default_factory=dict)  # output log end offsets
+    outputs: dict[str, int] = field(default_factory=dict)  # output log end offsets, by partition
     groups: dict[int, GroupChain] = field(default_factory=dict)
     written: int = 0  # bytes written for this checkpoint (its new shards)
     assignment: dict[str, Any] = field(default_factory=dict)  # the keyed stage's owners
@@ -118,6 +118,9 @@ class CheckpointMeta:
     # The keyed stages after the first in a job of several (the first's are `assignment` and
     # `groups`, as in a job of one), by stage.
     later: dict[str, KeyedGroups] = field(default_factory=dict)
+    # Which sink instance owned each output partition (an assignment of partitions; none in a
+    # checkpoint taken before sinks rescaled: one partition per instance).
+    partitions: dict[str, Any] = field(default_factory=dict)
 
     def of_stage(self, stage: str) -> CheckpointMeta:
         """The checkpoint as keyed stage `stage` restores from it: that stage's owners and
@@ -172,6 +175,7 @@ class CheckpointMeta:
                 str(stage): {str(i): int(mark) for i, mark in marks.items()}
                 for stage, marks in data.get("instance_watermarks", {}).items()
             },
+            partitions=dict(data.get("partitions", {})),
         )
 
 

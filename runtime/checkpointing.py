@@ -113,6 +113,10 @@ class CheckpointHost(Protocol):
         """Every keyed stage's assignment (unchanged while a checkpoint is in flight)."""
         ...
 
+    def checkpoint_partitions(self) -> dict[str, Any]:
+        """The sink's output partitions' owners (unchanged while a checkpoint is in flight)."""
+        ...
+
     def checkpoint_events(self, checkpoint: int, timeout: float) -> list[Reported] | None:
         """Wait until every instance in flight acked `checkpoint` (or one failed it); None on
         timeout. A source that has ended acks with its final position. CheckpointAbandoned
@@ -302,8 +306,8 @@ class CheckpointDriver:
                     marks[str(reported.index)] = event.watermark
                 if event.writer is not None and event.database is not None:
                     databases[event.writer] = database_from_json(event.database)
-            elif isinstance(event, SinkCheckpointAck) and event.offset is not None:
-                outputs[str(reported.index)] = event.offset
+            elif isinstance(event, SinkCheckpointAck):
+                outputs.update(event.offsets)  # by partition: each has one owner
         assignments = self.host.checkpoint_assignments()
         first = self.keyed_stage
         # A stage's watermark is its slowest instance's; none while one has none.
@@ -329,6 +333,7 @@ class CheckpointDriver:
             },
             watermarks=watermarks,
             instance_watermarks=instance_marks,
+            partitions=self.host.checkpoint_partitions(),
         )
 
 

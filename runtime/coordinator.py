@@ -1,5 +1,7 @@
-"""The coordinator: one per job. Holds the graph and every keyed stage's assignment (by epoch),
-registers instances, publishes the topology, drives draining, and reports status over gRPC.
+"""The coordinator: one per job. Holds the graph, every keyed stage's assignment and the sink's
+partition owners (each by epoch), registers instances, publishes the topology, drives rescales
+(keyshift.runtime.rescale, keyshift.runtime.sink_rescale) and draining, and reports status over
+gRPC.
 
 Started as a process by a host (`python -m keyshift.runtime.coordinator`); instances and the
 host's client talk to it through the JSON control service `keyshift.Coordinator`.
@@ -78,6 +80,8 @@ from keyshift.runtime.protocol import (
     parse,
 )
 from keyshift.runtime.rescale import RescaleDriver, RescaleError, RescaleStatus, options_for
+from keyshift.runtime.sink_rescale import SinkRescaleDriver
+from keyshift.runtime.sink_router import partition_owners
 from keyshift.runtime.standbys import StandbyPool
 from keyshift.runtime.storage import retrying
 from keyshift.runtime.transport import ControlError, PortInUseError, json_handler, start_server
@@ -141,6 +145,8 @@ class Coordinator:
             for step in spec.keyed_stages()
         }
         self.desired = {s.name: s.parallelism for s in spec.stages()}
+        # Which sink instance owns each output partition, by epoch.
+        self.partitions = partition_owners(spec.sink.output_partitions, spec.sink.parallelism)
         if restore is not None:
             # The job goes on from the checkpoint: every keyed stage's owners, and so as many
             # instances as it had then (a rescale may have changed them since the job began).
@@ -148,6 +154,9 @@ class Coordinator:
                 assignment = Assignment.from_json(restore.of_stage(name).assignment)
                 self.assignments[name] = assignment
                 self.desired[name] = assignment.parallelism
+            if restore.partitions:
+                self.partitions = Assignment.from_json(restore.partitions)
+                self.desired[spec.sink.name] = self.partitions.parallelism
         self.members: dict[str, dict[int, InstanceRecord]] = {s.name: {} for s in spec.stages()}
         self.standbys = StandbyPool([s.stage.name for s in spec.keyed_stages() if s.stage.standby])
         self._drain_requested = False
@@ -241,7 +250,9 @@ class Coordinator:
             for name, members in self.members.items()
         }
         assignments = {name: a.to_json() for name, a in self.assignments.items()}
-        return Topology(stages=stages, assignments=assignments)
+        return Topology(
+            stages=stages, assignments=assignments, partitions=self.partitions.to_json()
+        )
 
     def _broadcast_topology(self) -> None:
         topology = self._topology()
@@ -285,6 +296,12 @@ class Coordinator:
         with self._lock:
             self.assignments[stage] = assignment
             self.metrics.set_parallelism(stage, assignment.parallelism)
+            self._broadcast_topology()
+
+    def commit_partitions(self, owners: Assignment) -> None:
+        with self._lock:
+            self.partitions = owners
+            self.metrics.set_parallelism(self.spec.sink.name, owners.parallelism)
             self._broadcast_topology()
 
     def retire(self, stage: str, indexes: list[int]) -> None:
@@ -434,6 +451,7 @@ class Coordinator:
             elif (
                 self.rescale_status is not None
                 and record.stage == self.rescale_status.stage
+                and record.stage in self.assignments  # a sink instance's output has no copy
                 and not record.finished
                 and self.phase == "running"
                 # With checkpoints, the host restarts the job from the last one instead: going
@@ -520,26 +538,33 @@ class Coordinator:
             return DrainReply(phase=self.phase)
 
     def rescale(self, request: RescaleRequest) -> RescaleReport:
-        """Start a rescale of a keyed stage; refused while another one runs (of any stage)."""
+        """Start a rescale of a keyed stage or of the sink; refused while another one runs (of
+        any stage)."""
         with self._lock:
             stage = request.stage
-            if stage not in self.assignments:
-                if stage in self.desired:
-                    keyed = ", ".join(repr(name) for name in self.assignments)
-                    raise ControlError(
-                        f"stage {stage!r} has no keyed state; only the keyed stages ({keyed}) "
-                        "can be rescaled live"
-                    )
-                raise ControlError(f"job {self.spec.name} has no stage {stage!r}",
-                                   grpc.StatusCode.NOT_FOUND)  # fmt: skip
+            sink = self.spec.sink
+            if stage not in self.assignments and stage != sink.name:
+                raise ControlError(*self._not_rescalable(stage))
             parallelism = request.parallelism
-            groups = self.spec.max_key_groups
-            most = min(groups, MAX_PARALLELISM)
+            if stage == sink.name:
+                most = sink.output_partitions
+                bound = f"the sink writes {most} output partitions (sink.partitions)"
+            else:
+                most = min(self.spec.max_key_groups, MAX_PARALLELISM)
+                bound = (
+                    f"the maximum parallelism is {MAX_PARALLELISM}, and a stage cannot have more "
+                    f"instances than its max_key_groups, {self.spec.max_key_groups}"
+                )
             if not 1 <= parallelism <= most:
                 raise ControlError(
-                    f"parallelism must be an integer from 1 to {most} (the maximum parallelism "
-                    f"is {MAX_PARALLELISM}, and a stage cannot have more instances than its "
-                    f"max_key_groups, {groups}), got {parallelism!r}",
+                    f"parallelism of stage {stage!r} must be an integer from 1 to {most} "
+                    f"({bound}), got {parallelism!r}",
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                )
+            if stage == sink.name and request.options:
+                raise ControlError(
+                    f"options {sorted(request.options)} do not apply to the sink: it has no state "
+                    "to move, only whole output partitions",
                     grpc.StatusCode.INVALID_ARGUMENT,
                 )
             strategy = request.strategy
@@ -575,13 +600,42 @@ class Coordinator:
             self._events.clear()
             self._abort = None
             self._lost_keyed = set()
-            driver = RescaleDriver(
-                self, status, stage, self.upstream_of(stage), self.assignments[stage],
-                self._group_rates.rates(stage),
-            )  # fmt: skip
+            driver: RescaleDriver
+            if stage == sink.name:
+                driver = SinkRescaleDriver(
+                    self, status, stage, self.spec.sink_inputs(), self.partitions
+                )
+            else:
+                driver = RescaleDriver(
+                    self, status, stage, self.upstream_of(stage), self.assignments[stage],
+                    self._group_rates.rates(stage),
+                )  # fmt: skip
         self.metrics.rescale_started(stage)
         threading.Thread(target=self._run_rescale, args=(driver,), daemon=True).start()
         return status.report()
+
+    def _not_rescalable(self, stage: str) -> tuple[str, grpc.StatusCode]:
+        """Why `stage` is not rescaled live: a source, a stateless stage, or no such stage."""
+        refused = grpc.StatusCode.INVALID_ARGUMENT
+        if stage == self.spec.source.name:
+            return (
+                f"stage {stage!r} is a source: its parallelism is bounded by its partitions and "
+                "set when the job starts; only the keyed stages and the sink are rescaled live",
+                refused,
+            )
+        names = {node.name: node for node in self.spec.dataflow().nodes}
+        node = names.get(stage)
+        if node is None:
+            return f"job {self.spec.name} has no stage {stage!r}", grpc.StatusCode.NOT_FOUND
+        runner = node
+        while runner.role in ("map", "filter", "flat_map"):
+            runner = names[runner.inputs[0]]
+        return (
+            f"stage {stage!r} is a stateless {node.role} chained into the processes of stage "
+            f"{runner.name!r}: it runs at {runner.name!r}'s parallelism, so rescale "
+            f"{runner.name!r} instead",
+            refused,
+        )
 
     def _wait_for_checkpoint(self) -> None:
         """A rescale waits for the checkpoint in flight: the two never overlap (called with
@@ -620,6 +674,10 @@ class Coordinator:
     def checkpoint_assignments(self) -> dict[str, dict[str, Any]]:
         with self._lock:
             return {name: a.to_json() for name, a in self.assignments.items()}
+
+    def checkpoint_partitions(self) -> dict[str, Any]:
+        with self._lock:
+            return self.partitions.to_json()
 
     def checkpoint_events(self, checkpoint: int, timeout: float) -> list[Reported] | None:
         deadline = time.monotonic() + timeout
@@ -875,13 +933,13 @@ class GroupRates:
 
 def max_calls(spec: JobSpec) -> int:
     """The most calls the coordinator serves at once: per instance its command stream and two
-    reports (the periodic one and a protocol step's), with the keyed stage at the most a
-    rescale may take each keyed stage to; a stream per standby; and a few for the hosts' and the
-    CLI's calls."""
+    reports (the periodic one and a protocol step's), with each keyed stage at the most a
+    rescale may take it to (the sink: its partitions); a stream per standby; and a few for the
+    hosts' and the CLI's calls."""
     keyed = len(spec.keyed_stages())
+    sinks = spec.sink.output_partitions
     standbys = sum(step.stage.standby for step in spec.keyed_stages())
-    instances = spec.source.parallelism + spec.sink.parallelism + keyed * MAX_PARALLELISM
-    instances += standbys
+    instances = spec.source.parallelism + sinks + keyed * MAX_PARALLELISM + standbys
     return 3 * instances + CLIENT_CALLS
 
 

@@ -664,9 +664,44 @@ class KeyedStage(Stage):
     )
 
 
-class SinkStage(Stage):
+def _partitions_field() -> Any:
+    return Field(
+        default=None,
+        ge=1,
+        le=MAX_PARALLELISM,
+        description="output partitions, fixed for the job's life: a key's updates go to "
+        "partition `key group % partitions`, and a rescale of the sink moves whole partitions "
+        "between its instances; none: the sink's parallelism (the most it can be rescaled to)",
+    )
+
+
+class _Partitions:
+    """A sink's output partitions: `partitions`, or its parallelism when not given."""
+
+    parallelism: int
+    partitions: int | None
+
+    @property
+    def output_partitions(self) -> int:
+        return self.partitions if self.partitions is not None else self.parallelism
+
+    def _check_partitions(self) -> None:
+        if self.parallelism > self.output_partitions:
+            raise ValueError(
+                f"sink parallelism {self.parallelism} exceeds its partitions "
+                f"({self.output_partitions}): each sink instance writes whole partitions"
+            )
+
+
+class SinkStage(_Partitions, Stage):
     name: str = Field(default="sink", pattern=STAGE_NAME_PATTERN)
     config: SinkConfig = Field(default_factory=LogSink)
+    partitions: int | None = _partitions_field()
+
+    @model_validator(mode="after")
+    def _fits(self) -> SinkStage:
+        self._check_partitions()
+        return self
 
 
 @dataclass(frozen=True)
@@ -823,9 +858,15 @@ class KeyedNode(_Downstream):
     state: StateSettings = Field(default_factory=StateSettings)
 
 
-class SinkNode(_Partitioned):
+class SinkNode(_Partitions, _Partitioned):
     kind: Literal["sink"]
     config: SinkConfig = Field(default_factory=LogSink)
+    partitions: int | None = _partitions_field()
+
+    @model_validator(mode="after")
+    def _fits(self) -> SinkNode:
+        self._check_partitions()
+        return self
 
 
 def _graph_kind(value: Any) -> str | None:
@@ -1069,7 +1110,12 @@ class JobSpec(_Model):
             ),
             "keyed": steps[0].stage,
             "sink": SinkStage.model_validate(
-                {"name": sink.name, "parallelism": sink.parallelism, "config": sink.config},
+                {
+                    "name": sink.name,
+                    "parallelism": sink.parallelism,
+                    "config": sink.config,
+                    "partitions": sink.partitions,
+                },
                 context=context,
             ),
             "fields": dict(chain.fields),

@@ -1,8 +1,8 @@
 """The keyed stage loop: apply incoming batches to keyed state (vectorized aggregates or a
-per-record function), send one update per changed key on (to the sink instance of its group,
-and/or through the chained map/filter functions to its owner in each keyed stage it feeds, by
-its `Outputs`), and take part in live migrations (`keyshift.runtime.migration`) while records
-keep flowing.
+per-record function), send one update per changed key on (to the sink instance owning its
+output partition, and/or through the chained map/filter functions to its owner in each keyed
+stage it feeds, by its `Outputs`), and take part in live migrations
+(`keyshift.runtime.migration`) while records keep flowing.
 
 Called by `keyshift.runtime.instance` for instances of the job's keyed stages.
 """
@@ -45,6 +45,7 @@ from keyshift.runtime.protocol import (
     MigrateIn,
     MigrateOut,
     OutDone,
+    Reroute,
     Rescaling,
     Retire,
     Topology,
@@ -60,9 +61,7 @@ from keyshift.runtime.records import (
     SEQ,
     SOURCE,
     decode,
-    encode,
     now_us,
-    split_by_owner,
 )
 from keyshift.runtime.rocksdb_state import (
     RocksAggregateState,
@@ -71,6 +70,7 @@ from keyshift.runtime.rocksdb_state import (
     prepare_directory,
 )
 from keyshift.runtime.sessions import SessionFunction, SessionWindows
+from keyshift.runtime.sink_router import SinkRouter
 from keyshift.runtime.stage_context import FetchRequest, InstanceContext
 from keyshift.runtime.state import (
     KEY_COL,
@@ -92,7 +92,6 @@ from keyshift.runtime.transport import (
     MARKER,
     STATE,
     WATERMARK,
-    Outlet,
 )
 from keyshift.runtime.watermarks import WatermarkTracker
 from keyshift.runtime.windows import (
@@ -276,7 +275,7 @@ class KeyedStage:
         keyed = tuple(route for route in step.outputs if route.target != spec.sink.name)
         self.outputs = Outputs(ctx, keyed)
         to_sink = len(keyed) < len(step.outputs)
-        self.sinks: dict[int, Outlet] = ctx.connect(spec.sink.name) if to_sink else {}
+        self.sink = SinkRouter(ctx) if to_sink else None
         self.owned = ctx.assignment(ctx.stage).owners == ctx.index
         self.ended: set[str] = set()
         self.backlog: deque[tuple[str, bytes, Any]] = deque()
@@ -423,17 +422,15 @@ class KeyedStage:
         if out is None or not out.num_rows:
             self.ctx.metrics.count(MetricName.BUSY_SECONDS, time.perf_counter() - started)
             return
-        if self.sinks:
-            sinks = len(self.sinks)
-            owners = (out.column(GROUP).to_numpy() % sinks).astype(np.int64)
-            parts = [(o, encode(p)) for o, p in split_by_owner(out, owners, sinks)]
+        if self.sink is not None:
+            parts = self.sink.route(out)
             sent += out.num_rows
         if self.outputs.routers:
             routed_out, routed = self.outputs.prepare(with_record_ids(out))
             sent += routed_out
         self.ctx.metrics.count(MetricName.BUSY_SECONDS, time.perf_counter() - started)
-        for owner, payload in parts:
-            self.ctx.send(self.sinks[owner], payload)
+        if self.sink is not None:
+            self.sink.send(parts)
         self.outputs.send(routed)
         self.ctx.metrics.count(MetricName.RECORDS_OUT, sent)
 
@@ -473,9 +470,13 @@ class KeyedStage:
     def command(self, command: Command) -> None:
         if isinstance(command, Topology):
             self.outputs.handle(command)
+            if self.sink is not None:
+                self.sink.handle(command)
             # A retired sender's barrier never comes: an alignment waiting for it ends here.
             self.checkpoint_if_aligned()
             return
+        if isinstance(command, Reroute) and self.sink is not None and self.sink.handle(command):
+            return  # a rescale of the sink
         if self.outputs.handle(command):
             self.forward_watermark()  # to instances that joined a stage downstream
             return  # a rescale of a keyed stage downstream
@@ -702,9 +703,8 @@ class KeyedStage:
         watermark = current if current is not None and current < WatermarkTracker.FINAL else None
         self.checkpointer.start(barrier, self.state, self.owned, watermark)
         self.outputs.barrier(barrier)
-        encoded = json.dumps(barrier.wire()).encode()
-        for outlet in self.sinks.values():
-            self.ctx.send(outlet, encoded, kind=BARRIER)
+        if self.sink is not None:
+            self.sink.barrier(barrier)
         for delivery in self.aligner.finish():
             self.backlog.append((delivery.sender, delivery.kind, delivery.payload))
             delivery.release()
@@ -778,8 +778,8 @@ class KeyedStage:
         if self.late_records is not None:
             self.late_records.close()
         self.outputs.finish(kind)
-        for outlet in self.sinks.values():
-            outlet.finish(kind=kind)
+        if self.sink is not None:
+            self.sink.finish(kind)
 
 
 def run(ctx: InstanceContext) -> None:

@@ -5,7 +5,8 @@ Three families travel as JSON over the control calls of `keyshift.runtime.transp
 
 - commands, coordinator -> instance on the `Watch` stream (`Command`: `Topology`, `Drain`,
   `Stop`, `Checkpoint`, `CheckpointComplete`, `Reroute`, `Pause`, `Resume`, `MigrateIn`,
-  `MigrateOut`, `Abort`, `Retire`, `Rescaling`), told apart by their `type`;
+  `MigrateOut`, `Abort`, `Retire`, `MovePartitions`, `OpenPartitions`, `Rescaling`), told
+  apart by their `type`;
 - events, instance -> coordinator inside a `Report` (`Event`: `Ack` of a protocol step,
   `OutDone`, `InDone`, and the checkpoint acks `SourceCheckpointAck`, `KeyedCheckpointAck`,
   `SinkCheckpointAck`);
@@ -58,11 +59,13 @@ class Message(BaseModel):
 
 
 class Topology(Message):
-    """Every stage's instances (index -> data address) and every keyed stage's assignment."""
+    """Every stage's instances (index -> data address), every keyed stage's assignment, and
+    which sink instance owns each output partition (`partitions`, an assignment of partitions)."""
 
     type: Literal["topology"] = "topology"
     stages: dict[str, dict[str, str]]
     assignments: dict[str, dict[str, Any]]
+    partitions: dict[str, Any] = {}
 
     def addresses(self, stage: str) -> dict[int, str]:
         return {int(i): a for i, a in self.stages[stage].items()}
@@ -158,6 +161,26 @@ class Retire(Message):
     type: Literal["retire"] = "retire"
 
 
+class MovePartitions(Message):
+    """Sink instances: the output partitions' owners from `epoch` on (an assignment of
+    partitions). An old owner writes a leaving partition until every sender's epoch marker
+    is in, then closes it and reports `OutDone`; a new owner parks a coming partition's
+    records until `OpenPartitions`."""
+
+    type: Literal["move_partitions"] = "move_partitions"
+    epoch: int
+    owners: dict[str, Any]
+
+
+class OpenPartitions(Message):
+    """A sink instance: the old owners of these partitions have closed them (`epoch`): open
+    them after their last record, write what is parked, and report `InDone`."""
+
+    type: Literal["open_partitions"] = "open_partitions"
+    epoch: int
+    partitions: list[int]
+
+
 class Rescaling(Message):
     """Keyed instances: a rescale runs (stay up), or ended (`ended`: the senders upstream
     done by then)."""
@@ -180,6 +203,8 @@ Command = Annotated[
     | MigrateOut
     | Abort
     | Retire
+    | MovePartitions
+    | OpenPartitions
     | Rescaling,
     Field(discriminator="type"),
 ]
@@ -187,7 +212,9 @@ Command = Annotated[
 
 # --- events: instance -> coordinator, inside a Report -------------------------------------------
 
-AckStep = Literal["migrate_in", "migrate_out", "abort", "reroute", "pause", "resume"]
+AckStep = Literal[
+    "migrate_in", "migrate_out", "abort", "reroute", "pause", "resume", "move_partitions"
+]
 
 
 class Ack(Message):
@@ -199,7 +226,8 @@ class Ack(Message):
 
 
 class OutDone(Message):
-    """An old owner has forwarded and pushed everything of `epoch`'s move."""
+    """An old owner has forwarded and pushed everything of `epoch`'s move (a sink instance: it
+    has closed the partitions it hands over)."""
 
     type: Literal["out_done"] = "out_done"
     epoch: int
@@ -207,7 +235,8 @@ class OutDone(Message):
 
 
 class InDone(Message):
-    """A new owner has all of `epoch`'s state in and nothing parked."""
+    """A new owner has all of `epoch`'s state in and nothing parked (a sink instance: it has
+    opened the partitions it takes over and written what it parked)."""
 
     type: Literal["in_done"] = "in_done"
     epoch: int
@@ -253,11 +282,12 @@ class KeyedCheckpointAck(Message):
 
 
 class SinkCheckpointAck(Message):
-    """A sink's output log end for checkpoint `id` (None for a function sink), or the error."""
+    """A sink instance's output log end for checkpoint `id` in each partition it owns (by
+    partition; none for a function sink), or the error."""
 
     type: Literal["checkpoint_sink"] = "checkpoint_sink"
     id: int
-    offset: int | None = None
+    offsets: dict[str, int] = {}
     error: str | None = None
 
 

@@ -170,7 +170,7 @@ def options_for(strategy: str, given: dict[str, Any] | None) -> dict[str, float]
     return options
 
 
-def _acked(step: AckStep, epoch: int, expected: set[tuple[str, int]]) -> Callable[..., bool]:
+def step_acked(step: AckStep, epoch: int, expected: set[tuple[str, int]]) -> Callable[..., bool]:
     def check(events: list[Reported]) -> bool:
         got = {
             (r.stage, r.index)
@@ -182,7 +182,7 @@ def _acked(step: AckStep, epoch: int, expected: set[tuple[str, int]]) -> Callabl
     return check
 
 
-def _reported(
+def moves_reported(
     kind: type[OutDone] | type[InDone], epoch: int, expected: set[int]
 ) -> Callable[..., bool]:
     def check(events: list[Reported]) -> bool:
@@ -287,11 +287,11 @@ class RescaleDriver:
         expected = {(s, i) for s in self.senders for i in range(self.host.sender_count(s))}
         for stage, index in expected:
             self.host.send(stage, index, command)
-        acked = _acked(step, epoch, expected)
+        acked = step_acked(step, epoch, expected)
 
         def done(events: list[Reported]) -> bool:
             ended = self._finished_senders()
-            return _acked(step, epoch, expected - ended)(events) or acked(events)
+            return step_acked(step, epoch, expected - ended)(events) or acked(events)
 
         self.host.wait_for(done, STEP_TIMEOUT, f"senders {list(self.senders)} to {step}")
 
@@ -334,7 +334,7 @@ class RescaleDriver:
         participants = (senders | receivers | {int(i) for i in adopt}) - lost
         self.host.broadcast(self.keyed, Abort(epoch=target.epoch, lost=sorted(lost), adopt=adopt))
         self.host.wait_for(
-            _acked("abort", target.epoch, {(self.keyed, i) for i in participants}),
+            step_acked("abort", target.epoch, {(self.keyed, i) for i in participants}),
             STEP_TIMEOUT,
             "survivors to abandon the moves to and from the lost instance",
         )
@@ -348,8 +348,8 @@ class RescaleDriver:
         self._broadcast_senders(reroute)
         self.host.wait_for(
             lambda events: (
-                _reported(OutDone, target.epoch, senders - lost)(events)
-                and _reported(InDone, target.epoch, receivers - lost)(events)
+                moves_reported(OutDone, target.epoch, senders - lost)(events)
+                and moves_reported(InDone, target.epoch, receivers - lost)(events)
             ),
             MOVE_TIMEOUT,
             "the survivors' moves to finish",
@@ -381,7 +381,7 @@ class RescaleDriver:
             groups_in = {str(k): v for k, v in by_src.items()}
             self.host.send(self.keyed, dst, MigrateIn(epoch=epoch, groups=groups_in, peers=peers))
         self.host.wait_for(
-            _acked("migrate_in", epoch, {(self.keyed, d) for d in incoming}),
+            step_acked("migrate_in", epoch, {(self.keyed, d) for d in incoming}),
             STEP_TIMEOUT,
             "new owners to prepare",
         )
@@ -400,7 +400,7 @@ class RescaleDriver:
             )
             self.host.send(self.keyed, src, command)
         self.host.wait_for(
-            _acked("migrate_out", epoch, {(self.keyed, s) for s in outgoing}),
+            step_acked("migrate_out", epoch, {(self.keyed, s) for s in outgoing}),
             STEP_TIMEOUT,
             "old owners to freeze the moving groups",
         )
@@ -415,8 +415,8 @@ class RescaleDriver:
         self._phase("moving")
         self.host.wait_for(
             lambda events: (
-                _reported(OutDone, epoch, set(outgoing))(events)
-                and _reported(InDone, epoch, set(incoming))(events)
+                moves_reported(OutDone, epoch, set(outgoing))(events)
+                and moves_reported(InDone, epoch, set(incoming))(events)
             ),
             MOVE_TIMEOUT,
             "state to move",

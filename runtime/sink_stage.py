@@ -25,17 +25,32 @@ from functools import partial
 from typing import Any
 
 import numpy as np
+import pyarrow as pa
 
 from keyshift.runtime.checkpointing import BarrierAligner
-from keyshift.runtime.job import FunctionSink, resolve_function
-from keyshift.runtime.log_retention import LogRetention
+from keyshift.runtime.job import FunctionSink, LogSink, resolve_function
+from keyshift.runtime.keyspace import Assignment
 from keyshift.runtime.metrics import MetricName
-from keyshift.runtime.output_log import OutputLogWriter, OutputStorageError
-from keyshift.runtime.protocol import Barrier, CheckpointComplete, SinkCheckpointAck, parse
-from keyshift.runtime.records import GROUP, INGEST_TIME, decode, now_us
+from keyshift.runtime.output_log import OutputStorageError
+from keyshift.runtime.protocol import (
+    Ack,
+    Barrier,
+    CheckpointComplete,
+    Command,
+    InDone,
+    MovePartitions,
+    OpenPartitions,
+    OutDone,
+    Rescaling,
+    Retire,
+    SinkCheckpointAck,
+    parse,
+)
+from keyshift.runtime.records import INGEST_TIME, decode, now_us
+from keyshift.runtime.sink_partitions import SinkPartitions
 from keyshift.runtime.stage_context import InstanceContext
 from keyshift.runtime.storage import Backoff, retrying
-from keyshift.runtime.transport import BARRIER, END, LEAVE, Delivery
+from keyshift.runtime.transport import BARRIER, END, LEAVE, MARKER, Delivery
 
 log = logging.getLogger("keyshift.sink")
 
@@ -54,7 +69,6 @@ class OutputStall:
         self.error: str | None = None
         self.backoff = Backoff(0.1, STALL_PAUSE_LIMIT)
         self.waiting: deque[Delivery] = deque()
-        self.publish_to: int | None = None  # a completed checkpoint's offset not yet published
 
     def attempt(self, write: Callable[[], Any]) -> bool:
         """Make a write to the log; False (and stalled) when the disk refused it."""
@@ -79,32 +93,26 @@ class OutputStall:
 def run(ctx: InstanceContext) -> None:
     spec = ctx.spec
     config = spec.sink.config
-    if isinstance(config, FunctionSink):
-        function = resolve_function(config.function)
-        writer = None
-    else:
-        function = None
-        # A disk that is full now is waited for, here as while running.
-        output = retrying(
-            lambda: OutputLogWriter(config.path, ctx.index, config.format, config.segment_records),
-            "opening the output log",
-        )
-        writer = output
-        retention = LogRetention(writer, config.path, config.readers, config.max_unread_records)
-        offset = ctx.restore.outputs.get(str(ctx.index)) if ctx.restore else None
-        if offset is not None:
-            # What came after the checkpoint is made again by the replay from its positions.
-            retrying(partial(output.truncate, offset), "truncating the output log")
-        if spec.checkpoints is not None:
-            # An earlier run's output, or the checkpoint's.
-            retrying(lambda: output.publish(output.end_offset), "publishing the output log")
-    ctx.wait_topology()
+    function = resolve_function(config.function) if isinstance(config, FunctionSink) else None
+    log_config = config if isinstance(config, LogSink) else None
+    topology = ctx.wait_topology()
+    restore = ctx.restore.outputs if ctx.restore else {}
+    parts = SinkPartitions(
+        log_config, ctx.index, Assignment.from_json(topology.partitions), restore
+    )
+    if spec.checkpoints is not None:
+        # An earlier run's output, or the checkpoint's.
+        for writer in parts.writers.values():
+            retrying(partial(writer.publish, writer.end_offset), "publishing the output log")
+    writing = log_config is not None
     upstream = spec.sink_inputs()
     ended: set[str] = set()
     aligner = BarrierAligner()
     held: deque[Delivery] = deque()  # what aligned senders sent during the last alignment
     stall = OutputStall(ctx)
     failed: set[int] = set()  # checkpoints this sink failed: their later barriers are ignored
+    rescaling = False  # a rescale of the sink runs: stay up, even once every sender has ended
+    retire = False
 
     def fail_checkpoint(checkpoint: int) -> None:
         failed.add(checkpoint)
@@ -120,19 +128,43 @@ def run(ctx: InstanceContext) -> None:
             held.extendleft(reversed(aligner.finish()))
         return True
 
-    def catch_up() -> None:
-        """The writes the log owes besides records: publishing a completed checkpoint's
-        offset, and trimming what the readers have read."""
-        assert writer is not None
-        if stall.publish_to is not None:
-            writer.publish(stall.publish_to)
-            stall.publish_to = None
-        retention.poll()
-
     def resume() -> None:
-        assert writer is not None
-        writer.flush()
-        catch_up()
+        parts.flush()
+        parts.catch_up()
+
+    def write(part: int, batch: pa.RecordBatch) -> None:
+        if function is not None:
+            function(batch)
+        else:
+            # Refused by the disk, the batch stays in the writer's buffer: the stall retries it.
+            stall.attempt(partial(parts.writers[part].append, batch))
+
+    def follow(command: Command) -> None:
+        nonlocal rescaling, retire
+        if isinstance(command, CheckpointComplete):
+            parts.completed(command.outputs)
+        elif isinstance(command, MovePartitions):
+            parts.prepare(command)
+            ctx.emit(Ack(step="move_partitions", epoch=command.epoch))
+        elif isinstance(command, OpenPartitions):
+            for part, batch in parts.open(command.partitions):
+                write(part, batch)
+            ctx.emit(InDone(epoch=command.epoch, stats={"partitions_in": len(command.partitions)}))
+        elif isinstance(command, Rescaling):
+            rescaling = command.active
+            # Senders that ended before this instance joined never sent it their END.
+            ended.update(set(command.ended) & ctx.upstream_names(*upstream))
+        elif isinstance(command, Retire):
+            retire = True
+        # Topology updates are read through ctx.upstream_names.
+
+    def hand_over() -> None:
+        """Close the partitions leaving here once nothing more of them can come."""
+        move = parts.move
+        if move is not None and parts.close_leaving(
+            ctx.upstream_names(*upstream) - ended, stall.attempt
+        ):
+            ctx.emit(OutDone(epoch=move.epoch, stats={"partitions_out": len(move.leaving)}))
 
     recent: deque[tuple[float, float]] = deque(maxlen=RECENT_SAMPLES)
     ctx.extra_stats["latency_recent"] = recent
@@ -140,15 +172,15 @@ def run(ctx: InstanceContext) -> None:
     last_flush = time.monotonic()
     # The keyed stage's membership changes with rescales: the log is complete once every
     # current upstream instance has ended its stream (retired ones are no longer upstream).
-    while not ctx.upstream_names(*upstream) <= ended:
+    while not (ctx.upstream_names(*upstream) <= ended and not parts.moving and not rescaling):
         ctx.check()
         while (command := ctx.next_command()) is not None:
-            # Topology updates are read through ctx.upstream_names.
-            if isinstance(command, CheckpointComplete) and writer is not None:
-                published = command.outputs.get(str(ctx.index))
-                if published is not None:
-                    stall.publish_to = int(published)
-        if writer is not None and stalled():
+            follow(command)
+        hand_over()
+        ctx.extra_stats.update(parts.stats())
+        if retire and not parts.moving:
+            break
+        if writing and stalled():
             if stall.backoff.due() and stall.attempt(resume):
                 held.extend(stall.waiting)  # what arrived during the stall, in order
                 stall.waiting.clear()
@@ -165,12 +197,12 @@ def run(ctx: InstanceContext) -> None:
                             fail_checkpoint(checkpoint)
                     stall.waiting.append(delivery)
                 continue
-        if writer is not None:
-            if not stall.attempt(catch_up):
+        if writing:
+            if not stall.attempt(parts.catch_up):
                 continue
-            if retention.blocked():
+            if parts.blocked():
                 # The readers can only catch up on what is in segments.
-                if not stall.attempt(writer.flush):
+                if not stall.attempt(parts.flush):
                     continue
                 time.sleep(BLOCKED_WAIT)
                 metrics.count(MetricName.BACKPRESSURED_SECONDS, BLOCKED_WAIT)
@@ -178,13 +210,17 @@ def run(ctx: InstanceContext) -> None:
         t_wait = time.perf_counter()
         delivery = held.popleft() if held else ctx.inbox.get(timeout=0.1)
         metrics.count(MetricName.IDLE_SECONDS, time.perf_counter() - t_wait)
-        if writer is not None and time.monotonic() - last_flush >= FLUSH_INTERVAL:
-            stall.attempt(writer.flush)
+        if writing and time.monotonic() - last_flush >= FLUSH_INTERVAL:
+            stall.attempt(parts.flush)
             last_flush = time.monotonic()
         if delivery is None:
             continue
         if aligner.holds(delivery.sender):
             aligner.hold(delivery)
+            continue
+        if delivery.kind == MARKER:
+            parts.marker(delivery.sender, delivery.payload)
+            delivery.release()
             continue
         if delivery.kind == BARRIER:
             barrier = parse(Barrier, json.loads(delivery.payload))
@@ -194,15 +230,15 @@ def run(ctx: InstanceContext) -> None:
             aligner.arrive(delivery.sender, barrier)
         elif delivery.kind == END:
             ended.add(delivery.sender)
+            parts.marker(delivery.sender, None)
         if delivery.kind in (BARRIER, END):
             live = ctx.upstream_names(*upstream) - ended
             if aligner.aligned(live):
                 aligned = aligner.barrier
                 assert aligned is not None
                 # The output so far is the checkpoint's: it must be in segments, at an offset.
-                if writer is None or stall.attempt(writer.flush):
-                    offset = writer.end_offset if writer is not None else None
-                    ctx.emit(SinkCheckpointAck(id=aligned.id, offset=offset))
+                if stall.attempt(parts.flush):
+                    ctx.emit(SinkCheckpointAck(id=aligned.id, offsets=parts.end_offsets))
                 else:
                     fail_checkpoint(aligned.id)
                 held.extend(aligner.finish())
@@ -212,15 +248,10 @@ def run(ctx: InstanceContext) -> None:
         t0 = time.perf_counter()
         batch = decode(delivery.payload)
         delivery.release()
-        batch = batch.drop_columns([GROUP])
-        if function is not None:
-            function(batch)
-        else:
-            assert writer is not None
-            # Refused by the disk, the batch stays in the writer's buffer: the stall retries it.
-            stall.attempt(partial(writer.append, batch))
-            ctx.extra_stats["output_offset"] = writer.end_offset
         emitted = now_us()
+        for part, records in parts.split(batch):
+            write(part, records)
+        ctx.extra_stats.update(parts.stats())
         latency = np.maximum((emitted - batch.column(INGEST_TIME).to_numpy()) / 1e6, 0.0)
         weights = batch.column("n").to_numpy() if "n" in batch.schema.names else None
         metrics.latency.observe_many(latency, weights)
@@ -228,10 +259,6 @@ def run(ctx: InstanceContext) -> None:
         recent.append((emitted / 1e6, float(latency.max()) if len(latency) else 0.0))
         metrics.count(MetricName.RECORDS_IN, batch.num_rows)
         metrics.count(MetricName.BUSY_SECONDS, time.perf_counter() - t0)
-    if writer is not None:
-        last = writer
-        retrying(last.close, "writing the end of the output log")
-        if spec.checkpoints is not None:
-            # The job is done: all of it is final.
-            retrying(lambda: last.publish(last.end_offset), "publishing the output log")
-        ctx.extra_stats["output_offset"] = writer.end_offset
+    # All of it is final once the job is done (a retired instance owns nothing any more).
+    parts.finish(publish=spec.checkpoints is not None)
+    ctx.extra_stats.update(parts.stats())

@@ -114,7 +114,7 @@ class Job:
     def ack_keyed_and_sink(self, checkpoint: int, offset: int) -> None:
         chains: dict[str, Any] = {"shards": [], "groups": {}}
         self.report("counts", 0, events=[KeyedCheckpointAck(id=checkpoint, chains=chains)])
-        self.report("sink", 0, events=[SinkCheckpointAck(id=checkpoint, offset=offset)])
+        self.report("sink", 0, events=[SinkCheckpointAck(id=checkpoint, offsets={"0": offset})])
 
 
 def test_an_ended_source_is_in_every_later_checkpoint_at_its_final_position(

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import copy
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -430,3 +431,76 @@ async def test_the_deprecated_alias_warns_on_the_job(emu: Emulator) -> None:
         )  # fmt: skip
         assert event["type"] == "Warning"
         assert "spec.job.autoscaler.strategy is deprecated" in event["message"]
+
+
+async def test_an_operator_restarted_mid_decision_goes_on_with_its_pending_steps(
+    emu: Emulator, tmp_path: Path
+) -> None:
+    """An edit of two stages' parallelism is one decision, applied one rescale at a time: the
+    operator stops once the first has started and the second waits in its status
+    (`pendingRescales`); the operator started next goes on with it, the sink's rescale too,
+    and the output is still exactly once."""
+    out = tmp_path / "out"
+    track = {"kind": "process", "function": "tests.job_fns:track"}
+    graph: list[dict[str, Any]] = [
+        {"name": "clicks", "kind": "source", "config": SOURCE},
+        {"name": "track", "kind": "keyed", "input": "clicks", "key_by": "key",
+         "operator": track},
+        {"name": "out", "kind": "sink", "input": "track", "partitions": 2,
+         "config": {"kind": "log", "path": str(out), "format": "jsonl"}},
+    ]  # fmt: skip
+    body = streaming_job(job={"name": "clicks", "graph": graph, "batching": BATCHING},
+                         output={"claim": "clicks-out"})  # fmt: skip
+    async with kubelet(emu, tmp_path) as runner:
+        client = JobClient(emu, runner.address("clicks", NS))
+        try:
+            async with running_operator(emu, runner.address):
+                await run_job(emu, body)
+                edited = copy.deepcopy(graph)
+                edited[1]["parallelism"], edited[2]["parallelism"] = 2, 2
+                reply = await emu.patch(
+                    f"{CR_API}/namespaces/{NS}/streamingjobs/clicks",
+                    json={"spec": {"job": {"graph": edited}}},
+                    headers={"Content-Type": "application/merge-patch+json"},
+                )
+                assert reply.status == 200, await reply.text()
+                pending = await eventually(
+                    lambda: (job_object(emu)["status"].get("pendingRescales") or {}).get("queued"),
+                    60, "the second step waiting in the status",
+                )  # fmt: skip
+                assert pending == [{"stage": "out", "parallelism": 2}]
+
+                def pending_steps() -> dict[str, Any]:
+                    stages = job_object(emu)["status"].get("stages", [])
+                    return {s["name"]: s.get("pending") for s in stages}
+
+                # Each stage shows its step still to come, while it is to come.
+                await eventually(lambda: pending_steps().get("out") == 2, 30, "out's step shown")
+            async with running_operator(emu, runner.address):
+
+                def done() -> list[tuple[str, int, str]] | None:
+                    try:
+                        made = coordinator(client)["rescales"]
+                    except TransportError:
+                        return None
+                    steps = [(r["stage"], r["to"], r["phase"]) for r in made]
+                    return steps if len(steps) >= 2 else None
+
+                assert await eventually(done, 120, "both steps") == [
+                    ("track", 2, "done"),
+                    ("out", 2, "done"),
+                ]
+
+                def nothing_pending() -> bool:
+                    pending = job_object(emu)["status"].get("pendingRescales") or {}
+                    return not pending.get("started") and not pending.get("queued")
+
+                await eventually(
+                    lambda: (replicas(emu, "track"), replicas(emu, "out")) == (2, 2)
+                    and nothing_pending()
+                    and not any(pending_steps().values()),
+                    60, "the StatefulSets at 2 and nothing pending",
+                )  # fmt: skip
+                await drain_and_check(client, out)
+        finally:
+            client.close()

@@ -191,9 +191,12 @@ def test_a_second_stage_is_refused_while_another_moves(tmp_path: Path) -> None:
         with pytest.raises(RequestRefused) as refused:
             client.call("Rescale", {"stage": "regions", "parallelism": 3, "strategy": "hot-first"})
         assert f"rescale {started['id']} of stage users is still running" in str(refused.value)
+        with pytest.raises(RequestRefused) as sink:
+            client.call("Rescale", {"stage": "out", "parallelism": 1})
+        assert f"rescale {started['id']} of stage users is still running" in str(sink.value)
         with pytest.raises(RequestRefused) as stateless:
-            client.call("Rescale", {"stage": "out", "parallelism": 3, "strategy": "hot-first"})
-        assert "only the keyed stages ('users', 'regions', 'zones')" in str(stateless.value)
+            client.call("Rescale", {"stage": "to-zone", "parallelism": 3})
+        assert "stateless map chained into the processes of stage 'regions'" in str(stateless.value)
 
         def finished() -> bool:
             status = local.status()

@@ -263,6 +263,11 @@ def test_resolve_function_follows_dotted_qualnames() -> None:
         (job(keyed={"parallelism": 0}), ["keyed.parallelism", "greater than or equal to 1"]),
         (job(source={"parallelism": 0}), ["source.parallelism", "greater than or equal to 1"]),
         (job(sink={"parallelism": 257}), ["sink.parallelism", "less than or equal to 256"]),
+        (
+            job(sink={"parallelism": 3, "partitions": 2}),
+            ["sink", "sink parallelism 3 exceeds its partitions (2)"],
+        ),
+        (job(sink={"partitions": 0}), ["sink.partitions", "greater than or equal to 1"]),
         (job(max_key_groups=0), ["max_key_groups", "greater than or equal to 1"]),
         (job(batching={"credits": 0}), ["batching.credits", "greater than or equal to 1"]),
         (job(name="Bad_Name"), ["name", "should match pattern"]),

@@ -45,6 +45,7 @@ from keyshift.operator.k8s_children import (
     coordinator_address,
     coordinator_service_name,
     deep_merge,
+    sink_rescale_problem,
     stage_selector,
     stage_set_name,
 )
@@ -844,3 +845,20 @@ def test_a_job_written_as_a_graph_gets_a_stateful_set_per_process_stage() -> Non
     assert "graph" in yaml.safe_load(text)
     loaded = parse_job_as(AutoscaledJob, yaml.safe_load(text), resolve_functions=False)
     assert loaded == spec.job_spec()
+
+
+def test_the_sink_rescales_only_where_every_sink_pod_sees_its_output_log() -> None:
+    """Its partitions move between sink pods: a log on each pod's own emptyDir would strand
+    them; a shared claim, or a sink that writes no files, rescales."""
+    alone = StreamingJobSpec.model_validate(spec_data())
+    problem = sink_rescale_problem(alone, alone.job_spec())
+    assert (
+        problem is not None and "/app/out/clicks lives in each sink pod's own emptyDir" in problem
+    )
+    assert "give spec.output.claim" in problem
+    shared = StreamingJobSpec.model_validate(spec_data(output={"claim": "clicks-out"}))
+    assert sink_rescale_problem(shared, shared.job_spec()) is None
+    job = spec_data()["job"]
+    job["sink"]["config"]["format"] = "none"
+    offsets = StreamingJobSpec.model_validate(spec_data(job=job))
+    assert sink_rescale_problem(offsets, offsets.job_spec()) is None

@@ -692,10 +692,10 @@ async def test_a_replicas_handover_cut_short_is_finished_before_the_next_apply(
 async def test_every_keyed_stage_of_a_graph_job_rescales_and_the_status_shows_each(
     emu: Emulator, tmp_path: Path
 ) -> None:
-    """A graph job with two keyed stages: an edit of both stages' parallelism in
-    spec.job.graph rescales them live, one after the other, each StatefulSet follows, and the
-    status shows every stage's parallelism and the autoscaler's latest decision for it (dry
-    run: decided, never applied)."""
+    """A graph job with two keyed stages: an edit of both stages' and the sink's parallelism
+    in spec.job.graph rescales them live, one after the other, each StatefulSet follows, and
+    the status shows every stage's parallelism and the autoscaler's latest decision for it
+    (dry run: decided, never applied)."""
 
     def keyed(name: str, input: str, function: str) -> dict[str, Any]:
         operator = {"kind": "process", "function": f"tests.job_fns:{function}"}
@@ -707,14 +707,22 @@ async def test_every_keyed_stage_of_a_graph_job_rescales_and_the_status_shows_ea
         {"name": "clicks", "kind": "source", "config": source},
         keyed("users", "clicks", "track"),
         keyed("nested", "users", "nest"),
-        {"name": "out", "kind": "sink", "input": "nested", "config": {"kind": "log"}},
+        # Output log files would need a claim every sink pod shares (the sink's partitions
+        # move between them): this sink keeps offsets only.
+        {
+            "name": "out",
+            "kind": "sink",
+            "input": "nested",
+            "partitions": 2,
+            "config": {"kind": "log", "format": "none"},
+        },
     ]
     job = {"name": "clicks", "graph": graph, "autoscaler": {"interval": 1, "dry_run": True}}
     body = streaming_job()
     body["spec"]["job"] = job
     async with job_running_in_cluster(emu, tmp_path, body):
         edited = copy.deepcopy(graph)
-        edited[1]["parallelism"], edited[2]["parallelism"] = 2, 3
+        edited[1]["parallelism"], edited[2]["parallelism"], edited[3]["parallelism"] = 2, 3, 2
         patch = {"spec": {"job": {"graph": edited}}}
         reply = await emu.patch(f"{CR_API}/namespaces/{NS}/streamingjobs/clicks", json=patch,
                                 headers=MERGE)  # fmt: skip
@@ -734,14 +742,15 @@ async def test_every_keyed_stage_of_a_graph_job_rescales_and_the_status_shows_ea
         try:
             await eventually(
                 lambda: [(s.get("current"), s.get("ready")) for s in
-                         (stages().get("users", {}), stages().get("nested", {}))]
-                == [(2, 2), (3, 3)] and (replicas("users"), replicas("nested")) == (2, 3)
-                and len(rescales()) == 2,
-                120, "both keyed stages rescaled",
+                         (stages().get(name, {}) for name in ("users", "nested", "out"))]
+                == [(2, 2), (3, 3), (2, 2)]
+                and (replicas("users"), replicas("nested"), replicas("out")) == (2, 3, 2)
+                and len(rescales()) == 3,
+                120, "both keyed stages and the sink rescaled",
             )  # fmt: skip
         except AssertionError as exc:
             raise AssertionError(f"{exc}: {job_object(emu)['status']}") from None
-        assert rescales() == [("users", 2, "done"), ("nested", 3, "done")]
+        assert rescales() == [("users", 2, "done"), ("nested", 3, "done"), ("out", 2, "done")]
         assert any(e["reason"] == "ManualRescale" for e in events_of(emu))
         await eventually(
             lambda: all(stages()[s].get("lastDecision") for s in ("users", "nested")),

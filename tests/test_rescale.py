@@ -306,7 +306,8 @@ def test_bad_rescale_requests_are_refused_and_change_nothing(tmp_path: Path) -> 
             ),
             ({"stage": "track"}, "malformed RescaleRequest: parallelism: Field required"),
             ({"stage": "track", "parallelism": 2, "speed": 9}, "speed: Extra inputs are not"),
-            ({"stage": "source", "parallelism": 2}, "stage 'source' has no keyed state"),
+            ({"stage": "source", "parallelism": 2}, "stage 'source' is a source"),
+            ({"stage": "sink", "parallelism": 3}, "from 1 to 2 (the sink writes 2 output"),
             ({"stage": "nope", "parallelism": 2}, "has no stage 'nope'"),
             (
                 {"stage": "track", "parallelism": 2, "strategy": "teleport"},

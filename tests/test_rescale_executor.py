@@ -20,9 +20,11 @@ import pytest
 from keyshift.operator.autoscaler import RescaleOutcome, RescaleRefused
 from keyshift.operator.k8s_scaling import remembered
 from keyshift.operator.rescale_executor import (
+    NO_PENDING,
     CoordinatorExecutor,
     LatestStatus,
     MigrationPlan,
+    PendingSteps,
     RescaleMark,
 )
 from keyshift.runtime.rescale import RescaleStatus
@@ -75,11 +77,11 @@ def nobody() -> JsonClient:
 
 
 def executor(
-    client: JsonClient, handled: RescaleMark | None = None
+    client: JsonClient, handled: RescaleMark | None = None, pending: PendingSteps = NO_PENDING
 ) -> tuple[CoordinatorExecutor, LatestStatus, RecordingPool]:
     latest, pool = LatestStatus(), RecordingPool()
     made = CoordinatorExecutor(
-        client, pool, latest, frozenset({"counts"}), MigrationPlan(), handled
+        client, pool, latest, frozenset({"counts"}), MigrationPlan(), handled, pending
     )
     return made, latest, pool
 
@@ -256,3 +258,62 @@ def test_a_decisions_rescales_run_one_after_another_and_a_refused_one_ends_it(
         assert [(r["stage"], r["to"]) for r in local.status()["rescales"]] == [("a", 2), ("b", 2)]
         stages = {s["name"]: s["desired"] for s in local.status()["stages"]}
         assert (stages["a"], stages["b"]) == (2, 2)
+
+
+def test_a_restarted_host_goes_on_with_the_pending_steps_of_a_decision(
+    nobody: JsonClient,
+) -> None:
+    """The host before it started counts→3 (rescale 3) and queued b→2: this one waits for
+    rescale 3 to end and then starts b (at no coordinator here: refused, the failed outcome
+    names it, which shows it was taken up)."""
+    pending = PendingSteps(RescaleMark("a", 3), "counts", (("b", 2),))
+    made, latest, _ = executor(nobody, RescaleMark("a", 2), pending)
+    assert made.running() == "counts" and made.pending() == pending
+    latest.value = status("a", [rescale(2, 2, 1)], desired=3, running=rescale(3, 2, 3, "moving"))
+    assert made.finished() == [] and made.pending() == pending
+    latest.value = status("a", [rescale(2, 2, 1), rescale(3, 2, 3)], desired=3)
+    outcomes = made.finished()
+    assert outcomes[0] == RescaleOutcome("counts", True, "done")
+    assert (outcomes[1].stage, outcomes[1].ok) == ("b", False), outcomes
+    assert outcomes[1].detail.startswith("not started: ")
+    assert not made.pending() and made.running() is None
+
+
+def test_pending_steps_end_with_a_restarted_coordinator_or_a_failed_step(
+    nobody: JsonClient,
+) -> None:
+    """A coordinator restarted while the host was down has ended the decision (restored to a
+    checkpoint); a started step that failed before the host took its outcome ends it too."""
+    pending = PendingSteps(RescaleMark("a", 3), "counts", (("b", 2),))
+    made, latest, _ = executor(nobody, RescaleMark("a", 2), pending)
+    latest.value = status("b", [], desired=2)
+    assert made.finished() == [] and not made.pending()
+    made, latest, _ = executor(nobody, RescaleMark("a", 3), pending)
+    latest.value = status("a", [rescale(3, 2, 3, "failed")], desired=2)
+    assert made.finished() == [] and not made.pending() and made.running() is None
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        ([], "a mapping"),
+        ({"started": {"incarnation": "a", "id": 1}}, "stage must be a name"),
+        ({"queued": {"stage": "b"}}, "queued must be a list"),
+        ({"queued": [{"stage": "", "parallelism": 2}]}, "stage must be a name"),
+        ({"queued": [{"stage": "b", "parallelism": 0}]}, "parallelism must be >= 1"),
+        ({"queued": [{"stage": "b", "parallelism": True}]}, "parallelism must be >= 1"),
+    ],
+)
+def test_unreadable_pending_steps_are_refused_with_the_reason(value: Any, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        PendingSteps.from_json(value)
+    memory, problems = remembered({"pendingRescales": value})
+    assert not memory.pending and problems[0].startswith("status.pendingRescales ignored")
+
+
+def test_pending_steps_read_back_as_written() -> None:
+    pending = PendingSteps(RescaleMark("a", 3), "counts", (("b", 2), ("counts", 1)))
+    assert PendingSteps.from_json(pending.to_json()) == pending
+    memory, problems = remembered({"pendingRescales": pending.to_json()})
+    assert memory.pending == pending and problems == []
+    assert PendingSteps.from_json(PendingSteps().to_json()) == PendingSteps()
