@@ -651,17 +651,21 @@ class StateSettings(_Model):
     )
 
 
-class KeyedStage(Stage):
-    name: str = Field(default="keyed", pattern=STAGE_NAME_PATTERN)
-    key_by: str = Field(default="key", description="the field whose value is the key")
-    operator: OperatorConfig = Field(default_factory=AggregateOperator)
-    state: StateSettings = Field(default_factory=StateSettings)
-    standby: int = Field(
+def _standby_field() -> Any:
+    return Field(
         default=0,
         ge=0,
         le=MAX_STANDBY,
         description="idle pre-started instances a scale-out takes before starting processes",
     )
+
+
+class KeyedStage(Stage):
+    name: str = Field(default="keyed", pattern=STAGE_NAME_PATTERN)
+    key_by: str = Field(default="key", description="the field whose value is the key")
+    operator: OperatorConfig = Field(default_factory=AggregateOperator)
+    state: StateSettings = Field(default_factory=StateSettings)
+    standby: int = _standby_field()
 
 
 def _partitions_field() -> Any:
@@ -856,6 +860,7 @@ class KeyedNode(_Downstream):
     key_by: str = Field(description="the field whose value is the key")
     operator: OperatorConfig = Field(default_factory=AggregateOperator)
     state: StateSettings = Field(default_factory=StateSettings)
+    standby: int = _standby_field()
 
 
 class SinkNode(_Partitions, _Partitioned):
@@ -1085,6 +1090,7 @@ class JobSpec(_Model):
                     "key_by": keyed.key_by,
                     "operator": keyed.operator,
                     "state": keyed.state,
+                    "standby": keyed.standby,
                 },
                 context=context,
             )

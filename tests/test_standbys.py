@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 
 from keyshift.runtime.job import MAX_STANDBY, JobError, parse_job
+from keyshift.runtime.pipeline import Dataflow, source
 from keyshift.runtime.standbys import StandbyPool
 from tests.conftest import count_job, running_job, wait_for
 
@@ -23,6 +24,17 @@ from tests.conftest import count_job, running_job, wait_for
 def test_a_standby_count_out_of_bounds_is_refused(standby: int, reason: str) -> None:
     with pytest.raises(JobError, match=reason):
         parse_job(count_job(keyed={"standby": standby}))
+
+
+def test_the_python_api_and_a_graph_job_set_standbys_and_refuse_bad_ones() -> None:
+    def flow(standby: int) -> Any:
+        counts = source("events").key_by("key").count(name="counts", standby=standby)
+        return Dataflow("t", counts.sink_log(name="out"))
+
+    (step,) = flow(2).build().keyed_stages()
+    assert step.stage.standby == 2
+    with pytest.raises(JobError, match="standby"):
+        flow(-1).build()
 
 
 def test_a_scale_out_takes_standbys_in_order_for_its_new_indexes_only() -> None:
