@@ -20,6 +20,7 @@ import numpy as np
 import pyarrow as pa
 
 from keyshift.runtime.job import Chained, FieldType, Route, resolve_function
+from keyshift.runtime.joins import wrap
 from keyshift.runtime.keyspace import Assignment, key_groups
 from keyshift.runtime.protocol import (
     Ack,
@@ -133,19 +134,22 @@ class EdgeRouter:
     to instances that left the topology.
     """
 
-    def __init__(self, ctx: InstanceContext, route: Route) -> None:
+    def __init__(self, ctx: InstanceContext, target: str, routes: list[Route]) -> None:
         self.ctx = ctx
-        self.target = route.target
-        step = ctx.spec.keyed_step(route.target)
+        self.target = target
+        step = ctx.spec.keyed_step(target)
         self.fields = step.fields
         self.key_by = step.stage.key_by
-        self.transforms = resolve_transforms(route.transforms)
+        # Each way into the stage: its transforms, and into a join its side (both ways from
+        # one sender into a join go on the same streams, one after the other per batch).
+        self.ways = [(resolve_transforms(route.transforms), route.side) for route in routes]
+        self.sides = step.sides
         # A source stamps its records' event times from this field, after the functions.
         settings = ctx.spec.source.event_time
         at_source = ctx.stage == ctx.spec.source.name
         self.time_field = settings.field if settings is not None and at_source else None
-        self.outlets = ctx.connect(route.target)
-        self.assignment = ctx.assignment(route.target)
+        self.outlets = ctx.connect(target)
+        self.assignment = ctx.assignment(target)
         self.dead: set[int] = set()
         self.stranded: list[bytes] = []
 
@@ -153,10 +157,21 @@ class EdgeRouter:
         self, batch: pa.RecordBatch, stamp: Stamp = lambda batch: batch
     ) -> tuple[pa.RecordBatch, list[tuple[int, bytes]]]:
         """The records as the keyed stage reads them (transformed, checked, `stamp`ed with
-        their event times, with their key groups), and their parts by owner."""
-        if self.transforms:
-            batch = apply_transforms(self.ctx, batch, self.transforms, self.fields, self.time_field)
-        batch = stamp(batch)
+        their event times, into a join wrapped as its side, with their key groups), and their
+        parts by owner."""
+        parts = []
+        for transforms, side in self.ways:
+            fields = self.fields if side is None else self.sides[side].fields
+            way = (
+                apply_transforms(self.ctx, batch, transforms, fields, self.time_field)
+                if transforms
+                else batch
+            )
+            way = stamp(way)
+            if side is not None:
+                way = wrap(way, side, self.sides[side].key_by, self.sides[side].fields)
+            parts.append(way)
+        batch = parts[0] if len(parts) == 1 else pa.concat_batches(parts)
         groups = key_groups(batch.column(self.key_by), self.ctx.spec.max_key_groups)
         batch = batch.set_column(batch.schema.get_field_index(GROUP), GROUP, pa.array(groups))
         return batch, self.route(batch, groups)
@@ -229,7 +244,10 @@ class Outputs:
 
     def __init__(self, ctx: InstanceContext, routes: tuple[Route, ...]) -> None:
         self.ctx = ctx
-        self.routers = {route.target: EdgeRouter(ctx, route) for route in routes}
+        ways: dict[str, list[Route]] = {}
+        for route in routes:
+            ways.setdefault(route.target, []).append(route)
+        self.routers = {target: EdgeRouter(ctx, target, of) for target, of in ways.items()}
         self.paused = False
         # The last watermark message each keyed instance got, by its stage and index.
         self.watermarks: dict[tuple[str, int], bytes] = {}

@@ -39,17 +39,19 @@ from pydantic import (
 )
 
 from keyshift.runtime.job_file import JobFileError, check_data, read_job_file
-from keyshift.runtime.job_graph import FieldType as FieldType
 from keyshift.runtime.job_graph import (
+    KEY_FIELD,
     Graph,
     GraphError,
     Hop,
     Node,
     Partitioning,
     Role,
+    Schema,
     build_graph,
     lower_to_chain,
 )
+from keyshift.runtime.job_graph import FieldType as FieldType
 from keyshift.runtime.nexmark import FIELDS as NEXMARK_SCHEMA
 from keyshift.runtime.nexmark import START_TIME_US, NexmarkModel
 from keyshift.runtime.records import READER_NAME, RESERVED_FIELDS
@@ -585,11 +587,70 @@ class WindowOperator(_Model):
         return round(self.window.gap_ms * 1000)
 
 
+def _join_function(path: str | None, info: ValidationInfo) -> str | None:
+    return None if path is None else _check_function_path(path, info, 2)
+
+
+_JOIN_FUNCTION = Field(
+    default=None,
+    description="module:function(left, right) -> value or None, called once per matched pair "
+    "(each side's record with its event_time); its value is the output's (None: no output); "
+    "none: the pair itself, [left, right]",
+)
+
+
+class WindowJoinOperator(_NoWindows):
+    """A join of a keyed stage's two inputs (Flink's `a.join(b).where(..).equalTo(..)
+    .window(...)`): a record of the first and one of the second with equal keys in the same
+    tumbling event-time window match; a window's pairs are sent once the watermark passes its
+    end (keyshift.runtime.joins). The source needs `event_time` settings."""
+
+    kind: Literal["window_join"]
+    window: TumblingWindow
+    function: str | None = _JOIN_FUNCTION
+
+    _check_function = field_validator("function")(_join_function)
+
+    def size_us(self) -> int:
+        return round(self.window.size_ms * 1000)
+
+
+class IntervalJoinOperator(_NoWindows):
+    """A join of a keyed stage's two inputs (Flink's `a.keyBy(..).intervalJoin(b.keyBy(..))
+    .between(lower, upper)`): a record `left` of the first input and `right` of the second with
+    equal keys match when left.ts + lower_ms <= right.ts <= left.ts + upper_ms; a pair is sent
+    as soon as its second record arrives, and a side's records are dropped once the watermark
+    makes further matches impossible (keyshift.runtime.joins). The source needs `event_time`."""
+
+    kind: Literal["interval_join"]
+    lower_ms: float = Field(ge=-365 * 86_400_000, le=365 * 86_400_000)
+    upper_ms: float = Field(ge=-365 * 86_400_000, le=365 * 86_400_000)
+    function: str | None = _JOIN_FUNCTION
+
+    _check_function = field_validator("function")(_join_function)
+
+    @model_validator(mode="after")
+    def _ordered(self) -> IntervalJoinOperator:
+        if self.lower_ms > self.upper_ms:
+            raise ValueError(
+                f"lower_ms ({self.lower_ms}) must not exceed upper_ms ({self.upper_ms}): no "
+                "record would match any other"
+            )
+        return self
+
+    def bounds_us(self) -> tuple[int, int]:
+        return round(self.lower_ms * 1000), round(self.upper_ms * 1000)
+
+
+JoinOperator = WindowJoinOperator | IntervalJoinOperator
+
 OperatorConfig = Annotated[
     Annotated[AggregateOperator, Tag(_tag("aggregate"))]
     | Annotated[ProcessOperator, Tag(_tag("process"))]
-    | Annotated[WindowOperator, Tag(_tag("window"))],
-    _kind_or("aggregate", "aggregate", "process", "window"),
+    | Annotated[WindowOperator, Tag(_tag("window"))]
+    | Annotated[WindowJoinOperator, Tag(_tag("window_join"))]
+    | Annotated[IntervalJoinOperator, Tag(_tag("interval_join"))],
+    _kind_or("aggregate", "aggregate", "process", "window", "window_join", "interval_join"),
 ]
 
 
@@ -726,21 +787,34 @@ class Chained:
 @dataclass(frozen=True)
 class Route:
     """Where a sending stage's records go: through `transforms` (run in the sender's
-    instances, in order) to `target` (a keyed stage, or the sink)."""
+    instances, in order) to `target` (a keyed stage, or the sink); into a join, as its `side`
+    (0: its first input, 1: its second)."""
 
     target: str
     transforms: tuple[Chained, ...]
+    side: int | None = None
+
+
+@dataclass(frozen=True)
+class JoinSide:
+    """One input of a join stage: the schema of its records and their key field."""
+
+    fields: dict[str, FieldType]
+    key_by: str
 
 
 @dataclass(frozen=True)
 class KeyedStep:
     """A keyed stage as the runtime runs it: its settings, the schema of the records it reads,
-    the stages whose instances send them (a union when several), and its updates' routes."""
+    the stages whose instances send them (a union when several), and its updates' routes. A
+    join's `fields` are `join_input`'s (what its senders wrap each side's records into), and
+    its `sides` say what each input's records are."""
 
     stage: KeyedStage
     fields: dict[str, FieldType]
     inputs: tuple[str, ...]
     outputs: tuple[Route, ...]
+    sides: tuple[JoinSide, ...] = ()
 
 
 GENERATED_FIELDS: dict[str, FieldType] = {"key": "int", "value": "float"}
@@ -857,10 +931,30 @@ class KeyedNode(_Downstream):
     """A keyed stage of a graph, partitioned by its own `key_by`."""
 
     kind: Literal["keyed"]
-    key_by: str = Field(description="the field whose value is the key")
+    key_by: str | list[str] = Field(
+        description="the field whose value is the key; a join's: one per input, in the order "
+        "of `inputs` (one name: the same field in both)"
+    )
     operator: OperatorConfig = Field(default_factory=AggregateOperator)
     state: StateSettings = Field(default_factory=StateSettings)
     standby: int = _standby_field()
+
+    @model_validator(mode="after")
+    def _one_key_unless_joined(self) -> KeyedNode:
+        if isinstance(self.key_by, list) and not isinstance(self.operator, JoinOperator):
+            raise ValueError(
+                f"key_by names one field (got {self.key_by}); a list, one per input, is a "
+                "join's (operator kind window_join or interval_join)"
+            )
+        return self
+
+    def join_keys(self) -> tuple[str, ...]:
+        """A join's key field per input; () for any other keyed stage."""
+        if not isinstance(self.operator, JoinOperator):
+            return ()
+        if isinstance(self.key_by, str):
+            return (self.key_by,) * len(self.input_names())
+        return tuple(self.key_by)
 
 
 class SinkNode(_Partitions, _Partitioned):
@@ -895,8 +989,15 @@ GraphStage = Annotated[
 
 def _keyed_node(stage: KeyedStage | KeyedNode, inputs: tuple[str, ...]) -> Node:
     """A keyed stage as `keyshift.runtime.job_graph` sees it: its built-in aggregate or its
-    user's function, and the field either reads."""
+    user's function, and the field either reads; a join's key field per input."""
     op = stage.operator
+    if isinstance(op, JoinOperator):
+        # A join of the older shape (one input) has its one key: the graph refuses it by name.
+        keys = stage.join_keys() if isinstance(stage, KeyedNode) else (stage.key_by,)
+        return Node(
+            stage.name, "keyed", stage.parallelism, inputs, function=op.function, join_keys=keys
+        )
+    assert isinstance(stage.key_by, str)  # a list is a join's (KeyedNode checks)
     if isinstance(op, WindowOperator):
         aggregate, field, function = op.aggregate, op.field, op.user_function
     elif isinstance(op, AggregateOperator):
@@ -1058,9 +1159,14 @@ class JobSpec(_Model):
         source = stages[chain.source.name]
         sink = stages[chain.sink.name]
         assert isinstance(source, SourceNode) and isinstance(sink, SinkNode)
-        reads = {link.keyed.name: link.fields for link in chain.keyed}
+        links = {link.keyed.name: link for link in chain.keyed}
+
+        def reads(hop: Hop) -> Schema:
+            link = links[hop.target]
+            return link.fields if hop.side is None else link.sides[hop.side]
+
         for hop in chain.outputs:
-            if isinstance(source.config, IngestSource) and dict(reads[hop.target]) != source.fields:
+            if isinstance(source.config, IngestSource) and dict(reads(hop)) != source.fields:
                 changing = next(t for t in hop.transforms if t.fields is not None)
                 raise ValueError(
                     f"not supported yet: stage {changing.name!r} (map): a map that reshapes an "
@@ -1077,17 +1183,19 @@ class JobSpec(_Model):
             for t in hop.transforms:
                 assert t.role in ("map", "filter", "flat_map") and t.function is not None
                 chained.append(Chained(t.role, t.function))
-            return Route(hop.target, tuple(chained))
+            return Route(hop.target, tuple(chained), hop.side)
 
         steps = []
         for link in chain.keyed:
             keyed = stages[link.keyed.name]
             assert isinstance(keyed, KeyedNode)
+            joins = keyed.join_keys()
             step = KeyedStage.model_validate(
                 {
                     "name": keyed.name,
                     "parallelism": keyed.parallelism,
-                    "key_by": keyed.key_by,
+                    # A join reads its senders' wrapping of each side (join_input).
+                    "key_by": KEY_FIELD if joins else keyed.key_by,
                     "operator": keyed.operator,
                     "state": keyed.state,
                     "standby": keyed.standby,
@@ -1095,7 +1203,10 @@ class JobSpec(_Model):
                 context=context,
             )
             outputs = tuple(route(hop) for hop in link.outputs)
-            steps.append(KeyedStep(step, dict(link.fields), link.inputs, outputs))
+            sides = tuple(
+                JoinSide(dict(fields), key) for fields, key in zip(link.sides, joins, strict=True)
+            )
+            steps.append(KeyedStep(step, dict(link.fields), link.inputs, outputs, sides))
         routes = tuple(route(hop) for hop in chain.outputs)
         values = {
             "source": SourceStage.model_validate(
@@ -1197,12 +1308,21 @@ class JobSpec(_Model):
         names = [stage.name for stage in self.stages()]
         if len(set(names)) != len(names):
             raise ValueError(f"stage names must be distinct, got {names}")
-        if self.keyed.key_by not in self.fields:
-            raise ValueError(
-                f"keyed.key_by {self.keyed.key_by!r} is not one of fields {list(self.fields)}"
-            )
-        if self.fields[self.keyed.key_by] not in ("int", "str"):
-            raise ValueError("keyed.key_by must name an 'int' or 'str' field")
+        for step in self._keyed_stages:
+            if step.sides and self.source.event_time is None:
+                raise ValueError(
+                    f"stage {step.stage.name!r}: a join needs event time (its windows and "
+                    "intervals are of event time, its state is dropped by the watermark): give "
+                    "the source `event_time` settings"
+                )
+        # A join's key fields were checked per input by the graph (`fields` are its source's).
+        if not self._keyed_stages[0].sides:
+            if self.keyed.key_by not in self.fields:
+                raise ValueError(
+                    f"keyed.key_by {self.keyed.key_by!r} is not one of fields {list(self.fields)}"
+                )
+            if self.fields[self.keyed.key_by] not in ("int", "str"):
+                raise ValueError("keyed.key_by must name an 'int' or 'str' field")
         op = self.keyed.operator
         if isinstance(op, WindowOperator) and self.source.event_time is None:
             raise ValueError(

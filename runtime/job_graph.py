@@ -6,7 +6,10 @@ older source/keyed/sink shape, normalised into one) becomes `Node`s, `build_grap
 bad graph naming the stage and the reason, and `lower_to_chain` maps a graph onto the shape
 the runtime executes today (one source, keyed stages with fan-out and unions between them, one
 sink; the map/filter stages on an edge chained into its sender's instances), refusing any other
-shape with "not supported yet". The module is pure: no I/O, no
+shape with "not supported yet". A join stage (a keyed stage of two inputs, `join_keys` one key
+field per input) reads each input with its own schema: its senders wrap every record into
+`join_input`'s schema (the key, which side, the record as JSON), so both ways into it, even
+from one sender, travel as one stream. The module is pure: no I/O, no
 imports of the job's pydantic models (they import it).
 """
 
@@ -28,6 +31,14 @@ KEY_TYPES = ("int", "str")
 # `keyshift.runtime.windows.window_output_schema` and
 # `keyshift.runtime.keyed_stage.process_output_schema`, which tests/test_job_graph.py compares.
 KEY_FIELD = "key"
+# What a join stage reads: each side's records, wrapped by their senders into one schema.
+JOIN_SIDE, JOIN_RECORD = "side", "record"
+
+
+def join_input(key_type: FieldType) -> dict[str, FieldType]:
+    """The records a join stage reads: the key, the side (0: its first input, 1: its second)
+    and the side's record as JSON (`keyshift.runtime.joins`)."""
+    return {KEY_FIELD: key_type, JOIN_SIDE: "int", JOIN_RECORD: "str"}
 
 
 def keyed_output(
@@ -56,6 +67,7 @@ class Node:
     when `partitioning` says so. `aggregate` names a keyed stage's aggregate function (none
     for a process function), `aggregate_field` the field it reads; `window`: the aggregate is
     per event-time window (with no aggregate: `function` computes each window's result).
+    `join_keys`: a join stage's key field in each of its inputs (in their order).
     """
 
     name: str
@@ -69,6 +81,7 @@ class Node:
     aggregate_field: str | None = None
     window: bool = False
     function: str | None = None
+    join_keys: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -187,6 +200,37 @@ def _key_type(node: Node, key: str, schema: Schema) -> FieldType:
     return kind
 
 
+def _join_schema(node: Node, schemas: Mapping[str, Schema]) -> Schema:
+    """A join's output; GraphError unless it has two inputs, each with its key field, of one
+    key type."""
+    if len(node.inputs) != 2:
+        raise GraphError(
+            f"{_stage(node)}: a join reads two inputs (`inputs: [left, right]`), "
+            f"got {len(node.inputs)}: {list(node.inputs)}"
+        )
+    if len(node.join_keys) != len(node.inputs):
+        raise GraphError(
+            f"{_stage(node)}: key_by names one key field per input, got {list(node.join_keys)}"
+        )
+    types = []
+    for name, key in zip(node.inputs, node.join_keys, strict=True):
+        schema = schemas[name]
+        if key not in schema:
+            raise GraphError(
+                f"{_stage(node)}: key_by {key!r} is not a field of its input {name!r} "
+                f"(fields: {list(schema)})"
+            )
+        types.append(_key_type(node, key, schema))
+    if types[0] != types[1]:
+        left, right = node.inputs
+        raise GraphError(
+            f"{_stage(node)}: its keys have different types ({left!r}.{node.join_keys[0]} is "
+            f"{types[0]}, {right!r}.{node.join_keys[1]} is {types[1]}): a join matches keys of "
+            "one type"
+        )
+    return keyed_output(types[0], None)
+
+
 def _keyed_schema(node: Node, schema: Schema) -> Schema:
     assert node.key_by is not None  # every keyed Node has its key
     key_type = _key_type(node, node.key_by, schema)
@@ -210,6 +254,8 @@ def _output_schema(node: Node, schemas: Mapping[str, Schema]) -> Schema:
         if node.fields is None:
             raise GraphError(f"{_stage(node)} needs `fields`: the schema of its records")
         return node.fields
+    if node.join_keys:
+        return _join_schema(node, schemas)
     schema = _input_schema(node, schemas)
     if node.role == "keyed":
         return _keyed_schema(node, schema)
@@ -218,7 +264,7 @@ def _output_schema(node: Node, schemas: Mapping[str, Schema]) -> Schema:
     return schema
 
 
-def _edges(node: Node, by_name: Mapping[str, Node], schema: Schema) -> list[Edge]:
+def _edges(node: Node, by_name: Mapping[str, Node], schemas: Mapping[str, Schema]) -> list[Edge]:
     """The edges into `node`; a non-keyed stage left unsaid gets `key_by` of the key after a
     keyed stage (a key keeps its partition, as a sink needs), else `forward` where the
     parallelism is equal (chaining) and `rebalance` where it is not."""
@@ -228,7 +274,9 @@ def _edges(node: Node, by_name: Mapping[str, Node], schema: Schema) -> list[Edge
                 f"{_stage(node)}: a keyed stage is partitioned by its key_by, "
                 f"not {node.partitioning!r}"
             )
-        return [Edge(name, node.name, "key_by", node.key_by) for name in node.inputs]
+        keys = node.join_keys or (node.key_by,) * len(node.inputs)
+        return [Edge(n, node.name, "key_by", k) for n, k in zip(node.inputs, keys, strict=True)]
+    schema = _input_schema(node, schemas)
     edges = []
     for name in node.inputs:
         upstream = by_name[name]
@@ -269,7 +317,7 @@ def build_graph(nodes: Sequence[Node]) -> Graph:
     for node in order:
         schemas[node.name] = _output_schema(node, schemas)
         if node.inputs:
-            edges += _edges(node, by_name, _input_schema(node, schemas))
+            edges += _edges(node, by_name, schemas)
     return Graph(tuple(order), tuple(edges), schemas)
 
 
@@ -277,22 +325,25 @@ def build_graph(nodes: Sequence[Node]) -> Graph:
 class Hop:
     """An edge as the runtime runs it: records go from a sending stage (the source or a keyed
     stage) through `transforms` (map/filter, chained into the sender's instances) to `target`
-    (a keyed stage, or the sink)."""
+    (a keyed stage, or the sink); into a join, `side` says which of its inputs the edge is."""
 
     target: str
     transforms: tuple[Node, ...]
+    side: int | None = None
 
 
 @dataclass(frozen=True)
 class KeyedLink:
     """One keyed stage as the runtime runs it: it reads records of schema `fields` from the
     instances of its `inputs` (the source, keyed stages: a union when several), and its
-    updates take each of its `outputs`."""
+    updates take each of its `outputs`. A join's `sides` are its inputs' schemas (`fields`
+    is then `join_input`'s)."""
 
     keyed: Node
     fields: Schema
     inputs: tuple[str, ...]
     outputs: tuple[Hop, ...]
+    sides: tuple[Schema, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -300,7 +351,8 @@ class Chain:
     """The shapes the runtime executes today: one source whose updates take `outputs`, keyed
     stages (in topological order) with fan-out and unions between them, and one sink
     receiving the updates of the keyed stages in `sink_inputs`, each key in the partition of
-    its key group. `fields` is the schema the first keyed stage reads."""
+    its key group. `fields` is the schema the first keyed stage reads (of a join: the
+    source's records)."""
 
     source: Node
     outputs: tuple[Hop, ...]
@@ -364,6 +416,8 @@ def lower_to_chain(graph: Graph) -> Chain:
         for edge in graph.outputs_of(sender.name):
             hop, last = _hop(graph, edge, after_keyed=sender.role == "keyed")
             target = graph.node(hop.target)
+            if target.join_keys:
+                hop = Hop(hop.target, hop.transforms, target.inputs.index(last.source))
             if target.role == "sink":
                 if sender.role != "keyed":
                     raise _not_yet(target, "a sink fed by a stage that is not keyed")
@@ -384,11 +438,20 @@ def lower_to_chain(graph: Graph) -> Chain:
     links = []
     for keyed in graph.of_role("keyed"):
         inputs = senders[keyed.name]
+        outputs = tuple(hops[keyed.name])
+        if keyed.join_keys:
+            # Both ways from one sender go on its one stream to each instance (its router
+            # wraps each side's records): its barriers, markers and watermarks count once.
+            sides = tuple(graph.schemas[name] for name in keyed.inputs)
+            key_type = sides[0][keyed.join_keys[0]]
+            fields: Schema = join_input(key_type)
+            unique = tuple(dict.fromkeys(inputs))
+            links.append(KeyedLink(keyed, fields, unique, outputs, sides))
+            continue
         if len(set(inputs)) < len(inputs):
             raise _not_yet(keyed, f"two ways from {inputs[0]!r} into one keyed stage")
-        fields = graph.schemas[keyed.inputs[0]]
-        links.append(KeyedLink(keyed, fields, tuple(inputs), tuple(hops[keyed.name])))
+        links.append(KeyedLink(keyed, graph.schemas[keyed.inputs[0]], tuple(inputs), outputs))
     sink_inputs = senders[sink.name]
     # The first keyed stage in topological order reads only the source's records.
-    fields = links[0].fields
+    fields = graph.schemas[source.name] if links[0].sides else links[0].fields
     return Chain(source, tuple(hops[source.name]), tuple(links), sink, tuple(sink_inputs), fields)

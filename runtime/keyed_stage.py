@@ -13,6 +13,7 @@ import json
 import logging
 import time
 from collections import Counter, deque
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -26,11 +27,13 @@ from keyshift.runtime.edge_router import Outputs, Routed
 from keyshift.runtime.job import (
     AggregateOperator,
     JobSpec,
+    JoinOperator,
     KeyedStep,
     ProcessOperator,
     WindowOperator,
     resolve_function,
 )
+from keyshift.runtime.joins import Join, make_join, pairs
 from keyshift.runtime.keyspace import Assignment
 from keyshift.runtime.late_records import LateRecordsWriter
 from keyshift.runtime.metrics import MetricName
@@ -96,10 +99,12 @@ from keyshift.runtime.transport import (
 from keyshift.runtime.watermarks import WatermarkTracker
 from keyshift.runtime.windows import (
     EventWindows,
+    GroupFloors,
     KeyedWindows,
     WindowFunction,
     WindowShape,
     composite_groups,
+    take_back,
     window_contents,
     window_output_schema,
 )
@@ -109,9 +114,13 @@ PUSH_SLICE = 0.05  # seconds of state pushing between two batches of records, at
 log = logging.getLogger("keyshift.keyed")
 
 
-def make_timers(spec: JobSpec, step: KeyedStep) -> KeyedTimers | None:
-    """The timers of a process stage whose function has an `on_timer`."""
+def make_timers(spec: JobSpec, step: KeyedStep, join: Join | None) -> KeyedTimers | None:
+    """The timers of a process stage whose function has an `on_timer`, or of a join (whose
+    functions are the join's)."""
     op = step.stage.operator
+    if join is not None:
+        key_type = ARROW_TYPES[step.fields[step.stage.key_by]]
+        return KeyedTimers(join, join.on_timer, step.stage.key_by, key_type, event_time=True)
     if not isinstance(op, ProcessOperator) or op.on_timer is None:
         return None
     key_field = step.stage.key_by
@@ -161,20 +170,24 @@ def make_state(
 
 
 def _state_function(
-    op: AggregateOperator | ProcessOperator | WindowOperator,
+    op: AggregateOperator | ProcessOperator | WindowOperator | JoinOperator,
     timers: KeyedTimers | None,
     key_field: str,
     max_key_groups: int,
 ) -> str | ProcessFunction:
     """The built-in aggregate a keyed operator keeps, or the per-record function of its
     process state (a window's reduce or process keeps [records, accumulator] per window, a
-    session window a key's sessions; a process function with timers is called through them)."""
+    session window a key's sessions; a process function with timers, and a join, are called
+    through them)."""
     if isinstance(op, AggregateOperator):
         return op.function
     if isinstance(op, WindowOperator) and op.session:
         return SessionFunction.of(op, key_field, max_key_groups)
     if isinstance(op, WindowOperator):
         return op.aggregate if op.aggregate is not None else WindowFunction.of(op)
+    if isinstance(op, JoinOperator):
+        assert timers is not None  # make_timers makes a join's
+        return timers
     return timers or resolve_function(op.function)
 
 
@@ -244,11 +257,12 @@ class KeyedStage:
         self.spec = spec
         step = spec.keyed_step(ctx.stage)
         self.seal = StateSeal.from_environment()
-        self.timers = make_timers(spec, step)
+        op = step.stage.operator
+        self.join = make_join(op) if isinstance(op, JoinOperator) else None
+        self.timers = make_timers(spec, step, self.join)
         self.state = make_state(spec, step, self.seal, f"{ctx.stage}-{ctx.index}", self.timers)
         ctx.state_size = lambda: (self.state.key_count, self.state.bytes_estimate())
         ctx.group_hits = self.state.group_hits
-        op = step.stage.operator
         self.value_field = op.field if isinstance(op, AggregateOperator) else None
         self.key_field = step.stage.key_by
         self.windows = (
@@ -262,9 +276,18 @@ class KeyedStage:
             if isinstance(op, WindowOperator)
             else None
         )
+        # What was complete at the instance a group came from is complete here (windows and
+        # joins alike: keyshift.runtime.windows' GroupFloors).
+        self.handed_over: EventWindows | GroupFloors | None = (
+            self.windows
+            if self.windows is not None
+            else GroupFloors(spec.max_key_groups)
+            if self.join is not None
+            else None
+        )
         self.late_records = (
             LateRecordsWriter(spec.late_records, ctx.stage, ctx.index)
-            if self.windows is not None and spec.late_records is not None
+            if (self.windows is not None or self.join is not None) and spec.late_records is not None
             else None
         )
         self.out_schema = process_output_schema(self.state.key_type)
@@ -302,19 +325,21 @@ class KeyedStage:
                 ctx.restore.id,
                 self.watermark.current,
             )
-            if self.windows is not None:
-                self.restore_windows(restore)
+            self.restore_handed_over(restore)
             self.index_timers(np.flatnonzero(self.owned))
         ctx.fetch_served.set()
 
-    def restore_windows(self, restore: CheckpointMeta) -> None:
-        """Each group's windows that fired before the checkpoint, as fired: below the
-        watermark its instance had then (the stage's is the lowest of them)."""
-        assert self.windows is not None
+    def restore_handed_over(self, restore: CheckpointMeta) -> None:
+        """Each group's windows that fired before the checkpoint, as fired, and records its
+        join dropped, as dropped: below the watermark its instance had then (the stage's is
+        the lowest of them)."""
+        if self.handed_over is None:
+            return
         owners = Assignment.from_json(restore.assignment).owners
         for index, mark in restore.instance_watermarks.get(self.ctx.stage, {}).items():
-            self.windows.hand_over(np.flatnonzero(owners == int(index)), mark)
-        self.windows.rebuild(np.flatnonzero(self.owned).tolist(), self.watermark.current)
+            self.handed_over.hand_over(np.flatnonzero(owners == int(index)), mark)
+        if self.windows is not None:
+            self.windows.rebuild(np.flatnonzero(self.owned).tolist(), self.watermark.current)
 
     def index_timers(self, groups: np.ndarray) -> None:
         """Index the timers these groups' keys hold (restored, or moved in)."""
@@ -340,6 +365,10 @@ class KeyedStage:
         elif isinstance(self.state, AggregateState | RocksAggregateState):
             out = self.state.apply(batch, self.key_field, self.value_field).batch
         else:
+            if self.join is not None:
+                # Parked records of a group moving in were judged before its old owner's
+                # watermark was known: what that one dropped is late here too.
+                batch = self.drop_late_joined(batch, None)
             if self.timers is not None:
                 self.timers.at(self.watermark.current)
             rows, _ = self.state.apply(batch, self.key_field)
@@ -352,7 +381,9 @@ class KeyedStage:
     def process_rows(self, rows: list[dict[str, Any]]) -> pa.RecordBatch:
         """A process function's outputs as a batch; timer registrations it made that were
         refused are counted as invalid records."""
-        for row in rows:
+        if self.join is not None:
+            rows = pairs(rows)
+        for row in rows if self.join is None else ():
             row["value"] = json.dumps(row["value"])
         if self.timers is not None:
             refused = self.timers.take_invalid()
@@ -376,8 +407,8 @@ class KeyedStage:
         t0 = time.perf_counter()
         self.timers.at(self.watermark.current)
         rows = self.timers.fire(self.state, kind, limit, self.ready())
-        if rows:
-            self.send_out(self.process_rows(rows), t0)
+        # Timers that send nothing (a join dropping records) were work too: busy time.
+        self.send_out(self.process_rows(rows) if rows else None, t0)
 
     def drop_late(self, batch: pa.RecordBatch, watermark: int | None) -> pa.RecordBatch:
         """Window rows (keyshift.runtime.windows) but those too late for their window at
@@ -386,9 +417,29 @@ class KeyedStage:
         assert self.windows is not None
         groups = batch.column(GROUP).to_numpy()
         late = self.windows.too_late(batch, self.windows.threshold(watermark, groups))
+        return self.set_aside(batch, late, self.windows.as_records)
+
+    def drop_late_joined(self, batch: pa.RecordBatch, watermark: int | None) -> pa.RecordBatch:
+        """A join's records but those too late for it at `watermark` or at the instance their
+        group came from (their window fired, or partners they should meet may be gone):
+        counted, and written to the late-records log if the job has one (as the join reads
+        them: key, side, record)."""
+        assert self.join is not None and self.handed_over is not None
+        threshold = self.handed_over.threshold(watermark, batch.column(GROUP).to_numpy())
+        late = self.join.late(batch.column(EVENT_TIME).to_numpy(), threshold)
+        return self.set_aside(batch, late, lambda rows: rows)
+
+    def set_aside(
+        self,
+        batch: pa.RecordBatch,
+        late: np.ndarray,
+        as_records: Callable[[pa.RecordBatch], pa.RecordBatch],
+    ) -> pa.RecordBatch:
+        """`batch` but its `late` rows, which are counted and written to the late-records
+        log (as `as_records` has them) if the job has one."""
         if not late.any():
             return batch
-        self.too_late(self.windows.as_records(batch.filter(pa.array(late))))
+        self.too_late(as_records(batch.filter(pa.array(late))))
         return batch.filter(pa.array(~late))
 
     def too_late(self, records: pa.RecordBatch) -> None:
@@ -442,8 +493,10 @@ class KeyedStage:
         """A batch from upstream: split it by what this instance does with each group."""
         if self.windows is not None:
             batch = self.drop_late(self.windows.expand(batch), self.watermark.current)
-            if not batch.num_rows:
-                return
+        elif self.join is not None:
+            batch = self.drop_late_joined(batch, self.watermark.current)
+        if not batch.num_rows:
+            return
         groups = batch.column(GROUP).to_numpy()
         rest = np.ones(batch.num_rows, dtype=bool)
         if self.move_out is not None:
@@ -492,8 +545,8 @@ class KeyedStage:
             current = self.watermark.current
             move = MoveOut(self.ctx, self.state, command, self.seal, current)
             self.move_out = move
-            if self.windows is not None and current is not None:
-                # Windows fired here are late at the new owners too (keyshift.runtime.windows).
+            if self.handed_over is not None and current is not None:
+                # Windows fired here (and join records dropped) are late at the new owners too.
                 move.tell(WATERMARK, json.dumps(Watermark(watermark=current).wire()).encode())
             # Downstream, nothing may go past this instance's watermark until the new owners
             # have sent what the moving groups still hold (parked records, unfired windows).
@@ -512,7 +565,7 @@ class KeyedStage:
                 # that came due meanwhile fire now, the watermark may not move again.
                 self.index_timers(np.flatnonzero(kept))
                 if self.windows is not None:
-                    self.windows.take_back(np.flatnonzero(kept), self.move_out.left_at)
+                    take_back(self.windows, np.flatnonzero(kept), self.move_out.left_at)
                     self.fire_windows()
                 self.fire_timers(EVENT)
             if self.move_in is not None:
@@ -632,10 +685,10 @@ class KeyedStage:
         """A watermark from upstream, or from the old owner of groups moving here."""
         stage, index = sender.rsplit("/", 1)
         if stage == self.ctx.stage:
-            if mark.watermark is not None and self.windows is not None and self.move_in is not None:
-                # Its windows that fired are late here.
-                coming = self.move_in.source_of == int(index)
-                self.windows.hand_over(np.flatnonzero(coming), mark.watermark)
+            handed, move = self.handed_over, self.move_in
+            if mark.watermark is not None and handed is not None and move is not None:
+                # Its windows that fired (and join records it dropped) are late here.
+                handed.hand_over(np.flatnonzero(move.source_of == int(index)), mark.watermark)
             return
         if mark.hold is not None:
             until = {f"{stage}/{i}" for i in mark.hold.until}

@@ -619,6 +619,73 @@ class KeyedStream:
         )
         return self._keyed("window", operator, name, parallelism, state, standby)
 
+    def _join(
+        self,
+        step: str,
+        other: KeyedStream,
+        operator: Mapping[str, Any],
+        function: UserFunction | None,
+        name: str | None,
+        parallelism: int | None,
+        state: Mapping[str, Any] | None,
+    ) -> Stream:
+        if not isinstance(other, KeyedStream):
+            raise JobError(
+                f"{step}() joins another keyed stream: call it with other.key_by(field), got "
+                f"{type(other).__name__}"
+            )
+        heads = (*self.stream.heads, *other.stream.heads)
+        if len(heads) != 2:
+            raise JobError(
+                f"{step}() joins two streams of one stage each; a union on a side ({list(heads)}) "
+                "is not supported yet"
+            )
+        if function is not None:
+            operator = {**operator, "function": function_path(function, f"{step}(function=)")}
+        stages = _merge(self.stream.stages, other.stream.stages)
+        named = {
+            "name": name or f"{step.replace('_', '-')}-{len(stages) + 1}",
+            "kind": "keyed",
+            "inputs": list(heads),
+            "key_by": [self.key, other.key],
+            "operator": dict(operator),
+        } | _given(parallelism=parallelism, state=None if state is None else dict(state))
+        return Stream(_merge(stages, (named,)), (named["name"],))
+
+    def window_join(
+        self,
+        other: KeyedStream,
+        size_ms: float,
+        function: UserFunction | None = None,
+        *,
+        name: str | None = None,
+        parallelism: int | None = None,
+        state: Mapping[str, Any] | None = None,
+    ) -> Stream:
+        """This stream's records (left) joined with `other`'s (right) on equal keys in the same
+        tumbling event-time window of `size_ms`; each pair is sent once the watermark passes
+        the window's end, as `function(left, right)`'s value (none: [left, right]; a None
+        value: no output). The source needs `event_time` settings."""
+        operator = {"kind": "window_join", "window": {"kind": "tumbling", "size_ms": size_ms}}
+        return self._join("window_join", other, operator, function, name, parallelism, state)
+
+    def interval_join(
+        self,
+        other: KeyedStream,
+        lower_ms: float,
+        upper_ms: float,
+        function: UserFunction | None = None,
+        *,
+        name: str | None = None,
+        parallelism: int | None = None,
+        state: Mapping[str, Any] | None = None,
+    ) -> Stream:
+        """This stream's records (left) joined with `other`'s (right) on equal keys when
+        left.ts + lower_ms <= right.ts <= left.ts + upper_ms; each pair is sent when its
+        second record arrives, as `function(left, right)`'s value (as `window_join`)."""
+        operator = {"kind": "interval_join", "lower_ms": lower_ms, "upper_ms": upper_ms}
+        return self._join("interval_join", other, operator, function, name, parallelism, state)
+
 
 def source(
     name: str,

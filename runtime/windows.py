@@ -43,7 +43,6 @@ and record view, and implement `EventWindows` as `KeyedWindows` does; the keyed 
 from __future__ import annotations
 
 import json
-from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -305,30 +304,24 @@ class EventWindows(Protocol):
         """Index the windows `groups` hold (after a restore, or a move in)."""
         ...
 
-    def take_back(self, groups: np.ndarray, left_at: int | None) -> None:
-        """Index again the windows of groups whose move out was aborted."""
-        ...
-
     def fire(self, watermark: int, owned: np.ndarray) -> pa.RecordBatch | None:
         """The results of the windows of owned groups the watermark has passed."""
         ...
 
 
-class GroupFloors(ABC):
+def take_back(windows: EventWindows, groups: np.ndarray, left_at: int | None) -> None:
+    """Groups whose move out was aborted, back from it as from an instance at `left_at` (the
+    watermark they left at): windows that came due while they were away (`fire` dropped their
+    index entries then) are unfired, and fire at the next `fire`."""
+    if left_at is not None:
+        windows.hand_over(groups, left_at)
+    windows.rebuild(groups.tolist(), None)
+
+
+class GroupFloors:
     """Per key group, the watermark of the instance that handed it over (a move, a restore):
     its windows that had fired there are late here, whatever this instance's own watermark
     says."""
-
-    @abstractmethod
-    def rebuild(self, groups: Iterable[int], watermark: int | None) -> None: ...
-
-    def take_back(self, groups: np.ndarray, left_at: int | None) -> None:
-        """Groups whose move out was aborted, back from it as from an instance at `left_at`
-        (the watermark they left at): windows that came due while they were away (`fire`
-        dropped their index entries then) are unfired, and fire at the next `fire`."""
-        if left_at is not None:
-            self.hand_over(groups, left_at)
-        self.rebuild(groups.tolist(), None)
 
     def __init__(self, max_key_groups: int) -> None:
         self.handed_over = np.full(max_key_groups, np.iinfo(np.int64).min, dtype=np.int64)

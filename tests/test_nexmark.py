@@ -188,7 +188,7 @@ def test_the_python_twins_of_q3_q5_q7_and_q11_build_their_job_files() -> None:
     assert q5_pipeline.q5().build() == load_job(examples / "q5.yaml")
     assert q7_pipeline.q7().build() == load_job(examples / "q7.yaml")
     assert q11_pipeline.q11().build() == load_job(examples / "q11.yaml")
-    for query in ("q0", "q1", "q2", "q3", "q3_ttl", "q5_counts", "q8"):
+    for query in ("q0", "q1", "q2", "q3", "q3_ttl", "q5_counts", "q8", "early_bids"):
         load_job(examples / f"{query}.yaml")  # every example loads
 
 

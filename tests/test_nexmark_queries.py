@@ -22,7 +22,7 @@ from keyshift.runtime.protocol import STRATEGIES
 from keyshift.runtime.transport import JsonClient
 from tests.conftest import BATCHING, running_job, state_settings, wait_for
 from tests.nexmark_reference import run_query, source_events, write_events
-from tests.test_recovery import Run, start_run
+from tests.test_recovery import Run, coordinator_pids, start_run
 from tests.test_rescale import SERVICE, rescale_via, sum_out
 
 pytestmark = [pytest.mark.slow, pytest.mark.live]
@@ -91,7 +91,7 @@ def rows_of(query: str, out: Path) -> list[tuple[Any, ...]]:
         if query == "q5":  # [highest count, its auctions]
             return sorted((w, a, top[0]) for w, top, _ in outputs for a in top[1])
         return sorted((w, *bid) for w, top, _ in outputs for bid in top[1])  # [price, bids]
-    if query == "q8":
+    if query in ("q8", "early_bids"):  # a join: one output per pair, each pair once
         return sorted(tuple(row) for _, row, _ in outputs)
     raise AssertionError(f"no reading of {query}'s output")
 
@@ -161,7 +161,9 @@ def rescaling_mid_stream(
 
 
 # Q5 (two windowed stages) is tests/test_windows.py's, to the end and under live rescales.
-@pytest.mark.parametrize("query", ["q0", "q1", "q2", "q3", "q3_ttl", "q7", "q8", "q11"])
+@pytest.mark.parametrize(
+    "query", ["q0", "q1", "q2", "q3", "q3_ttl", "q7", "q8", "q11", "early_bids"]
+)
 def test_each_query_job_answers_what_duckdb_answers(tmp_path: Path, query: str) -> None:
     out = tmp_path / "out"
     run_query_job(tmp_path, example(query, out), lambda local, client: None)
@@ -171,47 +173,56 @@ def test_each_query_job_answers_what_duckdb_answers(tmp_path: Path, query: str) 
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
-@pytest.mark.parametrize("query", ["q7", "q8", "q11"])
+@pytest.mark.parametrize("query", ["q7", "q8", "q11", "early_bids"])
 def test_the_windowed_queries_under_live_rescales_answer_what_duckdb_answers(
     tmp_path: Path, query: str, strategy: str
 ) -> None:
     """Q7 (an event-time window per 10 s with a reduce, keyed by window: each window fired
-    once, `rows_of` checks), Q8 (keyed per person and window, thousands of keys) and Q11
-    (session windows per bidder, a thousand keys; each session fired once): the query's keyed
-    stage goes 2 -> 3 -> 1 while events flow; they flow until the rescales are done, then the
-    job is drained."""
+    once, `rows_of` checks), Q8 (a window join of people and auctions, keyed by person: each
+    pair sent once) and Q11 (session windows per bidder, a thousand keys; each session fired
+    once) go 2 -> 3 -> 1 while events flow, the early-bids interval join (keyed by auction)
+    2 -> 1; they flow until the rescales are done, then the job is drained."""
     out = tmp_path / "out"
     job = example(query, out, total=None, profile={"rate": 4000})
-    # Q8: people and auctions pass the source's filter, 4 of every 50 events; Q7: the bids.
+    # Q8: people and auctions pass the source's filters, 4 of every 50 events; else the bids.
     flow = 400 if query == "q8" else 4000
     # Q7's load is the open window's key: 2 -> 3 may leave it where it is; 3 -> 1 moves it.
-    steps = [(query, 3), (query, 1)]
+    stage = "early-bids" if query == "early_bids" else query
+    steps = [(stage, 1)] if query == "early_bids" else [(stage, 3), (stage, 1)]
     during = rescaling_mid_stream(steps, strategy, flow=flow, hot_keys_stay=query == "q7")
     emitted = run_query_job(tmp_path, job, during, drain=True)
     assert rows_of(query, out) == truth(tmp_path, query, emitted)
 
 
-@pytest.mark.parametrize("query", ["q3", "q3_ttl", "q7", "q11"])
+@pytest.mark.parametrize(
+    ("query", "victim"),
+    [("q3", "keyed"), ("q3_ttl", "keyed"), ("q7", "keyed"), ("q11", "keyed"), ("q8", "keyed"),
+     ("q8", "coordinator")],
+)  # fmt: skip
 def test_a_query_through_kill_minus_9_answers_what_duckdb_answers(
-    tmp_path: Path, query: str
+    tmp_path: Path, query: str, victim: str
 ) -> None:
     """Q3 (an incremental join, in memory; with a state TTL, its state expiring by event-time
-    timers), Q7 (a window with a reduce) and Q11 (session windows; both on RocksDB, whose
-    checkpoints are native), checkpoints every 0.5 s: a keyed instance is killed; the job
-    restarts from its latest checkpoint and the output equals DuckDB's, no match twice and no
-    window or session fired twice."""
+    timers), Q7 (a window with a reduce), Q11 (session windows) and Q8 (a window join; the
+    last three on RocksDB, whose checkpoints are native), checkpoints every 0.5 s: a keyed
+    instance, or the coordinator, is killed; the job restarts from its latest checkpoint and
+    the output equals DuckDB's, no match twice and no window or session fired twice."""
     out = tmp_path / "out"
     job = example(query, out, profile={"rate": 5000})
-    if query in ("q7", "q11"):
-        stage = next(stage for stage in job["graph"] if stage["name"] == query)
-        stage["state"] = state_settings("rocksdb", tmp_path)
+    stage = "q3" if query == "q3_ttl" else query  # q3_ttl's keyed stage is q3 too
+    if query in ("q7", "q8", "q11"):
+        keyed = next(s for s in job["graph"] if s["name"] == stage)
+        keyed["state"] = state_settings("rocksdb", tmp_path)
     context, port = start_run(tmp_path, job)
     with context as proc:
         run = Run(proc, f"127.0.0.1:{port}")
         try:
             wait_for(lambda: run.completed() >= 2, 60, "two checkpoints")
-            stage = query if query in ("q7", "q11") else "q3"  # q3_ttl's keyed stage is q3
-            os.kill(run.pid_of(stage, random.randint(0, 1)), signal.SIGKILL)
+            if victim == "keyed":
+                os.kill(run.pid_of(stage, random.randint(0, 1)), signal.SIGKILL)
+            else:
+                (coordinator,) = coordinator_pids(run)
+                os.kill(coordinator, signal.SIGKILL)
             code = proc.wait(timeout=180)
         finally:
             run.client.close()

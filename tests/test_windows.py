@@ -45,6 +45,7 @@ from keyshift.runtime.windows import (
     WindowFunction,
     WindowShape,
     composite_groups,
+    take_back,
 )
 from tests.conftest import count_job, running_job, wait_for
 from tests.nexmark_reference import run_query, source_events, write_events
@@ -514,7 +515,7 @@ def test_a_window_that_came_due_during_an_aborted_move_out_fires_once_when_taken
     owned[0] = False
     assert windows.fire(15, owned) is None
     owned[0] = True
-    windows.take_back(np.array([0]), 5)
+    take_back(windows, np.array([0]), 5)
     fired = windows.fire(15, owned)
     assert fired is not None and fired.column("key").to_pylist() == ["a"]
     assert fired.column("n").to_pylist() == [1]

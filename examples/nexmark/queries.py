@@ -1,7 +1,7 @@
 """The functions of the NEXMark query jobs in examples/nexmark/ (q0.yaml ... q8.yaml): filters
 and maps chained in the source, process functions in keyed stages, and the reduce functions of
-Q5's and Q7's event-time windows, each window's answer sent once when it fires. Q8 still keeps
-one key per (person, window) and emits its answer when it is complete.
+Q5's and Q7's event-time windows, each window's answer sent once when it fires, and the pair
+functions of the joins (Q8's window join, early_bids.yaml's interval join).
 tests/test_nexmark_queries.py runs each job and compares its answers with DuckDB's
 (examples/nexmark/sql/).
 """
@@ -141,24 +141,21 @@ def q7_highest(top: list[Any] | None, bid: Record) -> list[Any]:
     return top
 
 
-def is_person_or_auction(record: Record) -> bool:
-    return bool(record["kind"] != "bid")
+def is_person(record: Record) -> bool:
+    return bool(record["kind"] == "person")
 
 
-def q8_by_person_and_window(record: Record) -> Record:
-    person = record["kind"] == "person"
-    who = record["id"] if person else record["seller"]
-    return {"person_window": f"{who}@{window_start(record)}", "person": who,
-            "name": record["name"], "is_person": person}  # fmt: skip
+def is_auction(record: Record) -> bool:
+    return bool(record["kind"] == "auction")
 
 
-def q8(state: Record | None, record: Record) -> tuple[Record, list[Any] | None]:
-    """New users who opened an auction in the window in which they registered: emitted once,
-    when both are in."""
-    state = state or {"name": None, "sold": False, "done": False}
-    seen = {"name": record["name"]} if record["is_person"] else {"sold": True}
-    state = {**state, **seen}
-    if state["done"] or state["name"] is None or not state["sold"]:
-        return state, None
-    window = int(record["person_window"].split("@")[1])
-    return {**state, "done": True}, [record["person"], state["name"], window]
+def q8(person: Record, auction: Record) -> list[Any]:
+    """A new user who opened an auction in the window they registered in (the window join
+    matched them): the person, the window, and the auction."""
+    return [person["id"], person["name"], window_start(person), auction["id"]]
+
+
+def early_bid(auction: Record, bid: Record) -> list[Any]:
+    """A bid made within 2 s of its auction's opening (early_bids.yaml's interval join matched
+    them): the auction, the bidder, the price and how long after the opening, µs."""
+    return [auction["id"], bid["bidder"], bid["price"], bid["event_time"] - auction["event_time"]]

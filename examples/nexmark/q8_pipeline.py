@@ -1,0 +1,46 @@
+"""The jobs of examples/nexmark/q8.yaml (NEXMark Q8: people who open an auction in the 10 s
+window they register in, a window join) and examples/nexmark/early_bids.yaml (bids within 2 s
+of their auction's opening, an interval join), built with the Python API's joins
+(`KeyedStream.window_join`, `KeyedStream.interval_join`).
+
+Run it to print a job file, then run that file:
+
+    python -m examples.nexmark.q8_pipeline > q8.yaml              # from the repository root
+    python -m examples.nexmark.q8_pipeline early_bids > early_bids.yaml
+    keyshift run q8.yaml --duration 30
+"""
+
+from __future__ import annotations
+
+import sys
+
+from examples.nexmark import queries
+from examples.nexmark.events import timed_events
+from keyshift.runtime.pipeline import Dataflow
+
+
+def q8() -> Dataflow:
+    """events (nexmark) -> persons, auctions (filters) -> q8 (a window join of 10 s) -> out."""
+    events = timed_events()
+    persons = events.filter(queries.is_person, name="persons").key_by("id")
+    auctions = events.filter(queries.is_auction, name="auctions").key_by("seller")
+    joined = persons.window_join(auctions, 10000, queries.q8, name="q8", parallelism=2)
+    return Dataflow("nexmark-q8", joined.sink_log("out/nexmark-q8", format="jsonl", name="out"))
+
+
+def early_bids() -> Dataflow:
+    """events (nexmark) -> auctions, bids (filters) -> early-bids (an interval join: bids
+    within [auction.ts, auction.ts + 2 s]) -> out."""
+    events = timed_events()
+    auctions = events.filter(queries.is_auction, name="auctions").key_by("id")
+    bids = events.filter(queries.is_bid, name="bids").key_by("auction")
+    joined = auctions.interval_join(
+        bids, 0, 2000, queries.early_bid, name="early-bids", parallelism=2
+    )
+    out = joined.sink_log("out/nexmark-early-bids", format="jsonl", name="out")
+    return Dataflow("nexmark-early-bids", out)
+
+
+if __name__ == "__main__":
+    job = early_bids() if sys.argv[1:] == ["early_bids"] else q8()
+    print(job.to_yaml(), end="")
