@@ -600,6 +600,65 @@ def run_strategy(
     return report
 
 
+def run_standby(standby: int, args: argparse.Namespace, rate: float, root: Path) -> dict[str, Any]:
+    """One job with `standby` standbys of the keyed stage: warm-up, then a hot-first 1 -> 2;
+    its time from the request to complete, and how much of it went to starting instances."""
+    work = Path(tempfile.mkdtemp(prefix=f"standby-{standby}-", dir=root))
+    spec = job(args.keys, rate, None, args.distribution)
+    spec["keyed"]["standby"] = standby
+    with start_job(spec, work) as local:
+        probe = Probe(local, time.time())
+        local.start()
+        wait_flowing(probe)
+        probe.run_for(args.warmup)
+        if standby:
+            probe.until(lambda s: stage(s, KEYED)["standbys"] or None, 60, "the standby")
+        client = JsonClient(local.address, COORDINATOR_SERVICE, local.security)
+        try:
+            result = rescale(probe, client, 2, "hot-first")
+        finally:
+            client.close()
+    starting = ("requested", "starting-instances")
+    moved_at = next((t for t, p in result["phases"] if p not in starting), result["end"])
+    row = {
+        "standby": standby,
+        "phase": result["phase"],
+        "state_keys_at_start": result["state_keys_at_start"],
+        "duration_s": result["duration_s"],
+        "starting_instances_s": round(moved_at - result["start"], 3),
+    }
+    shutil.rmtree(work, ignore_errors=True)
+    return row
+
+
+def standby_compare(args: argparse.Namespace, rate: float, root: Path) -> int:
+    """1 -> 2 with and without a standby, alternated `--standby-rounds` times in this run."""
+    rows = []
+    for _ in range(args.standby_rounds):
+        for standby in (0, 1):
+            row = run_standby(standby, args, rate, root)
+            say(f"standby {standby}: {row}")
+            rows.append(row)
+    summary = {
+        str(standby): {
+            "duration_s": [r["duration_s"] for r in rows if r["standby"] == standby],
+            "starting_instances_s": [
+                r["starting_instances_s"] for r in rows if r["standby"] == standby
+            ],
+        }
+        for standby in (0, 1)
+    }
+    with_standby = summary["1"]["duration_s"]
+    met = all(r["phase"] == "done" for r in rows) and max(with_standby) <= 1.0
+    result = {"rate": rate, "keys": args.keys, "runs": rows, "summary": summary,
+              "target": target("rescale 1->2 complete <= 1 s from the request with a standby",
+                               met, f"with a standby: {with_standby} s")}  # fmt: skip
+    path = args.out_dir / "rescale-standby.json"
+    path.write_text(json.dumps(result, indent=1) + "\n")
+    print(json.dumps(result, indent=2))
+    return 0 if all(r["phase"] == "done" for r in rows) else 1
+
+
 def check_correctness(reports: list[dict[str, Any]], keys: int, distribution: str) -> None:
     checked = [r for r in reports if "_output" in r]
     if not checked:
@@ -938,7 +997,19 @@ def main() -> int:
     parser.add_argument(
         "--throughput-rounds", type=int, default=2, help="A/B rounds (old, new each)"
     )
+    parser.add_argument(
+        "--standby-rounds",
+        type=int,
+        default=0,
+        help="only compare 1->2 with and without a standby, this many rounds (needs --rate)",
+    )
     args = parser.parse_args()
+    if args.standby_rounds > 0:
+        if args.rate is None:
+            parser.error("--standby-rounds needs --rate")
+        args.out_dir.mkdir(parents=True, exist_ok=True)
+        root = Path(tempfile.mkdtemp(prefix="keyshift-bench-standby-"))
+        return standby_compare(args, args.rate, root)
     strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]
     unknown = [s for s in strategies if s not in STRATEGIES]
     if unknown or not strategies:

@@ -105,6 +105,7 @@ from keyshift.runtime.windows import (
     WindowFunction,
     WindowShape,
     composite_groups,
+    take_back,
     window_contents,
     window_output_schema,
 )
@@ -532,9 +533,9 @@ class KeyedStage:
         elif isinstance(command, MigrateOut):
             if self.move_out is not None:
                 raise ProtocolError("migrate_out while another move out is running")
-            move = MoveOut(self.ctx, self.state, command, self.seal)
-            self.move_out = move
             current = self.watermark.current
+            move = MoveOut(self.ctx, self.state, command, self.seal, current)
+            self.move_out = move
             if self.handed_over is not None and current is not None:
                 # Windows fired here (and join records dropped) are late at the new owners too.
                 move.tell(WATERMARK, json.dumps(Watermark(watermark=current).wire()).encode())
@@ -551,10 +552,13 @@ class KeyedStage:
             if self.move_out is not None:
                 kept = self.move_out.abandon(lost)
                 self.owned |= kept
-                # Their timers and windows left the indexes while they were moving out.
+                # Their timers and windows left the indexes while they were moving out; those
+                # that came due meanwhile fire now, the watermark may not move again.
                 self.index_timers(np.flatnonzero(kept))
                 if self.windows is not None:
-                    self.windows.rebuild(np.flatnonzero(kept).tolist(), self.watermark.current)
+                    take_back(self.windows, np.flatnonzero(kept), self.move_out.left_at)
+                    self.fire_windows()
+                self.fire_timers(EVENT)
             if self.move_in is not None:
                 self.move_in.abandon(lost)
             # Groups whose state died with a lost instance go on here, from empty.
