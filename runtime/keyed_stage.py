@@ -351,8 +351,7 @@ class KeyedStage:
         received = batch.num_rows
         out: pa.RecordBatch | None
         if self.windows is not None:
-            self.apply_to_windows(batch)
-            out = None
+            out = self.apply_to_windows(batch)
         elif isinstance(self.state, AggregateState | RocksAggregateState):
             out = self.state.apply(batch, self.key_field, self.value_field).batch
         else:
@@ -439,22 +438,23 @@ class KeyedStage:
         if self.late_records is not None:
             self.late_records.write(records)
 
-    def apply_to_windows(self, batch: pa.RecordBatch) -> None:
+    def apply_to_windows(self, batch: pa.RecordBatch) -> pa.RecordBatch | None:
         """Window rows into their windows' state. They were judged too late or not against the
         watermark when they arrived (`records`): parked records of a group moving in are
         applied later, when the watermark may have passed their window, which has not fired
         (a group's windows fire here once it is in). Only the old owner's watermark, known by
         then, is checked again: what it fired is complete. A window that has fired (here or
-        at the old owner) and is still within its allowed lateness sends its updated result."""
+        at the old owner) and is still within its allowed lateness sends its updated result:
+        the updates to send."""
         assert self.windows is not None
-        t0 = time.perf_counter()
         batch = self.drop_late(batch, None)
-        if batch.num_rows:
-            thresholds = self.windows.thresholds(self.watermark.current, self.ready())
-            updated, late = self.windows.absorb(batch, thresholds)
-            if late is not None:
-                self.too_late(late)
-            self.send_out(updated, t0)
+        if not batch.num_rows:
+            return None
+        thresholds = self.windows.thresholds(self.watermark.current, self.ready())
+        updated, late = self.windows.absorb(batch, thresholds)
+        if late is not None:
+            self.too_late(late)
+        return updated
 
     def send_out(self, out: pa.RecordBatch | None, started: float) -> None:
         """Updates to the sink instance of each one's key group and to the keyed stages fed."""
