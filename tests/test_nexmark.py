@@ -11,7 +11,7 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from examples.nexmark import q3_pipeline, q5_pipeline, q7_pipeline, q11_pipeline
+from examples.nexmark import bids_pipeline, q3_pipeline, q5_pipeline, q7_pipeline, q11_pipeline
 from keyshift.runtime import nexmark
 from keyshift.runtime.job import NEXMARK_FIELDS, JobError, load_job, parse_job
 from keyshift.runtime.pipeline import Dataflow, source
@@ -181,8 +181,10 @@ def test_the_reference_sql_answers_every_query(tmp_path: Path) -> None:
         assert answers[query], f"{query} found nothing in 100k events"
 
 
-def test_the_python_twins_of_q3_q5_q7_and_q11_build_their_job_files() -> None:
+def test_the_python_twins_of_q0_q1_q2_q3_q5_q7_and_q11_build_their_job_files() -> None:
     examples = REPO / "examples" / "nexmark"
+    for query in bids_pipeline.BID_QUERIES:
+        assert bids_pipeline.bid_query(query).build() == load_job(examples / f"{query}.yaml")
     assert q3_pipeline.q3().build() == load_job(examples / "q3.yaml")
     assert q3_pipeline.q3(ttl=True).build() == load_job(examples / "q3_ttl.yaml")
     assert q5_pipeline.q5().build() == load_job(examples / "q5.yaml")
