@@ -11,7 +11,7 @@ JAVA := /usr/bin/java
 SUDO := $(shell [ "$$(id -u)" -eq 0 ] || command -v sudo)
 APT_INSTALL := $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends
 
-.PHONY: demo demo-autoscale test test-fast lint typecheck prometheus java bench bench-chain bench-rescale bench-autoscaling bench-ds2-graph bench-spark bench-checkpoints clean
+.PHONY: demo demo-autoscale test test-fast lint typecheck prometheus java bench bench-chain bench-rescale bench-autoscaling bench-ds2-graph bench-spark bench-checkpoints bench-nexmark clean
 
 # `python -m` puts the working directory first on sys.path, where our operator/ folder would
 # shadow the standard library's `operator`; so venv and pip run from / and by their scripts.
@@ -93,6 +93,9 @@ bench-spark: $(STAMP) java
 
 bench-checkpoints: $(STAMP)
 	$(PY) bench/checkpoints.py
+
+bench-nexmark: $(STAMP)
+	$(PY) bench/nexmark.py --full
 
 clean:
 	rm -rf $(VENV) .typecheck .mypy_cache .ruff_cache .pytest_cache out

@@ -153,8 +153,8 @@ def stage(status: dict[str, Any], name: str) -> dict[str, Any]:
     return next(s for s in status["stages"] if s["name"] == name)
 
 
-def keyed_stats(status: dict[str, Any]) -> dict[int, dict[str, Any]]:
-    return {i["index"]: i["stats"] for i in stage(status, KEYED)["instances"]}
+def keyed_stats(status: dict[str, Any], name: str = KEYED) -> dict[int, dict[str, Any]]:
+    return {i["index"]: i["stats"] for i in stage(status, name)["instances"]}
 
 
 def keyed_rate(before: dict[int, dict[str, Any]], after: dict[int, dict[str, Any]]) -> float:
@@ -205,11 +205,16 @@ def max_ms(values: list[float]) -> float | None:
 
 class Probe:
     """Polls a running job, plays its host (starts the instances the coordinator wants) and
-    keeps the sink's per-batch latencies and each rescale's phase timeline."""
+    keeps the sink's per-batch latencies and each rescale's phase timeline. `source` and
+    `sink` name the job's source and sink stages."""
 
-    def __init__(self, local: LocalJob, began: float) -> None:
+    def __init__(
+        self, local: LocalJob, began: float, source: str = "source", sink: str = "sink"
+    ) -> None:
         self.local = local
         self.began = began
+        self.source = source
+        self.sink = sink
         self.latency: dict[float, float] = {}  # sink emit time (s) -> worst latency of the batch
         self.phases: list[tuple[float, int, str]] = []  # (time first seen, rescale id, phase)
         self.emitted: dict[float, float] = {}  # source report time (s) -> records emitted so far
@@ -225,10 +230,10 @@ class Probe:
         self.local.ensure_instances(status)
         if status["phase"] == "failed":
             raise RunError("job failed: " + "; ".join(status["errors"]))
-        for instance in stage(status, "sink")["instances"]:
+        for instance in stage(status, self.sink)["instances"]:
             for emitted, worst in instance["stats"].get("latency_recent", []):
                 self.latency[float(emitted)] = float(worst)
-        for instance in stage(status, "source")["instances"]:
+        for instance in stage(status, self.source)["instances"]:
             stats = instance["stats"]
             if "emitted" in stats and "time" in stats:
                 self.emitted[float(stats["time"])] = float(stats["emitted"])
@@ -369,15 +374,16 @@ def rescale(
     parallelism: int,
     strategy: str,
     options: dict[str, float] | None = None,
+    keyed: str = KEYED,
 ) -> dict[str, Any]:
-    """Rescale live with the strategy's `options` and wait for it, polling (and starting wanted
-    instances) meanwhile."""
-    state = keyed_stats(probe.status)
+    """Rescale the keyed stage `keyed` live with the strategy's `options` and wait for it,
+    polling (and starting wanted instances) meanwhile."""
+    state = keyed_stats(probe.status, keyed)
     state_bytes = sum(s.get("state_bytes", 0) for s in state.values())
     state_keys = sum(s.get("state_keys", 0) for s in state.values())
     called = time.time()
     request = protocol.RescaleRequest(
-        stage=KEYED,
+        stage=keyed,
         parallelism=parallelism,
         strategy=protocol.parse_strategy(strategy),
         options=options or {},
@@ -594,6 +600,65 @@ def run_strategy(
     return report
 
 
+def run_standby(standby: int, args: argparse.Namespace, rate: float, root: Path) -> dict[str, Any]:
+    """One job with `standby` standbys of the keyed stage: warm-up, then a hot-first 1 -> 2;
+    its time from the request to complete, and how much of it went to starting instances."""
+    work = Path(tempfile.mkdtemp(prefix=f"standby-{standby}-", dir=root))
+    spec = job(args.keys, rate, None, args.distribution)
+    spec["keyed"]["standby"] = standby
+    with start_job(spec, work) as local:
+        probe = Probe(local, time.time())
+        local.start()
+        wait_flowing(probe)
+        probe.run_for(args.warmup)
+        if standby:
+            probe.until(lambda s: stage(s, KEYED)["standbys"] or None, 60, "the standby")
+        client = JsonClient(local.address, COORDINATOR_SERVICE, local.security)
+        try:
+            result = rescale(probe, client, 2, "hot-first")
+        finally:
+            client.close()
+    starting = ("requested", "starting-instances")
+    moved_at = next((t for t, p in result["phases"] if p not in starting), result["end"])
+    row = {
+        "standby": standby,
+        "phase": result["phase"],
+        "state_keys_at_start": result["state_keys_at_start"],
+        "duration_s": result["duration_s"],
+        "starting_instances_s": round(moved_at - result["start"], 3),
+    }
+    shutil.rmtree(work, ignore_errors=True)
+    return row
+
+
+def standby_compare(args: argparse.Namespace, rate: float, root: Path) -> int:
+    """1 -> 2 with and without a standby, alternated `--standby-rounds` times in this run."""
+    rows = []
+    for _ in range(args.standby_rounds):
+        for standby in (0, 1):
+            row = run_standby(standby, args, rate, root)
+            say(f"standby {standby}: {row}")
+            rows.append(row)
+    summary = {
+        str(standby): {
+            "duration_s": [r["duration_s"] for r in rows if r["standby"] == standby],
+            "starting_instances_s": [
+                r["starting_instances_s"] for r in rows if r["standby"] == standby
+            ],
+        }
+        for standby in (0, 1)
+    }
+    with_standby = summary["1"]["duration_s"]
+    met = all(r["phase"] == "done" for r in rows) and max(with_standby) <= 1.0
+    result = {"rate": rate, "keys": args.keys, "runs": rows, "summary": summary,
+              "target": target("rescale 1->2 complete <= 1 s from the request with a standby",
+                               met, f"with a standby: {with_standby} s")}  # fmt: skip
+    path = args.out_dir / "rescale-standby.json"
+    path.write_text(json.dumps(result, indent=1) + "\n")
+    print(json.dumps(result, indent=2))
+    return 0 if all(r["phase"] == "done" for r in rows) else 1
+
+
 def check_correctness(reports: list[dict[str, Any]], keys: int, distribution: str) -> None:
     checked = [r for r in reports if "_output" in r]
     if not checked:
@@ -630,10 +695,10 @@ def package_tree(source: Path, dest: Path) -> Path:
     return dest
 
 
-def baseline_source(dest: Path) -> Path:
-    """The repository's files at BASELINE_COMMIT, read with `git archive` (nothing checked out)."""
+def baseline_source(dest: Path, commit: str = BASELINE_COMMIT) -> Path:
+    """The repository's files at `commit`, read with `git archive` (nothing checked out)."""
     archive = subprocess.run(
-        ["git", "-C", str(REPO), "archive", "--format=tar", BASELINE_COMMIT,
+        ["git", "-C", str(REPO), "archive", "--format=tar", commit,
          "runtime", "policies", "operator", "bench"],
         capture_output=True, check=True, timeout=60,
     )  # fmt: skip
@@ -932,7 +997,19 @@ def main() -> int:
     parser.add_argument(
         "--throughput-rounds", type=int, default=2, help="A/B rounds (old, new each)"
     )
+    parser.add_argument(
+        "--standby-rounds",
+        type=int,
+        default=0,
+        help="only compare 1->2 with and without a standby, this many rounds (needs --rate)",
+    )
     args = parser.parse_args()
+    if args.standby_rounds > 0:
+        if args.rate is None:
+            parser.error("--standby-rounds needs --rate")
+        args.out_dir.mkdir(parents=True, exist_ok=True)
+        root = Path(tempfile.mkdtemp(prefix="keyshift-bench-standby-"))
+        return standby_compare(args, args.rate, root)
     strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]
     unknown = [s for s in strategies if s not in STRATEGIES]
     if unknown or not strategies:

@@ -75,6 +75,9 @@ class LocalJob:
         self.log_dir = log_dir or Path(tempfile.mkdtemp(prefix=f"keyshift-{spec.name}-"))
         self.coordinator: Child | None = None
         self.instances: dict[str, Child] = {}
+        # Per keyed stage, its idle pre-started instances (`standby: N`), not yet given an index.
+        self.standbys: dict[str, list[Child]] = {s.stage.name: [] for s in spec.keyed_stages()}
+        self._standbys_started = 0
         self.client: JsonClient | None = None
         self.address = ""
         self.coordinator_metrics_port = 0
@@ -93,6 +96,10 @@ class LocalJob:
         self.stop()
 
     def children(self) -> list[Child]:
+        return [*self._members(), *(c for waiting in self.standbys.values() for c in waiting)]
+
+    def _members(self) -> list[Child]:
+        """The coordinator and the instances: the processes whose death fails the run."""
         return [*([self.coordinator] if self.coordinator else []), *self.instances.values()]
 
     def start(self, restore: bool = False) -> None:
@@ -138,6 +145,7 @@ class LocalJob:
         for stage in self.spec.stages():
             for index in range(stage.parallelism):
                 self.start_instance(stage.name, index)
+        self.ensure_standbys()
 
     def recoverable(self, stop: threading.Event) -> CheckpointMeta | None:
         """The checkpoint a recovery would go on from: only with checkpoints and a valid one
@@ -165,6 +173,8 @@ class LocalJob:
         timed from `failed` (monotonic), the failure that started it."""
         self.halt()
         self.instances.clear()
+        for waiting in self.standbys.values():
+            waiting.clear()
         self._dead_since.clear()
         self.recoveries.append({"reason": reason, "checkpoint": checkpoint.id, "seconds": None})
         self.start(restore=True)
@@ -204,10 +214,49 @@ class LocalJob:
                 reason = f"{reason}\n  and the restart failed: {exc}"
 
     def ensure_instances(self, status: dict[str, Any]) -> None:
-        """Start the instances the coordinator wants and nobody runs (a scale-out)."""
+        """Start the instances the coordinator wants and nobody runs (a scale-out): standbys
+        a scale-out took are those instances already; then replace the standbys taken or
+        dead."""
         for stage in status["stages"]:
+            self.promote(stage["name"], [*stage.get("standbys", []), *stage["instances"]])
             registered = {i["index"] for i in stage["instances"]}
             self.ensure(stage["name"], stage["desired"], registered)
+        if status["phase"] in ("starting", "running"):  # standbys of a stopping job exit
+            self.ensure_standbys()
+
+    def promote(self, stage: str, members: list[dict[str, Any]]) -> None:
+        """The standbys the coordinator gave an index (a standby taken, or an instance that
+        registered already) become that instance here."""
+        taken = {s["pid"]: s["index"] for s in members if s["index"] is not None}
+        for child in list(self.standbys.get(stage, [])):
+            index = taken.get(child.pid)
+            if index is None:
+                continue
+            self.standbys[stage].remove(child)
+            name = f"{stage}/{index}"
+            if name in self.instances:
+                self.instances[name].stop(grace=0)  # an exited, retired predecessor
+            child.name = name
+            self.instances[name] = child
+
+    def ensure_standbys(self) -> None:
+        """Keep `standby` idle instances of each keyed stage: a dead one is replaced, not a
+        failure of the job."""
+        for step in self.spec.keyed_stages():
+            stage = step.stage.name
+            waiting = [c for c in self.standbys[stage] if c.exit_code() is None]
+            for child in self.standbys[stage]:
+                if child not in waiting:
+                    log.warning("standby %s (pid %d) exited; replacing it", child.name, child.pid)
+                    child.stop(grace=0)
+            while len(waiting) < step.stage.standby:
+                self._standbys_started += 1
+                name = f"{stage}/standby-{self._standbys_started}"
+                args = ["-m", "keyshift.runtime.instance", "--coordinator", self.address,
+                        "--stage", stage, "--standby", "--host", self.host]  # fmt: skip
+                log_path = self.log_dir / f"{stage}-standby-{self._standbys_started}.log"
+                waiting.append(Child(name, args, log_path, self.env))
+            self.standbys[stage] = waiting
 
     def ensure(self, stage: str, parallelism: int, registered: Collection[int] = ()) -> None:
         """Have instances 0..parallelism-1 of `stage` running: the local WorkerPool. A retired
@@ -252,7 +301,7 @@ class LocalJob:
         """Raise RunError if a child died unexpectedly (any exit while running, non-zero ever),
         unless the coordinator has let it go (lost mid-rescale and recovered from). A child
         that just died gets a moment for the coordinator to say so."""
-        for child in self.children():
+        for child in self._members():
             code = child.exit_code()
             if code is None or child.name in let_go:
                 continue

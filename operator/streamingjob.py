@@ -250,6 +250,13 @@ class StreamingJobSpec(_Model):
                 "put them in a Secret named by spec.storageCredentials"
                 for path in _credential_paths(spec.checkpoints.storage_options)
             )
+        if spec is not None:
+            found.extend(
+                f"keyed stage {step.stage.name}: standby is not yet supported on Kubernetes "
+                "(the local host keeps standbys; here a scale-out starts pods)"
+                for step in spec.keyed_stages()
+                if step.stage.standby
+            )
         names = {app.name for app in [*self.sources, *self.sinks]}
         if len(names) != len(self.sources) + len(self.sinks):
             found.append("spec.sources and spec.sinks need distinct names")

@@ -70,6 +70,8 @@ from keyshift.runtime.protocol import (
     Retire,
     SourceCheckpointAck,
     StageStatus,
+    StandbyAssignment,
+    StandbyRequest,
     StatusReply,
     Stop,
     Topology,
@@ -80,6 +82,7 @@ from keyshift.runtime.protocol import (
 from keyshift.runtime.rescale import RescaleDriver, RescaleError, RescaleStatus, options_for
 from keyshift.runtime.sink_rescale import SinkRescaleDriver
 from keyshift.runtime.sink_router import partition_owners
+from keyshift.runtime.standbys import StandbyPool
 from keyshift.runtime.storage import retrying
 from keyshift.runtime.transport import ControlError, PortInUseError, json_handler, start_server
 
@@ -155,6 +158,7 @@ class Coordinator:
                 self.partitions = Assignment.from_json(restore.partitions)
                 self.desired[spec.sink.name] = self.partitions.parallelism
         self.members: dict[str, dict[int, InstanceRecord]] = {s.name: {} for s in spec.stages()}
+        self.standbys = StandbyPool([s.stage.name for s in spec.keyed_stages() if s.stage.standby])
         self._drain_requested = False
         self._lock = threading.RLock()
         self._changed = threading.Condition(self._lock)
@@ -277,8 +281,11 @@ class Coordinator:
             self.members[stage][index].commands.put(command)
 
     def set_desired(self, stage: str, parallelism: int) -> None:
-        with self._lock:
+        with self._changed:
+            # A scale-out's new instances are standbys first: they only need to register.
+            self.standbys.take(stage, range(self.desired[stage], parallelism))
             self.desired[stage] = parallelism
+            self._changed.notify_all()
 
     def broadcast(self, stage: str, command: Command) -> None:
         with self._lock:
@@ -346,6 +353,7 @@ class Coordinator:
                 identity=self.identities.issue(f"{stage}/{index}"),
             )
             self.members[stage][index] = record
+            self.standbys.registered(stage, index)
             log.info("registered %s at %s", record.name, record.data_address)
             if self.phase == "starting" and self._all_registered():
                 self.phase = "running"
@@ -362,6 +370,33 @@ class Coordinator:
                 restore=self.restored_from,
                 identity=record.identity.to_json(),
             )
+
+    def standby(self, body: dict[str, Any], context: grpc.ServicerContext) -> Any:
+        """A standby's stream: held open while it waits; its one message is the index a
+        scale-out gave it. It ends without one when the job stops running."""
+        try:
+            request = parse(StandbyRequest, body)
+        except ProtocolError as exc:
+            raise ControlError(str(exc), grpc.StatusCode.INVALID_ARGUMENT) from None
+        with self._changed:
+            if request.stage not in self.standbys.waiting:
+                raise ControlError(
+                    f"stage {request.stage!r} of job {self.spec.name} keeps no standbys",
+                    grpc.StatusCode.NOT_FOUND,
+                )
+            standby = self.standbys.offer(request.stage, request.pid)
+            log.info("standby of %s waiting (pid %d)", request.stage, request.pid)
+            while (
+                standby.index is None
+                and context.is_active()
+                and self.phase in ("starting", "running")
+            ):
+                self._changed.wait(0.5)
+            index = standby.index
+            if index is None:
+                self.standbys.leave(standby)
+        if index is not None:
+            yield StandbyAssignment(index=index).wire()
 
     def watch(self, body: dict[str, Any], context: grpc.ServicerContext) -> Any:
         try:
@@ -765,6 +800,7 @@ class Coordinator:
                         parallelism=len(instances),
                         desired=self.desired[stage.name],
                         instances=instances,
+                        standbys=self.standbys.status(stage.name),
                     )
                 )
             rescale = None
@@ -865,7 +901,7 @@ class Coordinator:
                 "Status": handles(Empty, self.status),
                 "Shutdown": handles(Empty, self.shutdown),
             },
-            {"Watch": self.watch},
+            {"Watch": self.watch, "Standby": self.standby},
         )
 
 
@@ -898,11 +934,12 @@ class GroupRates:
 def max_calls(spec: JobSpec) -> int:
     """The most calls the coordinator serves at once: per instance its command stream and two
     reports (the periodic one and a protocol step's), with each keyed stage at the most a
-    rescale may take it to (the sink: its partitions); and a few for the hosts' and the CLI's
-    calls."""
+    rescale may take it to (the sink: its partitions); a stream per standby; and a few for the
+    hosts' and the CLI's calls."""
     keyed = len(spec.keyed_stages())
     sinks = spec.sink.output_partitions
-    instances = spec.source.parallelism + sinks + keyed * MAX_PARALLELISM
+    standbys = sum(step.stage.standby for step in spec.keyed_stages())
+    instances = spec.source.parallelism + sinks + keyed * MAX_PARALLELISM + standbys
     return 3 * instances + CLIENT_CALLS
 
 

@@ -70,6 +70,14 @@ def apply_transforms(
     records share it). A record whose event-time field (`time_field`, at a source that takes
     event times from one) is missing, null or no int is a bad event time
     (`InstanceContext.bad_event_times`)."""
+    # Filters alone keep rows as they are; event times taken from a field are checked per
+    # record, so that source takes the general path.
+    if (
+        time_field is None
+        and all(kind == "filter" for kind, _ in transforms)
+        and batch.schema.equals(record_schema(fields))
+    ):
+        return _filter_rows(ctx, batch, transforms)
     results: list[Any] = []
     for record in batch.to_pylist():
         current: list[Any] = [record]
@@ -122,6 +130,22 @@ def _without_bad_times(ctx: InstanceContext, results: list[Any], time_field: str
             reasons.append(reason)
     ctx.bad_event_times(bad, reasons)
     return kept
+
+
+def _filter_rows(
+    ctx: InstanceContext, batch: pa.RecordBatch, filters: list[Function]
+) -> pa.RecordBatch:
+    """Filters alone decide which records go on, and a filter does not make records: what they
+    keep are the batch's own rows, already of the schema, so nothing is checked or rebuilt
+    (checking and rebuilding were most of a NEXMark source's time). A filter that raises
+    rejects its record, as in `apply_transforms`."""
+    keep = np.zeros(batch.num_rows, dtype=bool)
+    for i, record in enumerate(batch.to_pylist()):
+        try:
+            keep[i] = all(fn(record) for _, fn in filters)
+        except Exception as exc:
+            ctx.reject(f"function_error {type(exc).__name__}: {exc}", record)
+    return batch.filter(pa.array(keep))
 
 
 class EdgeRouter:

@@ -33,6 +33,8 @@ from keyshift.runtime.protocol import (
     ProtocolError,
     RegisterReply,
     RegisterRequest,
+    StandbyAssignment,
+    StandbyRequest,
     parse,
 )
 from keyshift.runtime.stage_context import (
@@ -116,15 +118,28 @@ def _index(text: str) -> int:
     return value
 
 
+def wait_as_standby(control: JsonClient, stage: str) -> int | None:
+    """Wait, started and connected, until a scale-out gives this process an index (None: the
+    job stopped first). TransportError when the coordinator goes away."""
+    for body in control.stream("Standby", StandbyRequest(stage=stage, pid=os.getpid()).wire()):
+        return parse(StandbyAssignment, body).index
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="keyshift-instance")
     parser.add_argument("--coordinator", required=True, help="host:port of the job's coordinator")
     parser.add_argument("--stage", required=True)
-    parser.add_argument(
+    role = parser.add_mutually_exclusive_group(required=True)
+    role.add_argument(
         "--index",
         type=_index,
-        required=True,
         help="this instance's index, or 'hostname' for a StatefulSet pod's ordinal (name-N)",
+    )
+    role.add_argument(
+        "--standby",
+        action="store_true",
+        help="start as a standby of the stage: wait for a scale-out to give it an index",
     )
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
     parser.add_argument("--port", type=int, default=0, help="data port (0: any free port)")
@@ -133,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     die_with_parent()
     allow_user_code()
-    name = f"{args.stage}/{args.index}"
+    name = f"{args.stage}/{'standby' if args.standby else args.index}"
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {name} %(levelname)s %(message)s")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     try:
@@ -158,6 +173,12 @@ def main(argv: list[str] | None = None) -> int:
             MAX_CALLS,
             security=security,
         )
+        if args.standby:
+            args.index = wait_as_standby(control, args.stage)
+            if args.index is None:
+                return 0  # the job stopped before a scale-out needed this standby
+            name = f"{args.stage}/{args.index}"
+            log.info("standby taken as %s", name)
         # The spec comes from the coordinator, so every process runs the same definition.
         request = RegisterRequest(
             stage=args.stage, index=args.index, data_address=f"{args.host}:{port}", pid=os.getpid()

@@ -61,6 +61,8 @@ from keyshift.runtime.transport import MAX_MESSAGE
 AggregateFunction = Literal["count", "sum", "min", "max", "mean"]
 STAGE_NAME_PATTERN = r"^[a-z][a-z0-9-]{0,39}$"
 MAX_PARALLELISM = 256  # instances of one stage at most (the policies' bounds stop there too)
+# Idle pre-started instances of one keyed stage at most: each is a whole process kept waiting.
+MAX_STANDBY = 8
 
 
 class JobError(ValueError):
@@ -710,11 +712,21 @@ class StateSettings(_Model):
     )
 
 
+def _standby_field() -> Any:
+    return Field(
+        default=0,
+        ge=0,
+        le=MAX_STANDBY,
+        description="idle pre-started instances a scale-out takes before starting processes",
+    )
+
+
 class KeyedStage(Stage):
     name: str = Field(default="keyed", pattern=STAGE_NAME_PATTERN)
     key_by: str = Field(default="key", description="the field whose value is the key")
     operator: OperatorConfig = Field(default_factory=AggregateOperator)
     state: StateSettings = Field(default_factory=StateSettings)
+    standby: int = _standby_field()
 
 
 def _partitions_field() -> Any:
@@ -925,6 +937,7 @@ class KeyedNode(_Downstream):
     )
     operator: OperatorConfig = Field(default_factory=AggregateOperator)
     state: StateSettings = Field(default_factory=StateSettings)
+    standby: int = _standby_field()
 
     @model_validator(mode="after")
     def _one_key_unless_joined(self) -> KeyedNode:
@@ -1185,6 +1198,7 @@ class JobSpec(_Model):
                     "key_by": KEY_FIELD if joins else keyed.key_by,
                     "operator": keyed.operator,
                     "state": keyed.state,
+                    "standby": keyed.standby,
                 },
                 context=context,
             )

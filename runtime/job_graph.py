@@ -266,7 +266,8 @@ def _output_schema(node: Node, schemas: Mapping[str, Schema]) -> Schema:
 
 def _edges(node: Node, by_name: Mapping[str, Node], schemas: Mapping[str, Schema]) -> list[Edge]:
     """The edges into `node`; a non-keyed stage left unsaid gets `key_by` of the key after a
-    keyed stage (a key keeps its partition, as a sink needs), else `forward` where the
+    keyed stage, and a sink after any stage whose records have a key (a key keeps its
+    partition, as a sink needs), else `forward` where the
     parallelism is equal (chaining) and `rebalance` where it is not."""
     if node.role == "keyed":
         if node.partitioning not in (None, "key_by"):
@@ -283,7 +284,8 @@ def _edges(node: Node, by_name: Mapping[str, Node], schemas: Mapping[str, Schema
         partitioning = node.partitioning
         key = node.key_by
         if partitioning is None:
-            if upstream.role == "keyed" and key is None:
+            keeps_keys = upstream.role == "keyed" or (node.role == "sink" and KEY_FIELD in schema)
+            if keeps_keys and key is None:
                 partitioning, key = "key_by", KEY_FIELD
             elif key is not None:
                 partitioning = "key_by"
@@ -403,6 +405,21 @@ def _hop(graph: Graph, edge: Edge, after_keyed: bool) -> tuple[Hop, Edge]:
         edge = outs[0]
 
 
+def _check_before_sink(hop: Hop, keyed: Node) -> None:
+    """Maps and filters run on a keyed stage's updates on their way to the sink, in its
+    instances; the sink's output log keeps the updates' schema, so a map must not reshape
+    them, and a flat_map (several updates out of one) is not supported yet."""
+    for t in hop.transforms:
+        if t.role == "flat_map":
+            raise _not_yet(t, f"a flat_map between the keyed stage {keyed.name!r} and the sink")
+        if t.fields is not None:
+            raise _not_yet(
+                t,
+                f"a map that reshapes the updates of the keyed stage {keyed.name!r} before the "
+                "sink (the sink's output log holds the keyed stage's update schema)",
+            )
+
+
 def lower_to_chain(graph: Graph) -> Chain:
     """The graph as the runtime runs it; GraphError "not supported yet" naming the first stage
     the runtime cannot execute as the graph says."""
@@ -421,16 +438,11 @@ def lower_to_chain(graph: Graph) -> Chain:
             if target.role == "sink":
                 if sender.role != "keyed":
                     raise _not_yet(target, "a sink fed by a stage that is not keyed")
-                if hop.transforms:
-                    raise _not_yet(
-                        hop.transforms[0],
-                        f"a map or filter between the keyed stage {sender.name!r} and the sink "
-                        "(the sink receives the keyed stage's updates as they are)",
-                    )
+                _check_before_sink(hop, sender)
                 if last.partitioning != "key_by" or last.key_by != KEY_FIELD:
                     raise _not_yet(
                         sink,
-                        f"a {last.partitioning} edge from the keyed stage (sinks receive each "
+                        f"a {last.partitioning} edge from {last.source!r} (sinks receive each "
                         f"key's updates in the partition of its key group: key_by {KEY_FIELD!r})",
                     )
             hops.setdefault(sender.name, []).append(hop)

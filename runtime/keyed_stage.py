@@ -65,6 +65,7 @@ from keyshift.runtime.records import (
     SOURCE,
     decode,
     now_us,
+    with_record_ids,
 )
 from keyshift.runtime.rocksdb_state import (
     RocksAggregateState,
@@ -104,6 +105,7 @@ from keyshift.runtime.windows import (
     WindowFunction,
     WindowShape,
     composite_groups,
+    take_back,
     window_contents,
     window_output_schema,
 )
@@ -237,16 +239,6 @@ def sink_schema(spec: JobSpec) -> pa.Schema:
     return schema.remove(schema.get_field_index(GROUP))
 
 
-def with_record_ids(out: pa.RecordBatch) -> pa.RecordBatch:
-    """Updates as records for the stages after: a process function's carry the (source, seq)
-    of the record they came from; an aggregate's update stands for all of a key's records so
-    far, so it goes on with source -1 and its version as its sequence number."""
-    if SOURCE in out.schema.names:
-        return out
-    sources = pa.array(np.full(out.num_rows, -1, dtype=np.int32))
-    return out.append_column(SOURCE, sources).append_column(SEQ, out.column("version"))
-
-
 class KeyedStage:
     """One keyed instance: its state, its outputs, and its side of any migration."""
 
@@ -296,8 +288,8 @@ class KeyedStage:
         self.upstream = step.inputs
         keyed = tuple(route for route in step.outputs if route.target != spec.sink.name)
         self.outputs = Outputs(ctx, keyed)
-        to_sink = len(keyed) < len(step.outputs)
-        self.sink = SinkRouter(ctx) if to_sink else None
+        to_sink = [route for route in step.outputs if route.target == spec.sink.name]
+        self.sink = SinkRouter(ctx, to_sink[0].transforms) if to_sink else None
         self.owned = ctx.assignment(ctx.stage).owners == ctx.index
         self.ended: set[str] = set()
         self.backlog: deque[tuple[str, bytes, Any]] = deque()
@@ -359,8 +351,7 @@ class KeyedStage:
         received = batch.num_rows
         out: pa.RecordBatch | None
         if self.windows is not None:
-            self.apply_to_windows(batch)
-            out = None
+            out = self.apply_to_windows(batch)
         elif isinstance(self.state, AggregateState | RocksAggregateState):
             out = self.state.apply(batch, self.key_field, self.value_field).batch
         else:
@@ -447,22 +438,23 @@ class KeyedStage:
         if self.late_records is not None:
             self.late_records.write(records)
 
-    def apply_to_windows(self, batch: pa.RecordBatch) -> None:
+    def apply_to_windows(self, batch: pa.RecordBatch) -> pa.RecordBatch | None:
         """Window rows into their windows' state. They were judged too late or not against the
         watermark when they arrived (`records`): parked records of a group moving in are
         applied later, when the watermark may have passed their window, which has not fired
         (a group's windows fire here once it is in). Only the old owner's watermark, known by
         then, is checked again: what it fired is complete. A window that has fired (here or
-        at the old owner) and is still within its allowed lateness sends its updated result."""
+        at the old owner) and is still within its allowed lateness sends its updated result:
+        the updates to send."""
         assert self.windows is not None
-        t0 = time.perf_counter()
         batch = self.drop_late(batch, None)
-        if batch.num_rows:
-            thresholds = self.windows.thresholds(self.watermark.current, self.ready())
-            updated, late = self.windows.absorb(batch, thresholds)
-            if late is not None:
-                self.too_late(late)
-            self.send_out(updated, t0)
+        if not batch.num_rows:
+            return None
+        thresholds = self.windows.thresholds(self.watermark.current, self.ready())
+        updated, late = self.windows.absorb(batch, thresholds)
+        if late is not None:
+            self.too_late(late)
+        return updated
 
     def send_out(self, out: pa.RecordBatch | None, started: float) -> None:
         """Updates to the sink instance of each one's key group and to the keyed stages fed."""
@@ -541,9 +533,9 @@ class KeyedStage:
         elif isinstance(command, MigrateOut):
             if self.move_out is not None:
                 raise ProtocolError("migrate_out while another move out is running")
-            move = MoveOut(self.ctx, self.state, command, self.seal)
-            self.move_out = move
             current = self.watermark.current
+            move = MoveOut(self.ctx, self.state, command, self.seal, current)
+            self.move_out = move
             if self.handed_over is not None and current is not None:
                 # Windows fired here (and join records dropped) are late at the new owners too.
                 move.tell(WATERMARK, json.dumps(Watermark(watermark=current).wire()).encode())
@@ -560,10 +552,13 @@ class KeyedStage:
             if self.move_out is not None:
                 kept = self.move_out.abandon(lost)
                 self.owned |= kept
-                # Their timers and windows left the indexes while they were moving out.
+                # Their timers and windows left the indexes while they were moving out; those
+                # that came due meanwhile fire now, the watermark may not move again.
                 self.index_timers(np.flatnonzero(kept))
                 if self.windows is not None:
-                    self.windows.rebuild(np.flatnonzero(kept).tolist(), self.watermark.current)
+                    take_back(self.windows, np.flatnonzero(kept), self.move_out.left_at)
+                    self.fire_windows()
+                self.fire_timers(EVENT)
             if self.move_in is not None:
                 self.move_in.abandon(lost)
             # Groups whose state died with a lost instance go on here, from empty.

@@ -70,10 +70,13 @@ class MoveOut:
         state: KeyedState,
         command: MigrateOut,
         seal: StateSeal,
+        left_at: int | None,
     ) -> None:
         self.ctx = ctx
         self.state = state
         self.seal = seal
+        # The old owner's watermark as the move started: its windows up to it fired here.
+        self.left_at = left_at
         self.stats = ctx.metrics.migration_stats()
         self.epoch = command.epoch
         self.sources = command.sources

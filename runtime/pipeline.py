@@ -523,7 +523,8 @@ def _merge(
 
 @dataclass(frozen=True)
 class KeyedStream:
-    """A stream about to enter a keyed stage: one of the operators below makes the stage."""
+    """A stream about to enter a keyed stage: one of the operators below makes the stage
+    (each takes `standby`: idle pre-started instances a scale-out takes first)."""
 
     stream: Stream
     key: str
@@ -535,9 +536,10 @@ class KeyedStream:
         name: str | None,
         parallelism: int | None,
         state: Mapping[str, Any] | None,
+        standby: int | None,
     ) -> Stream:
         stage = {"kind": "keyed", "key_by": self.key, "operator": dict(operator)} | _given(
-            parallelism=parallelism, state=None if state is None else dict(state)
+            parallelism=parallelism, state=None if state is None else dict(state), standby=standby
         )
         return self.stream._add(step, stage, name)
 
@@ -547,10 +549,11 @@ class KeyedStream:
         name: str | None = None,
         parallelism: int | None = None,
         state: Mapping[str, Any] | None = None,
+        standby: int | None = None,
     ) -> Stream:
         """A running count of records per key."""
         return self._keyed(
-            "count", {"kind": "aggregate", "function": "count"}, name, parallelism, state
+            "count", {"kind": "aggregate", "function": "count"}, name, parallelism, state, standby
         )
 
     def aggregate(
@@ -561,10 +564,11 @@ class KeyedStream:
         name: str | None = None,
         parallelism: int | None = None,
         state: Mapping[str, Any] | None = None,
+        standby: int | None = None,
     ) -> Stream:
         """A running count/sum/min/max/mean of `field` per key."""
         operator = {"kind": "aggregate", "function": function} | _given(field=field)
-        return self._keyed(function, operator, name, parallelism, state)
+        return self._keyed(function, operator, name, parallelism, state, standby)
 
     def process(
         self,
@@ -574,11 +578,12 @@ class KeyedStream:
         name: str | None = None,
         parallelism: int | None = None,
         state: Mapping[str, Any] | None = None,
+        standby: int | None = None,
     ) -> Stream:
         """`fn(state, record) -> (state, output or None)` per record; with `on_timer`, timers
         as `Pipeline.process` has them."""
         operator = process_operator(fn, on_timer)
-        return self._keyed("process", operator, name, parallelism, state)
+        return self._keyed("process", operator, name, parallelism, state, standby)
 
     def window(
         self,
@@ -591,6 +596,7 @@ class KeyedStream:
         name: str | None = None,
         parallelism: int | None = None,
         state: Mapping[str, Any] | None = None,
+        standby: int | None = None,
         allowed_lateness_ms: float | None = None,
     ) -> Stream:
         """A count (the default)/sum/min/max/mean of `field` per key and event-time window
@@ -611,7 +617,7 @@ class KeyedStream:
             process=None if process is None else function_path(process, "window(process=...)"),
             allowed_lateness_ms=allowed_lateness_ms,
         )
-        return self._keyed("window", operator, name, parallelism, state)
+        return self._keyed("window", operator, name, parallelism, state, standby)
 
     def _join(
         self,

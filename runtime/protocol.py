@@ -335,6 +335,25 @@ class RegisterRequest(Message):
     pid: int = 0
 
 
+class StandbyRequest(Message):
+    """A pre-started instance of a keyed stage offering itself (the `Standby` stream): it waits,
+    owning nothing and counted nowhere, until a scale-out gives it an index."""
+
+    stage: str
+    pid: int = 0
+
+
+class StandbyAssignment(Message):
+    """The one message of a standby's `Standby` stream: the index it now registers as."""
+
+    index: int
+
+
+class StandbyStatus(Message):
+    pid: int
+    index: int | None = None  # given by a scale-out, not yet registered under it
+
+
 class RegisterReply(Message):
     """The job spec (as JSON: every process runs the coordinator's definition), the
     checkpoint to restore from after a crash, and the instance's identity."""
@@ -417,6 +436,7 @@ class StageStatus(Message):
     parallelism: int  # instances registered now
     desired: int  # instances the coordinator wants (a host keeps 0..desired-1 running)
     instances: list[InstanceStatus]
+    standbys: list[StandbyStatus] = []  # waiting, or taken and not yet registered
 
 
 class StatusReply(Message):

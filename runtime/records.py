@@ -112,3 +112,13 @@ def unpack_raw(message: bytes | memoryview) -> tuple[dict[str, Any], memoryview]
 def unpack(message: bytes | memoryview) -> tuple[dict[str, Any], pa.RecordBatch | None]:
     header, body = unpack_raw(message)
     return header, (decode(body) if len(body) else None)
+
+
+def with_record_ids(out: pa.RecordBatch) -> pa.RecordBatch:
+    """Updates as records for the stages after: a process function's carry the (source, seq)
+    of the record they came from; an aggregate's update stands for all of a key's records so
+    far, so it goes on with source -1 and its version as its sequence number."""
+    if SOURCE in out.schema.names:
+        return out
+    sources = pa.array(np.full(out.num_rows, -1, dtype=np.int32))
+    return out.append_column(SOURCE, sources).append_column(SEQ, out.column("version"))

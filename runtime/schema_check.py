@@ -30,6 +30,9 @@ _ACCEPTS: Mapping[str, tuple[type, ...]] = {
     "bool": (bool, np.bool_),
 }
 _INT64 = (-(2**63), 2**63 - 1)
+# The plain Python type of each field kind: a value of exactly that type skips the abstract
+# checks above, which cost most of the check (a record of 20 fields took ~0.25 ms).
+_EXACT: Mapping[str, Any] = {"int": int, "float": float, "str": str, "bool": bool}
 
 
 @dataclass
@@ -50,6 +53,14 @@ def why_invalid(
         if name not in record or record[name] is None:
             return f"missing field {name!r}"
         value = record[name]
+        if type(value) is _EXACT[kind]:
+            if kind == "int" and not _INT64[0] <= value <= _INT64[1]:
+                return f"field {name!r} is out of the 64-bit integer range"
+            if kind == "float" and not math.isfinite(value) and name not in non_finite:
+                return non_finite_reason(name)
+            if kind == "str" and not value.isascii() and not _encodable(value):
+                return f"field {name!r} is not valid UTF-8 (it holds a lone surrogate)"
+            continue
         # bool is an int in Python; a bool in an int field is almost always a mistake.
         if not isinstance(value, _ACCEPTS[kind]) or (kind != "bool" and isinstance(value, bool)):
             return f"field {name!r} should be {kind}, got {type(value).__name__}"

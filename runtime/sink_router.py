@@ -5,21 +5,38 @@ owns that partition by the sink's partition assignment (the `partitions` of the 
 A rescale of the sink (keyshift.runtime.sink_rescale) reaches a sender as `reroute` naming the
 sink: it sends an epoch MARKER on every stream to the sink, after the last batch it routed by
 the old owners, then routes by the new ones; an old owner of a partition knows from the
-markers when nothing more of it can come. Used by keyshift.runtime.keyed_stage.
+markers when nothing more of it can come. The map/filter stages a job puts between a keyed
+stage and its sink run here, on the updates before they are routed. Used by
+keyshift.runtime.keyed_stage.
 """
 
 from __future__ import annotations
 
 import json
+from typing import cast
 
 import numpy as np
 import pyarrow as pa
 
-from keyshift.runtime.keyspace import Assignment
+from keyshift.runtime.edge_router import apply_transforms, resolve_transforms
+from keyshift.runtime.job import Chained, FieldType
+from keyshift.runtime.job_graph import KEY_FIELD
+from keyshift.runtime.keyspace import Assignment, key_groups
 from keyshift.runtime.protocol import Ack, Barrier, Reroute, Topology
-from keyshift.runtime.records import GROUP, encode, split_by_owner
+from keyshift.runtime.records import (
+    ARROW_TYPES,
+    GROUP,
+    RESERVED_FIELDS,
+    encode,
+    split_by_owner,
+    with_record_ids,
+)
 from keyshift.runtime.stage_context import InstanceContext
 from keyshift.runtime.transport import BARRIER, END, MARKER, Outlet
+
+_FIELD_TYPES: dict[pa.DataType, FieldType] = {
+    kind: cast(FieldType, name) for name, kind in ARROW_TYPES.items()
+}
 
 
 def partition_of(groups: np.ndarray, partitions: int) -> np.ndarray:
@@ -36,19 +53,35 @@ def partition_owners(partitions: int, parallelism: int, epoch: int = 1) -> Assig
 class SinkRouter:
     """A sender's streams to the sink instances, and which one owns each partition."""
 
-    def __init__(self, ctx: InstanceContext) -> None:
+    def __init__(self, ctx: InstanceContext, transforms: tuple[Chained, ...] = ()) -> None:
         self.ctx = ctx
+        self.transforms = resolve_transforms(transforms)
         self.stage = ctx.spec.sink.name
         self.partitions = ctx.spec.sink.output_partitions
         self.outlets: dict[int, Outlet] = ctx.connect(self.stage)
         self.owners = Assignment.from_json(ctx.wait_topology().partitions)
 
     def route(self, out: pa.RecordBatch) -> list[tuple[int, bytes]]:
-        """The updates' parts by the sink instance that owns their partition."""
+        """The updates' parts by the sink instance that owns their partition, after the maps
+        and filters chained before the sink."""
+        if self.transforms:
+            out = self.transformed(out)
         partition = partition_of(out.column(GROUP).to_numpy(), self.partitions)
         owners = self.owners.owners[partition].astype(np.int64)
         parallelism = int(owners.max()) + 1 if len(owners) else 1
         return [(o, encode(part)) for o, part in split_by_owner(out, owners, parallelism)]
+
+    def transformed(self, out: pa.RecordBatch) -> pa.RecordBatch:
+        """The updates through the maps and filters, in the updates' schema (a map's result
+        that does not fit it is rejected, as any chained function's). Each goes to the
+        partition of its key group: a map that rewrites the key sends it to its new key's."""
+        fields: dict[str, FieldType] = {
+            f.name: _FIELD_TYPES[f.type] for f in out.schema if f.name not in RESERVED_FIELDS
+        }
+        records = apply_transforms(self.ctx, with_record_ids(out), self.transforms, fields)
+        groups = pa.array(key_groups(records.column(KEY_FIELD), self.ctx.spec.max_key_groups))
+        columns = [groups if f.name == GROUP else records.column(f.name) for f in out.schema]
+        return pa.RecordBatch.from_arrays(columns, schema=out.schema)
 
     def send(self, parts: list[tuple[int, bytes]]) -> None:
         for owner, payload in parts:

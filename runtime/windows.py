@@ -16,7 +16,9 @@ per window they fall in (vectorised) as they reach the keyed instance; the migra
 then parks, forwards and fetches those rows by their composite key, as it does plain keys.
 
 Which windows wait to fire is an index kept beside the store (window end -> composite keys and
-their groups), rebuilt from the store after a restore and for the groups a move brought in.
+their groups), rebuilt from the store after a restore and for the groups a move brought in
+or an aborted move out brought back (as from an instance at the watermark they left at: a
+window that came due while they were away was never sent, and fires then).
 Without allowed lateness a fired window is deleted from the store (with a tombstone for
 incremental checkpoints), so a recovery that restores a checkpoint taken after it does not
 fire it again, and one taken before it fires it once more into an output log truncated to that
@@ -299,12 +301,21 @@ class EventWindows(Protocol):
     def thresholds(self, watermark: int | None, ready: np.ndarray) -> np.ndarray: ...
 
     def rebuild(self, groups: Iterable[int], watermark: int | None) -> None:
-        """Index the windows `groups` hold (after a restore, a move in, an aborted move out)."""
+        """Index the windows `groups` hold (after a restore, or a move in)."""
         ...
 
     def fire(self, watermark: int, owned: np.ndarray) -> pa.RecordBatch | None:
         """The results of the windows of owned groups the watermark has passed."""
         ...
+
+
+def take_back(windows: EventWindows, groups: np.ndarray, left_at: int | None) -> None:
+    """Groups whose move out was aborted, back from it as from an instance at `left_at` (the
+    watermark they left at): windows that came due while they were away (`fire` dropped their
+    index entries then) are unfired, and fire at the next `fire`."""
+    if left_at is not None:
+        windows.hand_over(groups, left_at)
+    windows.rebuild(groups.tolist(), None)
 
 
 class GroupFloors:

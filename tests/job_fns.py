@@ -17,6 +17,16 @@ def track(state: Any, record: dict[str, Any]) -> tuple[Any, Any]:
     return count, [count, record["source"], record["seq"]]
 
 
+def odd_key(record: dict[str, Any]) -> bool:
+    """Filter before a sink: a keyed stage's updates of odd keys only."""
+    return bool(record["key"] % 2)
+
+
+def wrapped(record: dict[str, Any]) -> dict[str, Any]:
+    """Map before a sink: the update kept, its value (a `track` output) wrapped in an object."""
+    return {**record, "value": json.dumps({"tracked": json.loads(record["value"])})}
+
+
 def slow_sink(batch: pa.RecordBatch) -> None:
     """A deliberately slow sink: 0.2 s per batch, whatever its size."""
     time.sleep(0.2)

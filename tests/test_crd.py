@@ -570,6 +570,10 @@ PROBLEMS = {
         _set("spec.job.keyed.operator", {"kind": "aggregate", "allowed_lateness_ms": 5}),
         "allowed_lateness_ms is a window's setting: the 'aggregate' operator fires no windows",
     ),
+    "standbys, which the operator does not keep yet": (
+        _set("spec.job.keyed.standby", 1),
+        "keyed stage enrich: standby is not yet supported on Kubernetes",
+    ),
     "the same name for a source and a sink": (
         _set(
             "spec.sources",

@@ -1,23 +1,27 @@
-"""examples/pages.yaml (a job written as a graph) and examples/regions.yaml (two keyed stages)
-and their Python twins examples/pages_pipeline.py and examples/regions_pipeline.py build one
-job each, and each job runs through real processes to the output an independent computation
-over the same generated records gives."""
+"""examples/pages.yaml (a job written as a graph), examples/regions.yaml (two keyed stages) and
+examples/busy_users.yaml (a filter before the sink) and their Python twins
+examples/pages_pipeline.py, examples/regions_pipeline.py and examples/busy_users_pipeline.py
+build one job each, and each job runs through real processes to the output an independent
+computation over the same generated records gives."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
 from collections import defaultdict
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
 
-from examples import pages, regions
+from examples import busy_users, pages, regions
+from examples.busy_users_pipeline import busy_users as busy_users_pipeline
 from examples.pages_pipeline import pages as pages_pipeline
 from examples.regions_pipeline import regions as regions_pipeline
 from keyshift.runtime.job import load_job, parse_job
+from keyshift.runtime.pipeline import Dataflow
 from tests import pipeline_fns
 from tests.conftest import BATCHING
 from tests.test_end_to_end import final_values, generated, run_to_end
@@ -49,6 +53,27 @@ def bounded(job: dict[str, Any], out: Path) -> dict[str, Any]:
     config["total"] = TOTAL
     stages["out"]["config"]["path"] = str(out)
     return job | {"batching": dict(BATCHING)}
+
+
+def run_example(tmp_path: Path, name: str, twin: Callable[[], Dataflow], origin: str) -> Path:
+    """Run examples/`name`.yaml, or its Python twin, bounded; its output log."""
+    if origin == "yaml":
+        job = yaml.safe_load((REPO / "examples" / f"{name}.yaml").read_text())
+    else:
+        job = twin().to_dict()
+    out = tmp_path / "out"
+    run_to_end(tmp_path, bounded(job, out))
+    return out
+
+
+def clicks_per_user(job_file: str) -> dict[int, int]:
+    """The clicks of each user an example's source makes (bounded: `TOTAL` of them)."""
+    job = bounded(yaml.safe_load((REPO / "examples" / job_file).read_text()), REPO / "unused")
+    source = next(s for s in job["graph"] if s["name"] == "clicks")["config"]
+    clicks: dict[int, int] = defaultdict(int)
+    for _, _, key, _ in generated(source, parallelism=1):
+        clicks[key] += 1
+    return clicks
 
 
 @pytest.mark.live
@@ -83,21 +108,32 @@ def test_the_two_keyed_stage_twin_builds_its_job_file() -> None:
 @pytest.mark.parametrize("origin", ["yaml", "python"])
 def test_the_two_keyed_stage_example_equals_independent_truth(tmp_path: Path, origin: str) -> None:
     """The busiest user's clicks per region, after every click went through both stages."""
-    if origin == "yaml":
-        job = yaml.safe_load((REPO / "examples" / "regions.yaml").read_text())
-    else:
-        job = regions_pipeline().to_dict()
-    out = tmp_path / "out"
-    run_to_end(tmp_path, bounded(job, out))
-
-    source = next(s for s in job["graph"] if s["name"] == "clicks")["config"]
-    clicks: dict[int, int] = defaultdict(int)
-    for _, _, key, _ in generated(source, parallelism=1):
-        clicks[key] += 1
+    out = run_example(tmp_path, "regions", regions_pipeline, origin)
+    clicks = clicks_per_user("regions.yaml")
     truth: dict[int, int] = defaultdict(int)
     for user, count in clicks.items():
         region = regions.to_region({"key": user, "value": count})["region"]
         truth[region] = max(truth[region], count)
+    assert final_values(out) == truth
+
+
+def test_the_filter_before_the_sink_twin_builds_its_job_file() -> None:
+    expected = load_job(REPO / "examples" / "busy_users.yaml")
+    assert busy_users_pipeline().build() == expected
+    (step,) = expected.keyed_stages()
+    assert [r.target for r in step.outputs] == ["out"]
+
+
+@pytest.mark.live
+@pytest.mark.parametrize("origin", ["yaml", "python"])
+def test_the_filter_before_the_sink_example_equals_independent_truth(
+    tmp_path: Path, origin: str
+) -> None:
+    """Every busy user's click count, and no other user's."""
+    out = run_example(tmp_path, "busy_users", busy_users_pipeline, origin)
+    clicks = clicks_per_user("busy_users.yaml")
+    truth = {user: n for user, n in clicks.items() if busy_users.busy({"value": n})}
+    assert truth and len(truth) < len(clicks)
     assert final_values(out) == truth
 
 

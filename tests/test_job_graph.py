@@ -387,17 +387,33 @@ NOT_YET: dict[str, tuple[list[dict[str, Any]], str]] = {
         chain(keep={"partitioning": "rebalance"}),
         "stage 'keep' (filter): a rebalance edge from 'clicks'",
     ),
-    "a stage after the keyed stage": (
+    "a flat_map before the sink": (
+        [
+            *chain()[:3],
+            stage("more", "flat_map", "per-user", function=KEEP),
+            stage("out", "sink", "more", key_by="key"),
+        ],
+        "stage 'more' (flat_map): a flat_map between the keyed stage 'per-user' and the sink",
+    ),
+    "a map reshaping the updates before the sink": (
+        [
+            *chain()[:3],
+            stage("wide", "map", "per-user", function=MAP, fields={"user": "int"}),
+            stage("out", "sink", "wide", key_by="user"),
+        ],
+        "stage 'wide' (map): a map that reshapes the updates of the keyed stage 'per-user'",
+    ),
+    "a filter before the sink on a forward edge": (
         [
             *chain()[:3],
             stage("tidy", "filter", "per-user", function=KEEP),
-            stage("out", "sink", "tidy"),
+            stage("out", "sink", "tidy", partitioning="forward"),
         ],
-        "stage 'tidy' (filter): a map or filter between the keyed stage 'per-user' and the sink",
+        "stage 'out' (sink): a forward edge from 'tidy' (sinks receive each key's updates",
     ),
     "a broadcast to the sink": (
         chain(out={"partitioning": "broadcast"}),
-        "stage 'out' (sink): a broadcast edge from the keyed stage",
+        "stage 'out' (sink): a broadcast edge from 'per-user'",
     ),
     "no keyed stage": (
         [stage("clicks", "source"), stage("out", "sink", "clicks")],
@@ -464,6 +480,22 @@ def test_keyed_stages_in_a_line_run_with_the_maps_between_them_chained() -> None
     assert [s.name for s in spec.stages()] == ["clicks", "per-user", "per-region", "top", "out"]
     again = parse_job(spec.model_dump(mode="json"))
     assert again.keyed_stages() == steps
+
+
+def test_maps_and_filters_before_the_sink_run_chained_into_the_keyed_stage() -> None:
+    spec = parse_job(
+        graph_job(
+            [
+                *chain()[:3],
+                stage("tidy", "filter", "per-user", function=KEEP),
+                stage("same", "map", "tidy", function=MAP),
+                stage("out", "sink", "same"),
+            ]
+        )
+    )
+    (step,) = spec.keyed_stages()
+    assert step.outputs == (Route("out", (Chained("filter", KEEP), Chained("map", MAP))),)
+    assert spec.sink_inputs() == ("per-user",)
 
 
 def test_an_older_job_is_a_chain_of_one_keyed_stage() -> None:

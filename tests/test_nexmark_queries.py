@@ -196,8 +196,8 @@ def test_the_windowed_queries_under_live_rescales_answer_what_duckdb_answers(
 
 @pytest.mark.parametrize(
     ("query", "victim"),
-    [("q3", "keyed"), ("q3_ttl", "keyed"), ("q7", "keyed"), ("q11", "keyed"), ("q8", "keyed"),
-     ("q8", "coordinator")],
+    [("q3", "keyed"), ("q3_ttl", "keyed"), ("q7", "keyed"), ("q7", "coordinator"),
+     ("q11", "keyed"), ("q8", "keyed"), ("q8", "coordinator")],
 )  # fmt: skip
 def test_a_query_through_kill_minus_9_answers_what_duckdb_answers(
     tmp_path: Path, query: str, victim: str

@@ -273,6 +273,24 @@ def test_random_rescale_sequences_keep_the_invariants(
     run_with_rescales(tmp_path, source, start, steps)
 
 
+def test_rescales_taking_standbys_keep_the_invariants(tmp_path: Path) -> None:
+    """A lean run of the invariants with a standby: 1 -> 3 takes it as instance 1 (and starts
+    instance 2), 3 -> 1 retires both, 1 -> 2 takes the standby started after the first."""
+    source = {"kind": "generator", "keys": 2000, "distribution": "zipf", "seed": 5,
+              "profile": {"rate": 10_000}}  # fmt: skip
+    job = tracked_job(tmp_path / "out", source, 1)
+    job["keyed"]["standby"] = 1
+    taken: list[str] = []
+
+    def standby_taken(local: LocalJob) -> None:
+        # A standby's process keeps the log it was started with.
+        taken.append(local.instances["track/1"].log_path.name)
+
+    steps = [(3, "hot-first"), (1, "batched"), (2, "lazy")]
+    run_with_rescales(tmp_path, source, 1, steps, job=job, after=standby_taken)
+    assert taken == ["track-standby-2.log"], taken
+
+
 def test_bad_rescale_requests_are_refused_and_change_nothing(tmp_path: Path) -> None:
     source = {"kind": "generator", "keys": 100, "profile": {"rate": 2000}}
     with running_job(tmp_path, tracked_job(tmp_path / "out", source, 2)) as local:

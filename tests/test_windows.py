@@ -45,6 +45,7 @@ from keyshift.runtime.windows import (
     WindowFunction,
     WindowShape,
     composite_groups,
+    take_back,
 )
 from tests.conftest import count_job, running_job, wait_for
 from tests.nexmark_reference import run_query, source_events, write_events
@@ -487,6 +488,38 @@ def test_a_restored_or_moved_window_that_fired_is_known_as_fired_by_its_groups_w
     assert not again.too_late(late, again.threshold(20, np.array([0]))).any()
     assert again.too_late(late, again.threshold(110, np.array([0]))).all()
     assert again.fire(200, owned) is None and state.key_count == 0
+
+
+@pytest.mark.parametrize("backend", ["memory", "rocksdb"])
+def test_a_window_that_came_due_during_an_aborted_move_out_fires_once_when_taken_back(
+    tmp_path: Path, backend: str
+) -> None:
+    """Window a's group leaves at watermark 5 (its move out starts); the watermark reaches 15
+    meanwhile, past a's end, which leaves the index as its group is away. The move is aborted:
+    taken back as left at 5, a fires once, not taken for fired (it was never sent)."""
+    if backend == "memory":
+        state: Any = AggregateState("count", 8, pa.string())
+    else:
+        db = open_database(prepare_directory(tmp_path / "w-0", "w-0"), 8, 1)
+        groups_of = partial(composite_groups, pa.string(), 8)
+        state = RocksAggregateState("count", 8, pa.string(), db, False, groups_of)
+    contents = AggregateContents("count", None, state)
+    windows = KeyedWindows(WindowShape(10, 10), contents, "user", pa.string(), state, 8)
+    schema = record_schema({"user": "str"})
+    batch = windows.expand(pa.record_batch([["a"], [5], [5], [0], [0], [0]], schema=schema))
+    update = state.apply(batch, "user", None).batch
+    groups = update.column(GROUP).to_numpy()
+    windows.track(update.column(KEY_COL), groups, windows.threshold(None, groups))
+    owned = np.ones(8, dtype=bool)
+    assert windows.fire(5, owned) is None
+    owned[0] = False
+    assert windows.fire(15, owned) is None
+    owned[0] = True
+    take_back(windows, np.array([0]), 5)
+    fired = windows.fire(15, owned)
+    assert fired is not None and fired.column("key").to_pylist() == ["a"]
+    assert fired.column("n").to_pylist() == [1]
+    assert windows.fire(30, owned) is None and state.key_count == 0
 
 
 # -- a user's reduce or process over a window's records -----------------------------------------
