@@ -2,7 +2,8 @@
 
 Data: a sender opens one bidirectional `keyshift.Data/Push` stream per downstream instance and
 sends encoded batches; the receiver grants credits, one per batch it has taken off its bounded
-inbox, so a slow stage stops its senders instead of growing a queue. Control: unary calls whose
+inbox (handed back in lots of half the window), so a slow stage stops its senders instead of
+growing a queue. Control: unary calls whose
 bodies are JSON (coordinator registration, reports, status) plus a server stream of commands.
 Messages are raw bytes (no generated code): a one-byte kind, then the body.
 Used by the coordinator, the stage instances and the local host's client.
@@ -275,9 +276,22 @@ class Inbox:
             context.abort(grpc.StatusCode.UNAUTHENTICATED, f"not the identity of {sender}")
         grants: queue.Queue[int | None] = queue.Queue()
         grants.put(self.credits)
+        # Credits go back in lots of half the window, not one per message: each credit
+        # message costs both ends a gRPC send and thread hand-offs (bench/data_path.py). The
+        # sender still holds at least half its window, and a lot is always completed by the
+        # messages it has in flight, so no sender waits on credits withheld.
+        lot = max(1, self.credits // 2)
+        released = 0
+        lock = threading.Lock()
 
         def grant() -> None:
-            grants.put(1)
+            nonlocal released
+            with lock:
+                released += 1
+                if released < lot:
+                    return
+                released = 0
+            grants.put(lot)
 
         def read() -> None:
             ended = False
