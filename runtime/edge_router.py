@@ -47,7 +47,7 @@ from keyshift.runtime.records import (
 )
 from keyshift.runtime.schema_check import check_records, event_time_problem
 from keyshift.runtime.stage_context import InstanceContext
-from keyshift.runtime.transport import BARRIER, END, MARKER, WATERMARK, TransportError
+from keyshift.runtime.transport import BARRIER, END, MARKER, WATERMARK, Outlet, TransportError
 
 log = logging.getLogger("keyshift.routing")
 Function = tuple[str, Callable[..., Any]]
@@ -148,6 +148,19 @@ def _filter_rows(
     return batch.filter(pa.array(keep))
 
 
+def switch_outlets(
+    ctx: InstanceContext, outlets: dict[int, Outlet], epoch: int, joined: Mapping[str, str]
+) -> None:
+    """A reroute's switch on one edge: the epoch marker on every stream open now (what this
+    sender sent before it is the old routing's), then streams to the instances that joined."""
+    marker = json.dumps({"epoch": epoch}).encode()
+    for outlet in outlets.values():
+        ctx.send(outlet, marker, kind=MARKER)
+    for index, address in joined.items():
+        if int(index) not in outlets:
+            outlets[int(index)] = ctx.outlet(address)
+
+
 class EdgeRouter:
     """Sends each record to the instance of keyed stage `target` that owns its key group, by
     assignment epoch.
@@ -241,12 +254,7 @@ class EdgeRouter:
             if index in self.outlets:
                 self.outlets.pop(index).abort()
         self.dead.clear()
-        marker = json.dumps({"epoch": new.epoch}).encode()
-        for outlet in self.outlets.values():
-            self.ctx.send(outlet, marker, kind=MARKER)
-        for joined, address in command.keyed.items():
-            if int(joined) not in self.outlets:
-                self.outlets[int(joined)] = self.ctx.outlet(address)
+        switch_outlets(self.ctx, self.outlets, new.epoch, command.keyed)
         self.assignment = new
         stranded, self.stranded = self.stranded, []
         for payload in stranded:

@@ -18,7 +18,7 @@ from typing import cast
 import numpy as np
 import pyarrow as pa
 
-from keyshift.runtime.edge_router import apply_transforms, resolve_transforms
+from keyshift.runtime.edge_router import apply_transforms, resolve_transforms, switch_outlets
 from keyshift.runtime.job import Chained, FieldType
 from keyshift.runtime.job_graph import KEY_FIELD
 from keyshift.runtime.keyspace import Assignment, key_groups
@@ -32,7 +32,7 @@ from keyshift.runtime.records import (
     with_record_ids,
 )
 from keyshift.runtime.stage_context import InstanceContext
-from keyshift.runtime.transport import BARRIER, END, MARKER, Outlet
+from keyshift.runtime.transport import BARRIER, END, Outlet
 
 _FIELD_TYPES: dict[pa.DataType, FieldType] = {
     kind: cast(FieldType, name) for name, kind in ARROW_TYPES.items()
@@ -103,12 +103,7 @@ class SinkRouter:
         if command.stage != self.stage:
             return False
         new = Assignment.from_json(command.assignment)
-        marker = json.dumps({"epoch": new.epoch}).encode()
-        for outlet in self.outlets.values():
-            self.ctx.send(outlet, marker, kind=MARKER)
-        for joined, address in command.keyed.items():
-            if int(joined) not in self.outlets:
-                self.outlets[int(joined)] = self.ctx.outlet(address)
+        switch_outlets(self.ctx, self.outlets, new.epoch, command.keyed)
         self.owners = new
         self.ctx.emit(Ack(step="reroute", epoch=new.epoch))
         return True
