@@ -39,6 +39,12 @@ REPO = Path(__file__).resolve().parent.parent
 KEYSHIFT = str(Path(sys.executable).with_name("keyshift"))
 
 
+def ingest_address(local: Any) -> str | None:
+    """The ingest endpoint of a running job's first source instance, once it has one."""
+    instances = local.status()["stages"][0]["instances"]
+    return instances[0]["stats"].get("ingest_address") if instances else None
+
+
 def wait_for(condition: Callable[[], Any], timeout: float, what: str, every: float = 0.1) -> Any:
     """Poll until `condition()` is truthy; fail the test naming `what` after `timeout` seconds."""
     deadline = time.monotonic() + timeout

@@ -37,6 +37,7 @@ from keyshift.runtime.output_log import OutputLogReader
 from tests.conftest import (
     cli,
     count_job,
+    ingest_address,
     keyshift_main,
     running_job,
     status_of,
@@ -45,7 +46,6 @@ from tests.conftest import (
 )
 from tests.job_fns import PHASE_SEQ
 from tests.prometheus_server import PrometheusServer, free_port
-from tests.test_poison_rows import ingest_address
 from tests.test_rescale import applied_once, check_output, truth
 
 STEP_AT = 10.0

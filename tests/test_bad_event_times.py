@@ -22,7 +22,7 @@ from keyshift.runtime.job import LateRecordsLog
 from keyshift.runtime.late_records import BadEventTimesWriter
 from keyshift.runtime.metrics import MetricName
 from keyshift.runtime.output_log import OutputLogReader
-from tests.conftest import count_job, running_job, wait_for
+from tests.conftest import count_job, ingest_address, running_job, wait_for
 
 START = 1_700_000_000_000_000  # a multiple of the windows' size
 SECOND = 1_000_000
@@ -63,11 +63,9 @@ def run_pushes(
         wait_for(lambda: local.status()["phase"] == "running", 30, "the job to run")
         source = local.status()["stages"][0]
 
-        def address() -> str | None:
-            (instance,) = local.status()["stages"][0]["instances"] or [None]
-            return None if instance is None else instance["stats"].get("ingest_address")
-
-        with IngestClient(wait_for(address, 30, "the ingest endpoint")) as client:
+        with IngestClient(
+            wait_for(lambda: ingest_address(local), 30, "the ingest endpoint")
+        ) as client:
             replies = [client.push(rows, batch_id=f"b{n}") for n, rows in enumerate(pushes)]
         wait_for(lambda: bad_event_times(local) == bad, 30, f"{bad} bad event times counted")
         local.drain()

@@ -21,8 +21,7 @@ from keyshift.runtime import ingest
 from keyshift.runtime.ingest import IngestLimits, IngestService
 from keyshift.runtime.ingest_client import IngestClient, IngestError, encode_rows, split_rows
 from keyshift.runtime.transport import start_server
-from tests.conftest import count_job, latest_by_version, running_job, wait_for
-from tests.test_poison_rows import ingest_address
+from tests.conftest import count_job, ingest_address, latest_by_version, running_job, wait_for
 
 FIELDS = {"user": "str", "clicks": "int"}
 LIMITS = IngestLimits(max_request_rows=100, max_request_bytes=4096, max_staged_bytes=4096)

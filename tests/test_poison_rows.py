@@ -18,7 +18,7 @@ from keyshift.runtime.generator import KeyGenerator
 from keyshift.runtime.ingest import IngestService, pack_request
 from keyshift.runtime.ingest_client import IngestClient
 from keyshift.runtime.job import GeneratorSource, JobError, parse_job
-from tests.conftest import count_job, latest_by_version, running_job, wait_for
+from tests.conftest import count_job, ingest_address, latest_by_version, running_job, wait_for
 
 
 def invalid_utf8_users(users: list[bytes]) -> pa.Array:
@@ -51,11 +51,6 @@ def ingest_job(tmp_path: Path, **overrides: Any) -> dict[str, Any]:
         checkpoints={"interval": 0.5, "storage": str(tmp_path / "checkpoints")},
         **overrides,
     )
-
-
-def ingest_address(local: Any) -> str | None:
-    instances = local.status()["stages"][0]["instances"]
-    return instances[0]["stats"].get("ingest_address") if instances else None
 
 
 @pytest.mark.live

@@ -25,7 +25,7 @@ from keyshift.runtime.rocksdb_state import RocksProcessState, open_database, pre
 from keyshift.runtime.sessions import SessionFunction, SessionWindows
 from keyshift.runtime.state import ProcessState
 from keyshift.runtime.state_values import ValueCodec
-from tests.conftest import count_job, running_job, wait_for
+from tests.conftest import count_job, ingest_address, running_job, wait_for
 from tests.test_checkpoints import checkpoint, restored
 from tests.test_windows import metric_of, windowed_job
 
@@ -311,11 +311,9 @@ def test_sessions_fire_on_the_watermark_update_within_the_lateness_and_log_later
     with running_job(tmp_path, job) as local:
         wait_for(lambda: local.status()["phase"] == "running", 30, "the job to run")
 
-        def address() -> str | None:
-            (source,) = local.status()["stages"][0]["instances"] or [None]
-            return None if source is None else source["stats"].get("ingest_address")
-
-        with IngestClient(wait_for(address, 30, "the ingest endpoint")) as client:
+        with IngestClient(
+            wait_for(lambda: ingest_address(local), 30, "the ingest endpoint")
+        ) as client:
             for n, at in enumerate(pushes):
                 table = pa.table({"user": ["a"], "clicks": [1], "at": [start + at]})
                 assert client.push(table, batch_id=f"b{n}").accepted == 1

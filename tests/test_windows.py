@@ -47,7 +47,7 @@ from keyshift.runtime.windows import (
     composite_groups,
     take_back,
 )
-from tests.conftest import count_job, running_job, wait_for
+from tests.conftest import count_job, ingest_address, running_job, wait_for
 from tests.nexmark_reference import run_query, source_events, write_events
 from tests.test_nexmark_queries import (
     REPO,
@@ -423,11 +423,9 @@ def test_late_records_update_their_window_within_the_lateness_and_go_to_the_log_
     with running_job(tmp_path, job) as local:
         wait_for(lambda: local.status()["phase"] == "running", 30, "the job to run")
 
-        def address() -> str | None:
-            (source,) = local.status()["stages"][0]["instances"] or [None]
-            return None if source is None else source["stats"].get("ingest_address")
-
-        with IngestClient(wait_for(address, 30, "the ingest endpoint")) as client:
+        with IngestClient(
+            wait_for(lambda: ingest_address(local), 30, "the ingest endpoint")
+        ) as client:
             for n, (rows, at) in enumerate(pushes):
                 table = pa.table({"user": ["a"] * rows, "clicks": [1] * rows, "at": [at] * rows})
                 assert client.push(table, batch_id=f"b{n}").accepted == rows
