@@ -373,8 +373,9 @@ class KeyedStage:
         refused are counted as invalid records."""
         if self.join is not None:
             rows = pairs(rows)
-        for row in rows if self.join is None else ():
-            row["value"] = json.dumps(row["value"])
+        else:
+            for row in rows:
+                row["value"] = json.dumps(row["value"])
         if self.timers is not None:
             refused = self.timers.take_invalid()
             if refused:
