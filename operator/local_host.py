@@ -251,11 +251,10 @@ class LocalJob:
                     child.stop(grace=0)
             while len(waiting) < step.stage.standby:
                 self._standbys_started += 1
-                name = f"{stage}/standby-{self._standbys_started}"
-                args = ["-m", "keyshift.runtime.instance", "--coordinator", self.address,
-                        "--stage", stage, "--standby", "--host", self.host]  # fmt: skip
-                log_path = self.log_dir / f"{stage}-standby-{self._standbys_started}.log"
-                waiting.append(Child(name, args, log_path, self.env))
+                number = self._standbys_started
+                waiting.append(
+                    self.instance_child(f"{stage}/standby-{number}", stage, ["--standby"])
+                )
             self.standbys[stage] = waiting
 
     def ensure(self, stage: str, parallelism: int, registered: Collection[int] = ()) -> None:
@@ -278,15 +277,16 @@ class LocalJob:
         name = f"{stage}/{index}"
         if name in self.instances:
             self.instances[name].stop(grace=0)  # an exited, retired predecessor
-        child = Child(
-            name,
-            ["-m", "keyshift.runtime.instance", "--coordinator", self.address,
-             "--stage", stage, "--index", str(index), "--host", self.host],
-            self.log_dir / f"{stage}-{index}.log",
-            self.env,
-        )  # fmt: skip
+        child = self.instance_child(name, stage, ["--index", str(index)])
         self.instances[name] = child
         return child
+
+    def instance_child(self, name: str, stage: str, role: list[str]) -> Child:
+        """An instance process of `stage` (`role`: its index, or a standby's flag), logging to
+        `<name with - for />.log` in the job's log directory."""
+        args = ["-m", "keyshift.runtime.instance", "--coordinator", self.address,
+                "--stage", stage, *role, "--host", self.host]  # fmt: skip
+        return Child(name, args, self.log_dir / f"{name.replace('/', '-')}.log", self.env)
 
     def status(self) -> dict[str, Any]:
         assert self.client is not None
