@@ -1,0 +1,133 @@
+"""Jobs of several sources, with real processes: two generator sources of different seeds and
+parallelisms unioned into one keyed stage (tests.job_fns:track emits each record's (count,
+source, seq)), rescaled live under load, and recovered after a `kill -9` of a keyed instance
+and of an instance of the second source with checkpoints on. The sink's output must equal the
+truth recomputed from each source's seed: every (source id, seq) applied exactly once, in
+order per key and sender, and the counts per key those of the records made.
+
+A source instance's id is job-wide (`JobSpec.source_id`): the first source's are its indexes,
+the second's start at MAX_PARALLELISM, so no two instances of different sources share one.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from keyshift.runtime.generator import KeyGenerator, instance_total
+from keyshift.runtime.job import MAX_PARALLELISM, GeneratorSource
+from keyshift.runtime.transport import JsonClient
+from tests.conftest import BATCHING, running_job, wait_for
+from tests.test_recovery import Run, recover_through
+from tests.test_rescale import SERVICE, applied_once, rescale_via
+
+pytestmark = pytest.mark.live
+
+FIRST = {"kind": "generator", "keys": 1500, "distribution": "zipf", "seed": 41,
+         "profile": {"rate": 2000}}  # fmt: skip
+SECOND = {"kind": "generator", "keys": 1500, "distribution": "uniform", "seed": 42,
+          "profile": {"rate": 1000}}  # fmt: skip
+
+
+def two_sources(out: Path, first: dict[str, Any], second: dict[str, Any]) -> dict[str, Any]:
+    """clicks (2 instances) and views (1) of one schema, unioned into `track` -> out."""
+    return {
+        "name": "two",
+        "graph": [
+            {"name": "clicks", "kind": "source", "parallelism": 2, "config": first},
+            {"name": "views", "kind": "source", "parallelism": 1, "config": second},
+            {
+                "name": "track",
+                "kind": "keyed",
+                "inputs": ["clicks", "views"],
+                "key_by": "key",
+                "parallelism": 2,
+                "operator": {"kind": "process", "function": "tests.job_fns:track"},
+            },
+            {
+                "name": "out",
+                "kind": "sink",
+                "input": "track",
+                "parallelism": 2,
+                "config": {"kind": "log", "path": str(out), "format": "jsonl"},
+            },
+        ],
+        "batching": {**BATCHING, "max_records": 1024},
+    }
+
+
+def check_truth(out: Path, made: dict[int, tuple[dict[str, Any], int]]) -> None:
+    """The output applied each record once, in order per key and sender, and equals what the
+    sources made: `made` is, by source id, the source's config and how many it emitted."""
+    counts, seen = applied_once(out)
+    want: Counter[int] = Counter()
+    records = set()
+    for source_id, (config, n) in made.items():
+        keys, _ = KeyGenerator(GeneratorSource.model_validate(config), source_id).records(0, n)
+        want.update(keys.tolist())
+        records |= {(source_id, seq) for seq in range(n)}
+    assert seen == records, f"{len(records - seen)} lost, {len(seen - records)} unknown"
+    assert counts == want
+
+
+def emitted_by_source_id(status: dict[str, Any]) -> dict[str, dict[int, int]]:
+    """Each source stage's instances' emitted counts, by index."""
+    return {
+        stage["name"]: {i["index"]: int(i["stats"]["emitted"]) for i in stage["instances"]}
+        for stage in status["stages"]
+        if stage["name"] in ("clicks", "views")
+    }
+
+
+def test_a_keyed_stage_fed_by_two_sources_rescales_live_exactly_once(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    with running_job(tmp_path, two_sources(out, FIRST, SECOND)) as local:
+        client = JsonClient(local.address, SERVICE)
+        wait_for(lambda: local.status()["phase"] == "running", 30, "the job to run")
+
+        def flowed() -> int:
+            stages = {s["name"]: s for s in local.status()["stages"]}
+            return sum(i["stats"].get("records_in", 0) for i in stages["track"]["instances"])
+
+        for parallelism, strategy in [(3, "hot-first"), (1, "batched")]:
+            before = flowed()
+            wait_for(lambda b=before: flowed() > b + 2000, 30, "records to flow")  # type: ignore[misc]
+            result = rescale_via(local, client, parallelism, strategy)
+            assert result["groups_moved"] == result["groups_to_move"] > 0, result
+        local.drain()
+        final = wait_for(
+            lambda: (s := local.status())["phase"] == "finished" and s, 60, "the job to drain"
+        )
+        client.close()
+    emitted = emitted_by_source_id(final)
+    assert min(emitted["views"].values()) > 0 and min(emitted["clicks"].values()) > 0
+    made = {i: (FIRST, n) for i, n in emitted["clicks"].items()}
+    made |= {MAX_PARALLELISM + i: (SECOND, n) for i, n in emitted["views"].items()}
+    check_truth(out, made)
+
+
+@pytest.mark.parametrize("victim", ["track", "views"])
+def test_a_kill_of_a_keyed_instance_or_of_the_second_source_recovers_exactly_once(
+    tmp_path: Path, victim: str
+) -> None:
+    """Checkpoints every 0.5 s; after two, `kill -9` one instance: the job restarts from its
+    latest checkpoint, every source instance from its own position there."""
+    first, second = {**FIRST, "total": 10_000}, {**SECOND, "total": 5_000}
+    out = tmp_path / "out"
+
+    def crash(run: Run) -> None:
+        done = run.completed()
+        wait_for(lambda: run.completed() > done + random.randint(0, 1), 30, "a checkpoint")
+        index = random.randint(0, 1) if victim == "track" else 0
+        os.kill(run.pid_of(victim, index), signal.SIGKILL)
+
+    recover_through(tmp_path, two_sources(out, first, second), crash)
+    made = {i: (first, instance_total(10_000, i, 2) or 0) for i in range(2)}
+    made[MAX_PARALLELISM] = (second, 5_000)
+    check_truth(out, made)
