@@ -10,12 +10,12 @@ from typing import Any
 import pytest
 
 from keyshift.runtime.coordinator import Coordinator
-from keyshift.runtime.job import MAX_PARALLELISM, IngestSource, JobError, parse_job
+from keyshift.runtime.job import MAX_PARALLELISM, FieldType, IngestSource, JobError, parse_job
 from keyshift.runtime.pipeline import Dataflow, source
 from keyshift.runtime.protocol import RescaleRequest
 from keyshift.runtime.transport import ControlError
 
-ROWS = {"user": "int", "amount": "float"}
+ROWS: dict[str, FieldType] = {"user": "int", "amount": "float"}
 
 
 def job(*sources: dict[str, Any], inputs: list[str] | None = None) -> dict[str, Any]:
