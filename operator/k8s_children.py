@@ -11,9 +11,9 @@ What a job becomes, in creation order:
 - a ConfigMap `<job>-job` holding the job as `job.yaml` (the same model `keyshift run` reads);
 - the coordinator: a Deployment (one replica, Recreate) running `keyshift.runtime.coordinator`
   on that file, and a ClusterIP Service `<job>-coordinator` (grpc 7000, metrics 9100);
-- per stage (every source, keyed stage and the sink): a headless Service `<job>-<stage>` and a StatefulSet of the
-  same name whose pods run `keyshift.runtime.instance --index hostname` (the pod ordinal is the
-  instance index) and register their pod IP with the coordinator;
+- per stage (every source, keyed stage and the sink): a headless Service `<job>-<stage>` and a
+  StatefulSet of the same name whose pods run `keyshift.runtime.instance --index hostname` (the
+  pod ordinal is the instance index) and register their pod IP with the coordinator;
 - per entry of `spec.sources` and `spec.sinks`: a Deployment `<job>-<source|sink>-<app>` (one
   replica, Recreate) running the PySpark script with `spark-submit --master local[*]`. The app
   finds the job through its environment and the job file (mounted at JOB_MOUNT/JOB_FILE, as in
