@@ -6,7 +6,9 @@ truth recomputed from each source's seed: every (source id, seq) applied exactly
 order per key and sender, and the counts per key those of the records made. And NEXMark Q8
 with each side of its window join from its own source (examples/nexmark/q8_sources.yaml, the
 sources of different parallelisms, so the join's watermark is the minimum over three source
-instances), rescaled live: its answer is DuckDB's.
+instances), rescaled live: its answer is DuckDB's. The PySpark writer (its two-phase batch
+writer, run on the driver as a task would) writes into the ingest source it is pointed at, one
+of two.
 
 A source instance's id is job-wide (`JobSpec.source_id`): the first source's are its indexes,
 the second's start at MAX_PARALLELISM, so no two instances of different sources share one.
@@ -21,13 +23,14 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+import pyarrow as pa
 import pytest
 import yaml
 
 from keyshift.runtime.generator import KeyGenerator, instance_total
 from keyshift.runtime.job import MAX_PARALLELISM, GeneratorSource
 from keyshift.runtime.transport import JsonClient
-from tests.conftest import BATCHING, running_job, wait_for
+from tests.conftest import BATCHING, ingest_address, latest_by_version, running_job, wait_for
 from tests.nexmark_reference import run_query, source_events, write_events
 from tests.test_nexmark_queries import REPO, rows_of
 from tests.test_recovery import Run, recover_through
@@ -166,3 +169,46 @@ def test_a_join_of_two_sources_answers_what_duckdb_answers_through_a_rescale(
     expected = run_query("q8", write_events(every, tmp_path / "events.parquet"))
     assert expected, "Q8 has no answer over these events: the test would prove nothing"
     assert rows_of("q8", out) == expected
+
+
+def test_the_spark_writer_writes_into_the_ingest_source_it_is_pointed_at(tmp_path: Path) -> None:
+    pytest.importorskip("pyspark")
+    from keyshift.spark.ingest_writer import KeyshiftBatchWriter
+
+    rows = {"user": "str", "clicks": "int"}
+
+    def ingest(name: str) -> dict[str, Any]:
+        return {"name": name, "kind": "source", "fields": rows, "config": {"kind": "ingest"}}
+
+    out = tmp_path / "out"
+    job = {
+        "name": "two-ingest",
+        "graph": [
+            ingest("web"),
+            ingest("app"),
+            {"name": "per-user", "kind": "keyed", "inputs": ["web", "app"], "key_by": "user",
+             "operator": {"kind": "aggregate", "function": "sum", "field": "clicks"}},
+            {"name": "out", "kind": "sink", "input": "per-user",
+             "config": {"kind": "log", "path": str(out), "format": "jsonl"}},
+        ],
+        "batching": dict(BATCHING),
+    }  # fmt: skip
+    with running_job(tmp_path, job) as local:
+        web = wait_for(lambda: ingest_address(local, "web"), 30, "web's ingest endpoint")
+        app = wait_for(lambda: ingest_address(local, "app"), 30, "app's ingest endpoint")
+        assert web != app
+        writer = KeyshiftBatchWriter({"endpoint": app})
+        batch = pa.record_batch({"user": ["ann", "bob"] * 50, "clicks": [1, 2] * 50})
+        writer.commit([writer.write(iter([batch]))])
+        other = KeyshiftBatchWriter({"endpoint": web})
+        other.commit([other.write(iter([pa.record_batch({"user": ["ann"], "clicks": [10]})]))])
+
+        def took() -> dict[str, int]:
+            stages = {s["name"]: s for s in local.status()["stages"]}
+            return {n: int(stages[n]["instances"][0]["stats"].get("emitted", 0)) for n in ("web", "app")}
+
+        wait_for(lambda: took() == {"web": 1, "app": 100}, 30, "each source to take its rows")
+        local.drain()
+        wait_for(lambda: local.status()["phase"] == "finished", 30, "the job to drain")
+    latest = latest_by_version(out)
+    assert {u: v for u, (_, v) in latest.items()} == {"ann": 60.0, "bob": 100.0}
