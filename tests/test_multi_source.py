@@ -205,7 +205,8 @@ def test_the_spark_writer_writes_into_the_ingest_source_it_is_pointed_at(tmp_pat
 
         def took() -> dict[str, int]:
             stages = {s["name"]: s for s in local.status()["stages"]}
-            return {n: int(stages[n]["instances"][0]["stats"].get("emitted", 0)) for n in ("web", "app")}
+            stats = {n: stages[n]["instances"][0]["stats"] for n in ("web", "app")}
+            return {n: int(s.get("emitted", 0)) for n, s in stats.items()}
 
         wait_for(lambda: took() == {"web": 1, "app": 100}, 30, "each source to take its rows")
         local.drain()
