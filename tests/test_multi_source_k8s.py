@@ -2,17 +2,31 @@
 Service per source, each ingest source's Service with its own ingest port, a Spark source app
 pointed at the ingest source it names (`spec.sources[].stage`), the NetworkPolicy letting
 Spark clients reach every fixed ingest port; and the problems refused before anything is
-created: a Spark app naming no ingest source of several, or a stage that is not one."""
+created: a Spark app naming no ingest source of several, or a stage that is not one. The
+operator (against kmock's emulator, as tests/test_k8s_operator.py) creates those children, or
+degrades the job without any."""
 
 from __future__ import annotations
 
 from typing import Any
 
 import kubernetes_validate
+import pytest
 
 from keyshift.operator.k8s_children import ChildOptions, child_problems, children
 from keyshift.operator.streamingjob import StreamingJobSpec
+from tests.kube_emulator import Emulator, eventually
 from tests.test_k8s_children import NAME, NAMESPACE, OPTIONS, by_kind, spec_data
+from tests.test_k8s_operator import (
+    condition,
+    create,
+    emu,
+    owned_children,
+    running_operator,
+    streaming_job,
+)
+
+__all__ = ["emu"]  # the emulator fixture, used by the operator's tests below
 
 ROWS = {"key": "int", "value": "float"}
 
@@ -94,3 +108,46 @@ def test_the_ingest_source_a_spark_source_writes_into_needs_a_fixed_port() -> No
     # The other ingest source may pick a free port: no Spark source writes into it.
     spec = spec_of(graph(views_port=0), spark_sources("clicks"))
     assert child_problems(NAME, spec, spec.job_spec()) == []
+
+
+@pytest.mark.asyncio
+@pytest.mark.filterwarnings("ignore:read_binary is deprecated:DeprecationWarning")
+async def test_the_operator_makes_a_stateful_set_per_source(emu: Emulator) -> None:
+    body = streaming_job(sources=spark_sources("views"))
+    body["spec"]["job"] = graph()
+    async with running_operator(emu):
+        reply = await create(emu, body)
+        assert reply.status in (200, 201), await reply.text()
+
+        def sets() -> set[str]:
+            return {name for kind, name in owned_children(emu) if kind == "StatefulSet"}
+
+        every = {"clicks-clicks", "clicks-views", "clicks-gen", "clicks-counts", "clicks-out"}
+        await eventually(lambda: sets() == every, 20, "a StatefulSet per stage")
+        app = await eventually(
+            lambda: owned_children(emu).get(("Deployment", "clicks-source-app-0")),
+            20, "the Spark source's Deployment",
+        )  # fmt: skip
+        env = {
+            e["name"]: e.get("value")
+            for e in app["spec"]["template"]["spec"]["containers"][0]["env"]
+        }
+        assert env["KEYSHIFT_INGEST"] == "clicks-views.jobs.svc:7300"
+
+
+@pytest.mark.asyncio
+@pytest.mark.filterwarnings("ignore:read_binary is deprecated:DeprecationWarning")
+async def test_the_operator_degrades_a_job_whose_spark_source_names_no_ingest_source(
+    emu: Emulator,
+) -> None:
+    body = streaming_job(sources=spark_sources(None))
+    body["spec"]["job"] = graph()
+    async with running_operator(emu):
+        reply = await create(emu, body)
+        assert reply.status in (200, 201), await reply.text()
+        degraded = await eventually(
+            lambda: (c := condition(emu, "Degraded")).get("status") == "True" and c,
+            20, "the Degraded condition",
+        )  # fmt: skip
+        assert "the job has several ingest sources" in degraded["message"]
+        assert owned_children(emu) == {}
