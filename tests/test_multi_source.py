@@ -6,7 +6,9 @@ truth recomputed from each source's seed: every (source id, seq) applied exactly
 order per key and sender, and the counts per key those of the records made. And NEXMark Q8
 with each side of its window join from its own source (examples/nexmark/q8_sources.yaml, the
 sources of different parallelisms, so the join's watermark is the minimum over three source
-instances), rescaled live: its answer is DuckDB's. The PySpark writer (its two-phase batch
+instances), rescaled live: its answer is DuckDB's. Two sources of different schemas (a
+generator, an ingest endpoint) each feeding a keyed stage of its own, both into one sink. The
+PySpark writer (its two-phase batch
 writer, run on the driver as a task would) writes into the ingest source it is pointed at, one
 of two.
 
@@ -16,6 +18,7 @@ the second's start at MAX_PARALLELISM, so no two instances of different sources 
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import signal
@@ -28,7 +31,9 @@ import pytest
 import yaml
 
 from keyshift.runtime.generator import KeyGenerator, instance_total
+from keyshift.runtime.ingest_client import IngestClient
 from keyshift.runtime.job import MAX_PARALLELISM, GeneratorSource
+from keyshift.runtime.output_log import OutputLogReader
 from keyshift.runtime.transport import JsonClient
 from tests.conftest import BATCHING, ingest_address, latest_by_version, running_job, wait_for
 from tests.nexmark_reference import run_query, source_events, write_events
@@ -213,3 +218,67 @@ def test_the_spark_writer_writes_into_the_ingest_source_it_is_pointed_at(tmp_pat
         wait_for(lambda: local.status()["phase"] == "finished", 30, "the job to drain")
     latest = latest_by_version(out)
     assert {u: v for u, (_, v) in latest.items()} == {"ann": 60.0, "bob": 100.0}
+
+
+def test_sources_of_different_schemas_feed_keyed_stages_of_their_own_into_one_sink(
+    tmp_path: Path,
+) -> None:
+    out = tmp_path / "out"
+    clicks = {**FIRST, "total": 4000}
+    job = {
+        "name": "two-shapes",
+        "graph": [
+            {"name": "clicks", "kind": "source", "parallelism": 2, "config": clicks},
+            {"name": "views", "kind": "source", "fields": {"user": "int", "page": "str"},
+             "config": {"kind": "ingest"}},
+            {"name": "per-click", "kind": "keyed", "input": "clicks", "key_by": "key",
+             "operator": {"kind": "process", "function": "tests.job_fns:track"}},
+            {"name": "per-user", "kind": "keyed", "input": "views", "key_by": "user",
+             "parallelism": 2,
+             "operator": {"kind": "process", "function": "tests.job_fns:track"}},
+            {"name": "out", "kind": "sink", "inputs": ["per-click", "per-user"],
+             "parallelism": 2, "config": {"kind": "log", "path": str(out), "format": "jsonl"}},
+        ],
+        "batching": dict(BATCHING),
+    }  # fmt: skip
+    users = [i % 97 for i in range(3000)]
+    with running_job(tmp_path, job) as local:
+        endpoint = wait_for(lambda: ingest_address(local, "views"), 30, "views' endpoint")
+        with IngestClient(endpoint) as client:
+            for start in range(0, len(users), 1000):
+                part = users[start : start + 1000]
+                reply = client.push(pa.table({"user": part, "page": ["home"] * len(part)}))
+                assert (reply.accepted, reply.rejected) == (len(part), 0)
+
+        def done() -> bool:
+            stages = {s["name"]: s for s in local.status()["stages"]}
+            made = [int(i["stats"].get("emitted", 0)) for i in stages["clicks"]["instances"]]
+            return sum(made) == 4000
+
+        wait_for(done, 30, "the generator to make its total")
+        local.drain()
+        wait_for(lambda: local.status()["phase"] == "finished", 30, "the job to drain")
+    # Each keyed stage applied each of its source's records once, in order per key; the keys
+    # of the two stages are told apart by their records' source ids.
+    applied: dict[tuple[bool, int], list[tuple[int, int, int]]] = {}
+    table = OutputLogReader(out).read_all()
+    for key, value in zip(table.column("key").to_pylist(), table.column("value").to_pylist(),
+                          strict=True):  # fmt: skip
+        count, sender, seq = json.loads(value)
+        applied.setdefault((sender >= MAX_PARALLELISM, key), []).append((count, sender, seq))
+    for where, outputs in applied.items():
+        outputs.sort()
+        assert [c for c, _, _ in outputs] == list(range(1, len(outputs) + 1)), where
+        for sender in {s for _, s, _ in outputs}:
+            seqs = [q for _, s, q in outputs if s == sender]
+            assert seqs == sorted(seqs), (where, sender)
+    want: dict[tuple[bool, int], set[tuple[int, int]]] = {}
+    spec = GeneratorSource.model_validate(clicks)
+    for source_id in range(2):
+        keys, _ = KeyGenerator(spec, source_id).records(0, instance_total(4000, source_id, 2) or 0)
+        for seq, key in enumerate(keys.tolist()):
+            want.setdefault((False, key), set()).add((source_id, seq))
+    for seq, user in enumerate(users):
+        want.setdefault((True, user), set()).add((MAX_PARALLELISM, seq))
+    got = {where: {(sender, seq) for _, sender, seq in o} for where, o in applied.items()}
+    assert got == want

@@ -1,5 +1,6 @@
 """A job of several sources as a model (no processes): each source its own stage with its own
-kind, schema, parallelism and routes, a job-wide source id per source instance, the Python
+kind, schema, parallelism and routes (and a root of the autoscaler's graph), a job-wide source
+id per source instance, the Python
 API's several `source(...)` and `union`, and the bad graphs refused before anything starts,
 naming the stage. The jobs run in tests/test_multi_source.py."""
 
@@ -9,6 +10,7 @@ from typing import Any
 
 import pytest
 
+from keyshift.operator.scaling_metrics import job_graph
 from keyshift.runtime.coordinator import Coordinator
 from keyshift.runtime.job import MAX_PARALLELISM, FieldType, IngestSource, JobError, parse_job
 from keyshift.runtime.pipeline import Dataflow, source
@@ -56,7 +58,14 @@ def test_each_source_is_its_own_stage_with_its_config_schema_and_routes() -> Non
     assert [r.target for r in spec.source_routes("rows")] == ["k"]
     assert spec.keyed_step("k").inputs == ("clicks", "rows")
     assert [s.name for s in spec.stages()] == ["clicks", "rows", "k", "out"]
-    # A job of one source is read as before: `source` is it, its routes the default.
+    # The autoscaler's graph starts at every source (DS2 sums their rates into `k`).
+    assert job_graph(spec) == [
+        ("clicks", ()),
+        ("rows", ()),
+        ("k", ("clicks", "rows")),
+        ("out", ("k",)),
+    ]
+    # The first source is `source`, and its routes the default.
     assert spec.source.name == "clicks" and spec.source_routes() == spec.source_routes("clicks")
 
 
