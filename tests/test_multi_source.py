@@ -7,10 +7,10 @@ order per key and sender, and the counts per key those of the records made. And 
 with each side of its window join from its own source (examples/nexmark/q8_sources.yaml, the
 sources of different parallelisms, so the join's watermark is the minimum over three source
 instances), rescaled live: its answer is DuckDB's. Two sources of different schemas (a
-generator, an ingest endpoint) each feeding a keyed stage of its own, both into one sink. The
-PySpark writer (its two-phase batch
-writer, run on the driver as a task would) writes into the ingest source it is pointed at, one
-of two.
+generator, an ingest endpoint) each feeding a keyed stage of its own, both into one sink. A
+source that has ended holds no window back (as in a job of one source). The PySpark writer
+(its two-phase batch writer, run on the driver as a task would) writes into the ingest source
+it is pointed at, one of two.
 
 A source instance's id is job-wide (`JobSpec.source_id`): the first source's are its indexes,
 the second's start at MAX_PARALLELISM, so no two instances of different sources share one.
@@ -22,6 +22,7 @@ import json
 import os
 import random
 import signal
+import time
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -33,7 +34,7 @@ import yaml
 from keyshift.runtime.generator import KeyGenerator, instance_total
 from keyshift.runtime.ingest_client import IngestClient
 from keyshift.runtime.job import MAX_PARALLELISM, GeneratorSource
-from keyshift.runtime.output_log import OutputLogReader
+from keyshift.runtime.output_log import OutputLogError, OutputLogReader
 from keyshift.runtime.transport import JsonClient
 from tests.conftest import BATCHING, ingest_address, latest_by_version, running_job, wait_for
 from tests.nexmark_reference import run_query, source_events, write_events
@@ -282,3 +283,46 @@ def test_sources_of_different_schemas_feed_keyed_stages_of_their_own_into_one_si
         want.setdefault((True, user), set()).add((MAX_PARALLELISM, seq))
     got = {where: {(sender, seq) for _, sender, seq in o} for where, o in applied.items()}
     assert got == want
+
+
+def test_a_source_that_has_ended_holds_no_window_back(tmp_path: Path) -> None:
+    """`short` makes 300 records and ends; `long` goes on: windows after short's last record
+    still fire on long's watermark alone."""
+    out = tmp_path / "out"
+    timed = {"max_out_of_orderness_ms": 0}
+    short = {**FIRST, "total": 300, "profile": {"rate": 1000}}
+    job = {
+        "name": "ended",
+        "graph": [
+            {"name": "short", "kind": "source", "config": short, "event_time": timed},
+            {"name": "long", "kind": "source", "config": SECOND, "event_time": timed},
+            {"name": "per-key", "kind": "keyed", "inputs": ["short", "long"], "key_by": "key",
+             "operator": {"kind": "window", "window": {"kind": "tumbling", "size_ms": 200},
+                          "function": "count"}},
+            {"name": "out", "kind": "sink", "input": "per-key",
+             "config": {"kind": "log", "path": str(out), "format": "jsonl"}},
+        ],
+        "batching": dict(BATCHING),
+    }  # fmt: skip
+    with running_job(tmp_path, job) as local:
+
+        def short_ended() -> bool:
+            stages = {s["name"]: s for s in local.status()["stages"]}
+            instances = stages["short"]["instances"]
+            return bool(instances) and all(i["finished"] for i in instances)
+
+        wait_for(short_ended, 30, "the short source to end")
+        ended_us = time.time_ns() // 1000
+
+        def fired_after() -> bool:
+            try:
+                table = OutputLogReader(out).read_all()
+            except OutputLogError:  # nothing written yet
+                return False
+            if "window_start" not in table.column_names:  # no window has fired yet
+                return False
+            return any(start > ended_us for start in table.column("window_start").to_pylist())
+
+        wait_for(fired_after, 30, "a window after the short source ended to fire")
+        local.drain()
+        wait_for(lambda: local.status()["phase"] == "finished", 30, "the job to drain")
