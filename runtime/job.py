@@ -1405,7 +1405,9 @@ class JobSpec(_Model):
                 raise ValueError(f"keyed.operator.field is required for {aggregate!r}")
             elif self.fields.get(op.field) not in ("int", "float"):
                 raise ValueError(f"keyed.operator.field {op.field!r} must be an int or float field")
-        made = made_fields(self.source.config)
+        # A graph's sources are checked as its stages (`SourceNode`): its `fields` are what its
+        # first keyed stage reads, which need not be the first source's records.
+        made = made_fields(self.source.config) if self.graph is None else None
         if made and not self.source.transforms and self.fields != made:
             maker = "generator" if made is GENERATED_FIELDS else "nexmark source"
             raise ValueError(
@@ -1413,7 +1415,10 @@ class JobSpec(_Model):
                 f"them, fields must be exactly that (got {self.fields})"
             )
         self._check_event_time()
-        not_floats = [f for f in self.allow_non_finite if self.fields.get(f) != "float"]
+        # A field any source's records have (several sources: each checks its own).
+        schemas = [self.fields, *(source.fields for source in self._sources)]
+        floats = {name for schema in schemas for name, kind in schema.items() if kind == "float"}
+        not_floats = [f for f in self.allow_non_finite if f not in floats]
         if not_floats:
             raise ValueError(f"allow_non_finite names {not_floats}, which are not float fields")
         for step in self._keyed_stages:

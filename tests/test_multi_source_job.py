@@ -121,6 +121,16 @@ def test_a_bad_graph_of_sources_is_refused_naming_the_stage(case: str) -> None:
     assert reason in message, message
 
 
+def test_allow_non_finite_may_name_a_float_field_of_any_source() -> None:
+    rows = ingest("rows", fields={"key": "int", "amount": "float"})
+    data = job(generator("clicks"), rows, inputs=["clicks"])
+    data["graph"].insert(2, {"name": "k2", "kind": "keyed", "input": "rows", "key_by": "key"})
+    data["graph"][-1]["inputs"] = ["k", "k2"]
+    del data["graph"][-1]["input"]
+    assert parse_job(data | {"allow_non_finite": ["amount"]}).allow_non_finite == ["amount"]
+    assert "which are not float fields" in refused(data | {"allow_non_finite": ["key"]})
+
+
 def test_two_ingest_sources_may_both_pick_a_free_port() -> None:
     spec = parse_job(job(ingest("a"), ingest("b")))
     assert [s.stage.name for s in spec.source_steps()] == ["a", "b"]
