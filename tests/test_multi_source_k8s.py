@@ -110,6 +110,7 @@ def test_the_ingest_source_a_spark_source_writes_into_needs_a_fixed_port() -> No
     assert child_problems(NAME, spec, spec.job_spec()) == []
 
 
+@pytest.mark.alone  # the operator in process, as tests/test_k8s_operator.py's
 @pytest.mark.asyncio
 @pytest.mark.filterwarnings("ignore:read_binary is deprecated:DeprecationWarning")
 async def test_the_operator_makes_a_stateful_set_per_source(emu: Emulator) -> None:
@@ -135,6 +136,7 @@ async def test_the_operator_makes_a_stateful_set_per_source(emu: Emulator) -> No
         assert env["KEYSHIFT_INGEST"] == "clicks-views.jobs.svc:7300"
 
 
+@pytest.mark.alone  # the operator in process, as tests/test_k8s_operator.py's
 @pytest.mark.asyncio
 @pytest.mark.filterwarnings("ignore:read_binary is deprecated:DeprecationWarning")
 async def test_the_operator_degrades_a_job_whose_spark_source_names_no_ingest_source(
