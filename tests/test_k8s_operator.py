@@ -191,6 +191,15 @@ def condition(emu: Emulator, kind: str) -> dict[str, Any]:
     return next((c for c in conditions if c["type"] == kind), {})
 
 
+async def degraded_condition(emu: Emulator) -> dict[str, Any]:
+    """The job's Degraded condition, once it is True."""
+    found: dict[str, Any] = await eventually(
+        lambda: (c := condition(emu, "Degraded")).get("status") == "True" and c,
+        20, "the Degraded condition",
+    )  # fmt: skip
+    return found
+
+
 EXPECTED_CHILDREN = {
     ("ConfigMap", "clicks-job"),
     ("Deployment", "clicks-coordinator"),
@@ -332,10 +341,7 @@ async def test_a_job_without_an_image_degrades_when_the_operator_has_none(emu: E
     async with running_operator(emu):
         reply = await create(emu, body)
         assert reply.status in (200, 201), await reply.text()
-        degraded = await eventually(
-            lambda: (c := condition(emu, "Degraded")).get("status") == "True" and c,
-            20, "the Degraded condition",
-        )  # fmt: skip
+        degraded = await degraded_condition(emu)
         assert "spec.image is not set" in degraded["message"]
         assert owned_children(emu) == {}
 
@@ -357,10 +363,7 @@ async def test_what_the_schema_cannot_express_degrades_without_children(
     async with running_operator(emu):
         reply = await create(emu, body)
         assert reply.status in (200, 201), await reply.text()
-        degraded = await eventually(
-            lambda: (c := condition(emu, "Degraded")).get("status") == "True" and c,
-            20, "the Degraded condition",
-        )  # fmt: skip
+        degraded = await degraded_condition(emu)
         assert degraded["reason"] == "InvalidSpec" and message in degraded["message"]
         assert job_object(emu)["status"]["phase"] == "Degraded"
         await eventually(lambda: any(e["reason"] == "InvalidSpec" for e in events_of(emu)), 10,
@@ -552,10 +555,7 @@ async def test_conditions_are_merged_and_carry_the_generation(emu: Emulator) -> 
         await emu.patch(f"{CR_API}/namespaces/{NS}/streamingjobs/clicks",
                         json={"spec": {"migration": {"options": {"teleport": 1}}}},
                         headers=MERGE)  # fmt: skip
-        degraded = await eventually(
-            lambda: (c := condition(emu, "Degraded")).get("status") == "True" and c,
-            20, "the Degraded condition",
-        )  # fmt: skip
+        degraded = await degraded_condition(emu)
         assert degraded["observedGeneration"] == 3
         assert degraded["lastTransitionTime"] != first["lastTransitionTime"]
         ready = condition(emu, "Ready")
@@ -643,10 +643,7 @@ async def test_the_operator_refuses_a_pod_template_that_undoes_the_hardening(
     async with running_operator(emu):
         reply = await create(emu, body)
         assert reply.status in (200, 201), await reply.text()
-        degraded = await eventually(
-            lambda: (c := condition(emu, "Degraded")).get("status") == "True" and c,
-            20, "the Degraded condition",
-        )  # fmt: skip
+        degraded = await degraded_condition(emu)
         assert degraded["reason"] == "InvalidSpec"
         for problem in (
             "spec.podTemplate.spec: podTemplate may not use the host's network (hostNetwork)",

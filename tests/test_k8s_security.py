@@ -31,8 +31,8 @@ from tests.kube_emulator import (
 from tests.test_k8s_operator import (
     MERGE,
     NS,
-    condition,
     create,
+    degraded_condition,
     job_object,
     owned_children,
     running_operator,
@@ -168,10 +168,7 @@ async def test_inline_storage_credentials_are_refused(
     body["spec"]["job"]["checkpoints"] = {"storage": "s3://bucket/cp", "storage_options": options}
     async with running_operator(emu):
         assert (await create(emu, body)).status in (200, 201)
-        degraded = await eventually(
-            lambda: (c := condition(emu, "Degraded")).get("status") == "True" and c,
-            20, "the Degraded condition",
-        )  # fmt: skip
+        degraded = await degraded_condition(emu)
         assert "credentials do not go inline" in degraded["message"]
         assert "spec.storageCredentials" in degraded["message"]
         assert owned_children(emu) == {} and token_secret(emu) is None

@@ -18,8 +18,8 @@ from keyshift.operator.streamingjob import StreamingJobSpec
 from tests.kube_emulator import Emulator, eventually
 from tests.test_k8s_children import NAME, NAMESPACE, OPTIONS, by_kind, spec_data
 from tests.test_k8s_operator import (
-    condition,
     create,
+    degraded_condition,
     emu,
     owned_children,
     running_operator,
@@ -147,9 +147,6 @@ async def test_the_operator_degrades_a_job_whose_spark_source_names_no_ingest_so
     async with running_operator(emu):
         reply = await create(emu, body)
         assert reply.status in (200, 201), await reply.text()
-        degraded = await eventually(
-            lambda: (c := condition(emu, "Degraded")).get("status") == "True" and c,
-            20, "the Degraded condition",
-        )  # fmt: skip
+        degraded = await degraded_condition(emu)
         assert "the job has several ingest sources" in degraded["message"]
         assert owned_children(emu) == {}
