@@ -5,7 +5,8 @@ and the record schema along every edge.
 older source/keyed/sink shape, normalised into one) becomes `Node`s, `build_graph` refuses a
 bad graph naming the stage and the reason, and `lower_to_chain` maps a graph onto the shape
 the runtime executes today (one source, keyed stages with fan-out and unions between them, one
-sink; the map/filter stages on an edge chained into its sender's instances), refusing any other
+or more sinks, each fed by keyed stages; the map/filter stages on an edge chained into its
+sender's instances), refusing any other
 shape with "not supported yet". A join stage (a keyed stage of two inputs, `join_keys` one key
 field per input) reads each input with its own schema: its senders wrap every record into
 `join_input`'s schema (the key, which side, the record as JSON), so both ways into it, even
@@ -349,18 +350,25 @@ class KeyedLink:
 
 
 @dataclass(frozen=True)
+class SinkLink:
+    """One sink as the runtime runs it: it receives the updates of the keyed stages in
+    `inputs` (a union when several), each key in the partition of its key group."""
+
+    sink: Node
+    inputs: tuple[str, ...]
+
+
+@dataclass(frozen=True)
 class Chain:
     """The shapes the runtime executes today: one source whose updates take `outputs`, keyed
-    stages (in topological order) with fan-out and unions between them, and one sink
-    receiving the updates of the keyed stages in `sink_inputs`, each key in the partition of
-    its key group. `fields` is the schema the first keyed stage reads (of a join: the
-    source's records)."""
+    stages (in topological order) with fan-out and unions between them, and one or more
+    sinks (in topological order), each fed by keyed stages. `fields` is the schema the first
+    keyed stage reads (of a join: the source's records)."""
 
     source: Node
     outputs: tuple[Hop, ...]
     keyed: tuple[KeyedLink, ...]
-    sink: Node
-    sink_inputs: tuple[str, ...]
+    sinks: tuple[SinkLink, ...]
     fields: Schema
 
 
@@ -426,7 +434,6 @@ def lower_to_chain(graph: Graph) -> Chain:
     source = _only(graph, "source", "source")
     if not graph.of_role("keyed"):
         raise _not_yet(graph.of_role("sink")[0], "a job without a keyed stage")
-    sink = _only(graph, "sink", "sink")
     hops: dict[str, list[Hop]] = {}
     senders: dict[str, list[str]] = {}
     for sender in [source, *graph.of_role("keyed")]:
@@ -441,7 +448,7 @@ def lower_to_chain(graph: Graph) -> Chain:
                 _check_before_sink(hop, sender)
                 if last.partitioning != "key_by" or last.key_by != KEY_FIELD:
                     raise _not_yet(
-                        sink,
+                        target,
                         f"a {last.partitioning} edge from {last.source!r} (sinks receive each "
                         f"key's updates in the partition of its key group: key_by {KEY_FIELD!r})",
                     )
@@ -463,7 +470,7 @@ def lower_to_chain(graph: Graph) -> Chain:
         if len(set(inputs)) < len(inputs):
             raise _not_yet(keyed, f"two ways from {inputs[0]!r} into one keyed stage")
         links.append(KeyedLink(keyed, graph.schemas[keyed.inputs[0]], tuple(inputs), outputs))
-    sink_inputs = senders[sink.name]
+    sinks = tuple(SinkLink(sink, tuple(senders[sink.name])) for sink in graph.of_role("sink"))
     # The first keyed stage in topological order reads only the source's records.
     fields = graph.schemas[source.name] if links[0].sides else links[0].fields
-    return Chain(source, tuple(hops[source.name]), tuple(links), sink, tuple(sink_inputs), fields)
+    return Chain(source, tuple(hops[source.name]), tuple(links), sinks, fields)
