@@ -46,11 +46,12 @@ Series = dict[tuple[str, str], dict[str, float]]
 
 def job_graph(spec: JobSpec) -> Graph:
     """The stages of processes the job runs, each after its inputs: the source, every keyed
-    stage (its inputs: the source or keyed stages) and the sink (the keyed stages feeding it)."""
+    stage (its inputs: the source or keyed stages) and every sink (the keyed stages feeding
+    it)."""
     return [
         (spec.source.name, ()),
         *((step.stage.name, step.inputs) for step in spec.keyed_stages()),
-        (spec.sink.name, spec.sink_inputs()),
+        *((sink.name, spec.sink_inputs(sink.name)) for sink in spec.sinks()),
     ]
 
 
