@@ -69,6 +69,7 @@ from keyshift.runtime.protocol import (
     Rescaling,
     Retire,
     SourceCheckpointAck,
+    StageRole,
     StageStatus,
     StandbyAssignment,
     StandbyRequest,
@@ -783,9 +784,17 @@ class Coordinator:
         return {k: float(v) for k, v in totals.items()}
 
     def status(self, request: Empty) -> StatusReply:
+        sinks = {sink.name for sink in self.spec.sinks()}
         with self._lock:
             stages = []
             for stage in self.spec.stages():
+                role: StageRole = (
+                    "source"
+                    if stage.name == self.spec.source.name
+                    else "sink"
+                    if stage.name in sinks
+                    else "keyed"
+                )
                 instances = [
                     InstanceStatus(
                         index=i,
@@ -801,6 +810,7 @@ class Coordinator:
                 stages.append(
                     StageStatus(
                         name=stage.name,
+                        role=role,
                         parallelism=len(instances),
                         desired=self.desired[stage.name],
                         instances=instances,

@@ -433,8 +433,12 @@ class InstanceStatus(Message):
     stats: dict[str, Any]
 
 
+StageRole = Literal["source", "keyed", "sink"]
+
+
 class StageStatus(Message):
     name: str
+    role: StageRole  # what the stage's instances run (a job may have several sinks)
     parallelism: int  # instances registered now
     desired: int  # instances the coordinator wants (a host keeps 0..desired-1 running)
     instances: list[InstanceStatus]
