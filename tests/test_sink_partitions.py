@@ -135,7 +135,7 @@ def test_rescales_that_cannot_be_are_refused_naming_the_reason() -> None:
 
 def test_each_sink_of_a_job_is_bounded_by_its_own_partitions() -> None:
     """Two sinks: a rescale names the sink it moves, bounded by that sink's partitions."""
-    job = {
+    job: dict[str, object] = {
         "name": "two",
         "graph": [
             {"name": "clicks", "kind": "source"},
