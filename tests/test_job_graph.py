@@ -384,15 +384,6 @@ NOT_YET: dict[str, tuple[list[dict[str, Any]], str]] = {
         "stage 'tidy' (filter): a rebalance edge from 'per-user' (map and filter stages run "
         "chained into a keyed stage's instances",
     ),
-    "two sources": (
-        [
-            stage("a", "source"),
-            stage("b", "source"),
-            stage("k", "keyed", ["a", "b"], key_by="key"),
-            stage("out", "sink", "k"),
-        ],
-        "stage 'b' (source): the runtime runs one source per job so far",
-    ),
     "a rebalance edge before the keyed stage": (
         chain(keep={"partitioning": "rebalance"}),
         "stage 'keep' (filter): a rebalance edge from 'clicks'",
