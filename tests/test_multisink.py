@@ -27,7 +27,7 @@ from keyshift.runtime.output_log import OutputLogReader
 from keyshift.runtime.transport import JsonClient
 from tests.conftest import BATCHING, running_job, wait_for
 from tests.job_fns import REGIONS
-from tests.test_recovery import Run, start_run
+from tests.test_recovery import recover_through
 from tests.test_rescale import SERVICE, applied_once, rescale_via, sum_out, truth
 from tests.test_sink_rescale import check_partitions
 
@@ -150,15 +150,6 @@ def test_a_killed_instance_of_the_second_sink_recovers_every_sink_exactly_once(
     completed; the job goes back to its latest checkpoint, each sink truncating its own
     partitions to its own offsets there, and every sink's output is still its truth."""
     out = tmp_path / "out"
-    context, port = start_run(tmp_path, three_sinks(out, {**SOURCE, "total": TOTAL}))
-    with context as proc:
-        run = Run(proc, f"127.0.0.1:{port}")
-        try:
-            wait_for(lambda: run.completed() >= 2, 60, "two checkpoints")
-            os.kill(run.pid_of("odds", 1), signal.SIGKILL)
-            code = proc.wait(timeout=180)
-        finally:
-            run.client.close()
-        assert code == 0, run.output.text()
-    assert "recovered from checkpoint" in run.output.text()
+    job = three_sinks(out, {**SOURCE, "total": TOTAL})
+    recover_through(tmp_path, job, lambda run: os.kill(run.pid_of("odds", 1), signal.SIGKILL))
     check_sinks(out, [instance_total(TOTAL, s, 2) or 0 for s in range(2)])
