@@ -118,9 +118,9 @@ def build_parser() -> argparse.ArgumentParser:
         type=Path,
         help="keep a Prometheus file_sd list of the job's metrics endpoints in this file",
     )
-    rescale = sub.add_parser("rescale", help="change a keyed stage's or the sink's width, live")
+    rescale = sub.add_parser("rescale", help="change a keyed stage's or a sink's width, live")
     rescale.add_argument("job", help="job name (as run by `keyshift run` here) or HOST:PORT")
-    rescale.add_argument("stage", help="a keyed stage, or the sink")
+    rescale.add_argument("stage", help="a keyed stage, or a sink")
     rescale.add_argument("parallelism", type=_parallelism)
     rescale.add_argument(
         "--strategy",

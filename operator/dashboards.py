@@ -80,6 +80,14 @@ def latency_quantile(q: float, *matchers: str) -> str:
     return f"histogram_quantile({q}, sum by (le) ({rate(bucket(MetricName.LATENCY), *matchers)}))"
 
 
+def latency_quantile_by_sink(q: float, *matchers: str) -> str:
+    """The q-quantile of end-to-end latency of each sink of the selection, one series per
+    sink (only sinks observe the histogram: the other stages' quantiles are NaN, which the
+    comparison drops)."""
+    buckets = rate(bucket(MetricName.LATENCY), *matchers)
+    return f"histogram_quantile({q}, sum by (le, stage) ({buckets})) >= 0"
+
+
 def recent(name: MetricName, *matchers: str, window: str = EVENT_WINDOW) -> str:
     """How much a counter grew in the last `window`, counting a series born in it from 0.
 
@@ -540,10 +548,12 @@ def overview_dashboard() -> Json:
         ),
         timeseries(
             "End-to-end latency",
-            "Ingest-to-sink latency of records, p50 and p99 over the rate interval.",
+            "Ingest-to-sink latency of records, p50 and p99 over the rate interval, over all "
+            "sinks, and p99 per sink (a job may have several).",
             [
                 (latency_quantile(0.5, JOB), "p50"),
                 (latency_quantile(0.99, JOB), "p99"),
+                (latency_quantile_by_sink(0.99, JOB), "{{stage}} p99"),
             ],
             "s",
         ),

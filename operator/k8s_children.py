@@ -25,7 +25,10 @@ What a job becomes, in creation order:
   examples/spark/source_job.py takes $KEYSHIFT_INGEST as its endpoint. A Spark sink reads the
   output log where the sink stage writes it: `spec.output.claim`, a ReadWriteMany
   PersistentVolumeClaim mounted at the log's directory in the sink stage's pods and in every
-  sink app, whose KEYSHIFT_OUTPUT names that directory.
+  sink app, whose KEYSHIFT_OUTPUT names that directory. A job of several log sinks mounts one
+  subdirectory of the claim per sink (`subPath`: the sink's name) at that sink's directory,
+  in its pods and in every sink app, where KEYSHIFT_OUTPUT names the first sink's directory
+  and KEYSHIFT_OUTPUTS (JSON) every sink's, by name.
 
 Switched on by the operator's options (`ChildOptions`, which the chart gives it as JSON in
 KEYSHIFT_CHILD_OPTIONS, parsed by `child_options_from_env`), also:
@@ -72,6 +75,7 @@ from __future__ import annotations
 
 import base64
 import copy
+import json
 import posixpath
 import re
 from collections.abc import Collection, Mapping
@@ -83,7 +87,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from keyshift.operator.state_memory import PROCESS_ENV, sized_resources
 from keyshift.operator.streamingjob import OutputLocation, Resources, SparkApp, StreamingJobSpec
 from keyshift.runtime.auth import TLS_CA_ENV, TLS_CERT_ENV, TLS_KEY_ENV, TLS_SERVER_NAME_ENV
-from keyshift.runtime.job import IngestSource, JobSpec, KeyedStage, LogSink
+from keyshift.runtime.job import IngestSource, JobSpec, KeyedStage, LogSink, SinkStage
 from keyshift.runtime.job_secret import SECRET_ENV
 
 Manifest = dict[str, Any]
@@ -358,36 +362,56 @@ def _checkpoint_problems(spec: StreamingJobSpec, job: JobSpec) -> list[str]:
     return []
 
 
-def _local_output_dir(job: JobSpec) -> str | None:
+def _local_output_dir(sink: SinkStage) -> str | None:
     """The directory a `log` sink writes files to, as an absolute path in the container (None
     when the sink writes no files, or not to a local directory)."""
-    config = job.sink.config
+    config = sink.config
     if not isinstance(config, LogSink) or config.format == "none" or "://" in config.path:
         return None
     return posixpath.normpath(posixpath.join(APP_DIR, config.path))
 
 
+def _local_outputs(job: JobSpec) -> dict[str, str]:
+    """Each sink writing files to a local directory, and that directory (the first sink
+    first)."""
+    dirs = {sink.name: _local_output_dir(sink) for sink in job.sinks()}
+    return {name: path for name, path in dirs.items() if path is not None}
+
+
+def _output_mounts(job: JobSpec, sinks: list[str]) -> list[Manifest]:
+    """The output volume's mounts of `sinks`' directories: the claim's root where the job has
+    one log sink (as before sinks were several), a subdirectory per sink where it has more."""
+    local = _local_outputs(job)
+    shared = len(local) > 1
+    return [
+        {"name": _OUTPUT_VOLUME, "mountPath": local[sink], **({"subPath": sink} if shared else {})}
+        for sink in sinks
+        if sink in local
+    ]
+
+
 def _output_problems(spec: StreamingJobSpec, job: JobSpec) -> list[str]:
-    local = _local_output_dir(job)
-    if spec.output is not None and local is None:
+    local = _local_outputs(job)
+    if spec.output is not None and not local:
         return [
             f"spec.output.claim {spec.output.claim!r} is mounted where the output log goes, but "
-            "the job's sink writes no output log files to a local directory (job.sink.config: "
+            "the job writes no output log files to a local directory (a sink's config: "
             "kind log, a relative or absolute path, format jsonl or parquet)"
         ]
-    if spec.sinks and spec.output is None and local is not None:
+    if spec.sinks and spec.output is None and local:
         return [
-            f"spec.sinks read the output log in {local}, which lives in the sink pods' emptyDir "
-            "where no other pod can read it: give spec.output.claim (a ReadWriteMany "
-            "PersistentVolumeClaim, mounted there in the sink pods and the Spark sinks)"
+            f"spec.sinks read the output log in {', '.join(local.values())}, which lives in the "
+            "sink pods' emptyDir where no other pod can read it: give spec.output.claim (a "
+            "ReadWriteMany PersistentVolumeClaim, mounted there in the sink pods and the Spark "
+            "sinks)"
         ]
     return []
 
 
-def sink_rescale_problem(spec: StreamingJobSpec, job: JobSpec) -> str | None:
-    """Why the sink cannot be rescaled live here, if it cannot: its partitions move between
+def sink_rescale_problem(spec: StreamingJobSpec, job: JobSpec, sink: str) -> str | None:
+    """Why sink `sink` cannot be rescaled live here, if it cannot: its partitions move between
     pods, so a log on local files must be in the one directory every sink pod mounts."""
-    local = _local_output_dir(job)
+    local = _local_outputs(job).get(sink)
     if local is None or spec.output is not None:
         return None
     return (
@@ -758,11 +782,6 @@ def _state_volume(job: JobSpec, stage: str) -> tuple[Manifest, Manifest] | None:
     return {"name": _STATE_VOLUME, "emptyDir": {}}, {"name": _STATE_VOLUME, "mountPath": path}
 
 
-def _output_dir(job: JobSpec, stage: str) -> str | None:
-    """Where the sink stage writes its output log, as an absolute path in the container."""
-    return _local_output_dir(job) if stage == job.sink.name else None
-
-
 def stage_service(name: str, namespace: str, job: JobSpec, stage: str) -> Manifest:
     """The headless Service of a stage: stable DNS names for its pods (`<set>-N.<set>`)."""
     labels = {**common_labels(name, "stage"), LABEL_STAGE: stage}
@@ -797,9 +816,9 @@ def stage_stateful_set(
     keyed = _keyed_stage(job, stage)
     mounts = [_job_mount()]
     volumes = [_job_volume(name)]
-    output = _output_dir(job, stage)
-    if output is not None:
-        mounts.append({"name": _OUTPUT_VOLUME, "mountPath": output})
+    output = _output_mounts(job, [stage])
+    if output:
+        mounts += output
         volumes.append(_output_volume(spec.output))
     for extra in (_checkpoint_volume(spec, job), _tls_volume(spec), _state_volume(job, stage)):
         if extra is not None:
@@ -876,14 +895,16 @@ def spark_deployment(
     ingest = None if target is None else _ingest_port(job, target)
     if target is not None and ingest is not None:
         env["KEYSHIFT_INGEST"] = f"{stage_set_name(name, target)}.{namespace}.svc:{ingest}"
-    output = _local_output_dir(job)
+    outputs = _local_outputs(job)
     # The job file, for a reader's schema (the `job` option of the keyshift Spark source).
     volumes, mounts = [_job_volume(name)], [_job_mount()]
-    if role == "sink" and spec.output is not None and output is not None:
-        env["KEYSHIFT_OUTPUT"] = output
+    if role == "sink" and spec.output is not None and outputs:
+        env["KEYSHIFT_OUTPUT"] = next(iter(outputs.values()))
+        if len(outputs) > 1:
+            env["KEYSHIFT_OUTPUTS"] = json.dumps(outputs)
         volumes.append(_output_volume(spec.output))
         # Read-write: a query that names a `reader` commits its progress in the log.
-        mounts.append({"name": _OUTPUT_VOLUME, "mountPath": output})
+        mounts += _output_mounts(job, list(outputs))
     tls = _tls_volume(spec)
     if tls is not None:
         volumes.append(tls[0])

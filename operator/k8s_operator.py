@@ -247,14 +247,18 @@ def build_registry(config: OperatorConfig) -> kopf.OperatorRegistry:
     def manual_steps(
         parsed: StreamingJobSpec, steps: list[tuple[str, int]], body: kopf.Body
     ) -> list[tuple[str, int]]:
-        """The steps that can run: a sink rescale whose output log the sink pods cannot share
+        """The steps that can run: a rescale of a sink whose output log its pods cannot share
         is left out, with a warning Event saying why."""
         job = parsed.job_spec()
-        problem = sink_rescale_problem(parsed, job)
-        if problem is None or job.sink.name not in {stage for stage, _ in steps}:
-            return steps
-        kopf.warn(body, reason="RescaleRefused", message=f"{job.sink.name}: {problem}")
-        return [(stage, n) for stage, n in steps if stage != job.sink.name]
+        sinks = {sink.name for sink in job.sinks()}
+        runnable = []
+        for stage, n in steps:
+            problem = sink_rescale_problem(parsed, job, stage) if stage in sinks else None
+            if problem is None:
+                runnable.append((stage, n))
+            else:
+                kopf.warn(body, reason="RescaleRefused", message=f"{stage}: {problem}")
+        return runnable
 
     async def rescale_one(
         stage: str, new: Any, parsed: StreamingJobSpec, kube: KubeJob, body: kopf.Body

@@ -57,10 +57,15 @@ def _grown(before: dict[str, Any], after: dict[str, Any], key: str) -> float:
     return float(sum(i["stats"].get(key, 0) - old.get(_identity(i), 0) for i in after["instances"]))
 
 
+def _sinks(status: dict[str, Any]) -> list[dict[str, Any]]:
+    """The job's sink stages (one or more)."""
+    return [stage for stage in status["stages"] if stage["role"] == "sink"]
+
+
 def _buckets(status: dict[str, Any]) -> list[int]:
-    sink = status["stages"][-1]
+    """The end-to-end latency histogram of every sink instance of every sink, summed."""
     total: list[int] = []
-    for instance in sink["instances"]:
+    for instance in (i for sink in _sinks(status) for i in sink["instances"]):
         counts = instance["stats"].get("latency_buckets") or []
         if not counts:
             continue  # an instance that has not reported its histogram yet
@@ -247,8 +252,9 @@ def final_report(status: dict[str, Any], tracker: RateTracker, elapsed: float) -
             f"out {total_out:>12,.0f}  avg {_rate(total_in / max(elapsed, 1e-9))}"
             + (f"  rejected {invalid:,}" if invalid else "")
         )
-    ends = [i["stats"].get("output_offset") for i in status["stages"][-1]["instances"]]
-    if any(end is not None for end in ends):
-        lines.append(f"  output log end offsets per partition: {ends}")
+    for sink in _sinks(status):
+        ends = [i["stats"].get("output_offset") for i in sink["instances"]]
+        if any(end is not None for end in ends):
+            lines.append(f"  {sink['name']}: records in its output log, per instance: {ends}")
     lines.append(f"  end-to-end latency p50 {_ms(p50)}  p99 {_ms(p99)}")
     return "\n".join(lines)

@@ -102,7 +102,8 @@ class OutputLocation(_Model):
         pattern=SECRET_NAME_PATTERN,
         description="a PersistentVolumeClaim (ReadWriteMany) mounted at the log sink's output "
         "directory (job.sink.config.path) in the sink stage's pods and every spec.sinks app: "
-        "the output outlives the pods and the Spark sinks read it there",
+        "the output outlives the pods and the Spark sinks read it there; with several log "
+        "sinks, a subdirectory of it per sink (named after the sink) at each sink's directory",
     )
 
 

@@ -99,6 +99,15 @@ class KeyedGroups:
 
 
 @dataclass(frozen=True)
+class SinkOutputs:
+    """A sink's part of a checkpoint: its output log's end offsets by partition, and which of
+    its instances owned each partition (an assignment of partitions)."""
+
+    outputs: dict[str, int]
+    partitions: dict[str, Any]
+
+
+@dataclass(frozen=True)
 class CheckpointMeta:
     id: int
     created: float  # wall-clock seconds
@@ -121,6 +130,13 @@ class CheckpointMeta:
     # Which sink instance owned each output partition (an assignment of partitions; none in a
     # checkpoint taken before sinks rescaled: one partition per instance).
     partitions: dict[str, Any] = field(default_factory=dict)
+    # The sinks after the first in a job of several (the first's are `outputs` and
+    # `partitions`, as in a job of one), by stage.
+    later_sinks: dict[str, SinkOutputs] = field(default_factory=dict)
+
+    def of_sink(self, sink: str) -> SinkOutputs:
+        """Sink `sink`'s offsets and partition owners (the first sink's: the top level's)."""
+        return self.later_sinks.get(sink, SinkOutputs(self.outputs, self.partitions))
 
     def of_stage(self, stage: str) -> CheckpointMeta:
         """The checkpoint as keyed stage `stage` restores from it: that stage's owners and
@@ -176,6 +192,13 @@ class CheckpointMeta:
                 for stage, marks in data.get("instance_watermarks", {}).items()
             },
             partitions=dict(data.get("partitions", {})),
+            later_sinks={
+                str(sink): SinkOutputs(
+                    {str(k): int(v) for k, v in part["outputs"].items()},
+                    dict(part["partitions"]),
+                )
+                for sink, part in data.get("later_sinks", {}).items()
+            },
         )
 
 

@@ -58,6 +58,7 @@ from keyshift.runtime.checkpoint_store import (
     GroupChain,
     KeyedGroups,
     ShardFile,
+    SinkOutputs,
     chains_from_json,
     chains_to_json,
     database_from_json,
@@ -115,8 +116,9 @@ class CheckpointHost(Protocol):
         """Every keyed stage's assignment (unchanged while a checkpoint is in flight)."""
         ...
 
-    def checkpoint_partitions(self) -> dict[str, Any]:
-        """The sink's output partitions' owners (unchanged while a checkpoint is in flight)."""
+    def checkpoint_partitions(self) -> dict[str, dict[str, Any]]:
+        """Every sink's output partitions' owners, by sink, the job's first sink first
+        (unchanged while a checkpoint is in flight)."""
         ...
 
     def checkpoint_events(self, checkpoint: int, timeout: float) -> list[Reported] | None:
@@ -140,11 +142,11 @@ class CheckpointHost(Protocol):
 @dataclass(frozen=True)
 class CheckpointMembers:
     """The instances one checkpoint involves: source ids (`JobSpec.source_id`, unique across
-    the job's sources), each keyed stage's instance indexes, sink indexes."""
+    the job's sources), each keyed stage's instance indexes, each sink's instance indexes."""
 
     sources: set[int]
     keyed: dict[str, set[int]]
-    sinks: set[int]
+    sinks: dict[str, set[int]]
 
 
 class CheckpointAbandoned(CheckpointError):
@@ -291,7 +293,7 @@ class CheckpointDriver:
         groups: dict[str, dict[int, GroupChain]] = {}
         databases: dict[str, dict[str, ShardFile]] = {}
         sources: dict[str, Any] = {}
-        outputs: dict[str, int] = {}
+        outputs: dict[str, dict[str, int]] = {}
         keyed_marks: dict[str, list[int | None]] = {}
         instance_marks: dict[str, dict[str, int]] = {}
         written = 0
@@ -309,9 +311,12 @@ class CheckpointDriver:
                 if event.writer is not None and event.database is not None:
                     databases[event.writer] = database_from_json(event.database)
             elif isinstance(event, SinkCheckpointAck):
-                outputs.update(event.offsets)  # by partition: each has one owner
+                # By partition: each has one owner.
+                outputs.setdefault(reported.stage, {}).update(event.offsets)
         assignments = self.host.checkpoint_assignments()
         first = self.keyed_stage
+        partitions = self.host.checkpoint_partitions()
+        first_sink = next(iter(partitions))
         # A stage's watermark is its slowest instance's; none while one has none.
         watermarks = {
             stage: min(m for m in marks if m is not None)
@@ -324,7 +329,7 @@ class CheckpointDriver:
             epochs={stage: int(a["epoch"]) for stage, a in assignments.items()},
             assignment=assignments[first],
             sources=sources,
-            outputs=outputs,
+            outputs=outputs.get(first_sink, {}),
             groups=groups.get(first, {}),
             written=written,
             databases=databases,
@@ -335,7 +340,12 @@ class CheckpointDriver:
             },
             watermarks=watermarks,
             instance_watermarks=instance_marks,
-            partitions=self.host.checkpoint_partitions(),
+            partitions=partitions[first_sink],
+            later_sinks={
+                sink: SinkOutputs(outputs.get(sink, {}), owners)
+                for sink, owners in partitions.items()
+                if sink != first_sink
+            },
         )
 
 
@@ -348,7 +358,7 @@ def acked(events: Iterable[Reported], checkpoint: int, members: CheckpointMember
     """Whether every member has acked `checkpoint`, or one of them failed it."""
     sources: set[int] = set()
     keyed: dict[str, set[int]] = {}
-    sinks: set[int] = set()
+    sinks: dict[str, set[int]] = {}
     for reported in events:
         if checkpoint_of(reported) != checkpoint:
             continue
@@ -360,10 +370,10 @@ def acked(events: Iterable[Reported], checkpoint: int, members: CheckpointMember
         elif isinstance(event, KeyedCheckpointAck):
             keyed.setdefault(reported.stage, set()).add(reported.index)
         elif isinstance(event, SinkCheckpointAck):
-            sinks.add(reported.index)
+            sinks.setdefault(reported.stage, set()).add(reported.index)
     return (
         sources >= members.sources
-        and sinks >= members.sinks
+        and all(sinks.get(stage, set()) >= wanted for stage, wanted in members.sinks.items())
         and all(keyed.get(stage, set()) >= wanted for stage, wanted in members.keyed.items())
     )
 

@@ -69,6 +69,7 @@ from keyshift.runtime.protocol import (
     Rescaling,
     Retire,
     SourceCheckpointAck,
+    StageRole,
     StageStatus,
     StandbyAssignment,
     StandbyRequest,
@@ -145,8 +146,11 @@ class Coordinator:
             for step in spec.keyed_stages()
         }
         self.desired = {s.name: s.parallelism for s in spec.stages()}
-        # Which sink instance owns each output partition, by epoch.
-        self.partitions = partition_owners(spec.sink.output_partitions, spec.sink.parallelism)
+        # Per sink, which of its instances owns each output partition, by epoch.
+        self.partitions = {
+            sink.name: partition_owners(sink.output_partitions, sink.parallelism)
+            for sink in spec.sinks()
+        }
         if restore is not None:
             # The job goes on from the checkpoint: every keyed stage's owners, and so as many
             # instances as it had then (a rescale may have changed them since the job began).
@@ -154,9 +158,11 @@ class Coordinator:
                 assignment = Assignment.from_json(restore.of_stage(name).assignment)
                 self.assignments[name] = assignment
                 self.desired[name] = assignment.parallelism
-            if restore.partitions:
-                self.partitions = Assignment.from_json(restore.partitions)
-                self.desired[spec.sink.name] = self.partitions.parallelism
+            for sink in self.partitions:
+                owners = restore.of_sink(sink).partitions
+                if owners:
+                    self.partitions[sink] = Assignment.from_json(owners)
+                    self.desired[sink] = self.partitions[sink].parallelism
         self.members: dict[str, dict[int, InstanceRecord]] = {s.name: {} for s in spec.stages()}
         self.standbys = StandbyPool([s.stage.name for s in spec.keyed_stages() if s.stage.standby])
         self._drain_requested = False
@@ -250,9 +256,8 @@ class Coordinator:
             for name, members in self.members.items()
         }
         assignments = {name: a.to_json() for name, a in self.assignments.items()}
-        return Topology(
-            stages=stages, assignments=assignments, partitions=self.partitions.to_json()
-        )
+        partitions = {sink: owners.to_json() for sink, owners in self.partitions.items()}
+        return Topology(stages=stages, assignments=assignments, partitions=partitions)
 
     def _broadcast_topology(self) -> None:
         topology = self._topology()
@@ -308,10 +313,10 @@ class Coordinator:
             self.metrics.set_parallelism(stage, assignment.parallelism)
             self._broadcast_topology()
 
-    def commit_partitions(self, owners: Assignment) -> None:
+    def commit_partitions(self, sink: str, owners: Assignment) -> None:
         with self._lock:
-            self.partitions = owners
-            self.metrics.set_parallelism(self.spec.sink.name, owners.parallelism)
+            self.partitions[sink] = owners
+            self.metrics.set_parallelism(sink, owners.parallelism)
             self._broadcast_topology()
 
     def retire(self, stage: str, indexes: list[int]) -> None:
@@ -548,17 +553,17 @@ class Coordinator:
             return DrainReply(phase=self.phase)
 
     def rescale(self, request: RescaleRequest) -> RescaleReport:
-        """Start a rescale of a keyed stage or of the sink; refused while another one runs (of
+        """Start a rescale of a keyed stage or of a sink; refused while another one runs (of
         any stage)."""
         with self._lock:
             stage = request.stage
-            sink = self.spec.sink
-            if stage not in self.assignments and stage != sink.name:
+            sink = self.spec.sink_stage(stage) if stage in self.partitions else None
+            if stage not in self.assignments and sink is None:
                 raise ControlError(*self._not_rescalable(stage))
             parallelism = request.parallelism
-            if stage == sink.name:
+            if sink is not None:
                 most = sink.output_partitions
-                bound = f"the sink writes {most} output partitions (sink.partitions)"
+                bound = f"the sink writes {most} output partitions (its `partitions`)"
             else:
                 most = min(self.spec.max_key_groups, MAX_PARALLELISM)
                 bound = (
@@ -571,7 +576,7 @@ class Coordinator:
                     f"({bound}), got {parallelism!r}",
                     grpc.StatusCode.INVALID_ARGUMENT,
                 )
-            if stage == sink.name and request.options:
+            if sink is not None and request.options:
                 raise ControlError(
                     f"options {sorted(request.options)} do not apply to the sink: it has no state "
                     "to move, only whole output partitions",
@@ -612,9 +617,9 @@ class Coordinator:
             self._abort = None
             self._lost_keyed = set()
             driver: RescaleDriver
-            if stage == sink.name:
+            if sink is not None:
                 driver = SinkRescaleDriver(
-                    self, status, stage, self.spec.sink_inputs(), self.partitions
+                    self, status, stage, self.spec.sink_inputs(stage), self.partitions[stage]
                 )
             else:
                 driver = RescaleDriver(
@@ -631,7 +636,7 @@ class Coordinator:
         if stage in {step.stage.name for step in self.spec.source_steps()}:
             return (
                 f"stage {stage!r} is a source: its parallelism is bounded by its partitions and "
-                "set when the job starts; only the keyed stages and the sink are rescaled live",
+                "set when the job starts; only the keyed stages and the sinks are rescaled live",
                 refused,
             )
         names = {node.name: node for node in self.spec.dataflow().nodes}
@@ -667,7 +672,7 @@ class Coordinator:
             members = CheckpointMembers(
                 sources={s for s, r in self._source_records().items() if not r.finished},
                 keyed={name: set(self.members[name]) for name in self.assignments},
-                sinks=set(self.members[self.spec.sink.name]),
+                sinks={sink: set(self.members[sink]) for sink in self.partitions},
             )
             if not members.sources:
                 return None  # the sources are done: nothing will move past a barrier
@@ -684,9 +689,9 @@ class Coordinator:
         with self._lock:
             return {name: a.to_json() for name, a in self.assignments.items()}
 
-    def checkpoint_partitions(self) -> dict[str, Any]:
+    def checkpoint_partitions(self) -> dict[str, dict[str, Any]]:
         with self._lock:
-            return self.partitions.to_json()
+            return {sink: owners.to_json() for sink, owners in self.partitions.items()}
 
     def checkpoint_events(self, checkpoint: int, timeout: float) -> list[Reported] | None:
         deadline = time.monotonic() + timeout
@@ -729,12 +734,12 @@ class Coordinator:
         command = CheckpointComplete(
             id=meta.id,
             sources={k: int(v) for k, v in meta.sources.items()},
-            outputs=meta.outputs,
+            outputs={sink: meta.of_sink(sink).outputs for sink in self.partitions},
         )
         with self._lock:
             for record in [
                 *self._source_records().values(),
-                *self.members[self.spec.sink.name].values(),
+                *(r for sink in self.partitions for r in self.members[sink].values()),
             ]:
                 record.commands.put(command)
 
@@ -791,9 +796,14 @@ class Coordinator:
         return {k: float(v) for k, v in totals.items()}
 
     def status(self, request: Empty) -> StatusReply:
+        roles: dict[str, StageRole] = {
+            **{step.stage.name: "source" for step in self.spec.source_steps()},
+            **{sink.name: "sink" for sink in self.spec.sinks()},
+        }
         with self._lock:
             stages = []
             for stage in self.spec.stages():
+                role = roles.get(stage.name, "keyed")
                 instances = [
                     InstanceStatus(
                         index=i,
@@ -809,6 +819,7 @@ class Coordinator:
                 stages.append(
                     StageStatus(
                         name=stage.name,
+                        role=role,
                         parallelism=len(instances),
                         desired=self.desired[stage.name],
                         instances=instances,
@@ -949,7 +960,7 @@ def max_calls(spec: JobSpec) -> int:
     rescale may take it to (the sink: its partitions); a stream per standby; and a few for the
     hosts' and the CLI's calls."""
     keyed = len(spec.keyed_stages())
-    sinks = spec.sink.output_partitions
+    sinks = sum(sink.output_partitions for sink in spec.sinks())
     standbys = sum(step.stage.standby for step in spec.keyed_stages())
     sources = sum(step.stage.parallelism for step in spec.source_steps())
     instances = sources + sinks + keyed * MAX_PARALLELISM + standbys

@@ -91,7 +91,7 @@ def run_stage(ctx: InstanceContext) -> None:
     # JSON writers, the ingest endpoint, ...) would cost every instance memory and start time.
     spec = ctx.spec
     modules = {step.stage.name: "source_stage" for step in spec.source_steps()}
-    modules[spec.sink.name] = "sink_stage"
+    modules |= {sink.name: "sink_stage" for sink in spec.sinks()}
     module = modules.get(ctx.stage, "keyed_stage")
     stage = importlib.import_module(f"keyshift.runtime.{module}")
     try:

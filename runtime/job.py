@@ -4,8 +4,8 @@ A job is a graph of named stages (`graph`: sources, map/filter/flat_map stages, 
 sinks, each naming its inputs), checked by `keyshift.runtime.job_graph`; a job file of the older
 shape (source -> map/filter -> key_by -> one keyed operator -> sink at the top level) is
 normalised into the same graph. The runtime executes one shape so far, which a graph is lowered
-onto (`source`, `keyed`, `sink`, `fields`, and `keyed_stages()`, `source_routes()`,
-`sink_inputs()`: every keyed stage and the edges between the stages);
+onto (`source`, `keyed`, `sink`, `fields`, and `keyed_stages()`, `source_routes()`, `sinks()`,
+`sink_inputs()`: every keyed stage and sink and the edges between the stages);
 any other shape is refused at load time. The local
 host validates a job file with `load_job` before it starts anything; the coordinator and every
 instance receive the same validated model. The Python API in `keyshift.runtime.pipeline` builds
@@ -1154,7 +1154,8 @@ class JobSpec(_Model):
     # and the keyed stages feeding the sink.
     _keyed_stages: tuple[KeyedStep, ...] = PrivateAttr(default=())
     _sources: tuple[SourceStep, ...] = PrivateAttr(default=())
-    _sink_inputs: tuple[str, ...] = PrivateAttr(default=())
+    _sinks: tuple[SinkStage, ...] = PrivateAttr(default=())
+    _sink_inputs: dict[str, tuple[str, ...]] = PrivateAttr(default_factory=dict)
 
     @model_validator(mode="before")
     @classmethod
@@ -1188,8 +1189,6 @@ class JobSpec(_Model):
         except GraphError as exc:
             raise ValueError(str(exc)) from None
         stages = {stage.name: stage for stage in self.graph}
-        sink = stages[chain.sink.name]
-        assert isinstance(sink, SinkNode)
         links = {link.keyed.name: link for link in chain.keyed}
 
         def reads(hop: Hop) -> Schema:
@@ -1267,22 +1266,31 @@ class JobSpec(_Model):
         values = {
             "source": source_steps[0].stage,
             "keyed": steps[0].stage,
-            "sink": SinkStage.model_validate(
-                {
-                    "name": sink.name,
-                    "parallelism": sink.parallelism,
-                    "config": sink.config,
-                    "partitions": sink.partitions,
-                },
-                context=context,
-            ),
             "fields": dict(chain.fields),
         }
+        sinks = []
+        for sink_link in chain.sinks:
+            sink = stages[sink_link.sink.name]
+            assert isinstance(sink, SinkNode)
+            sinks.append(
+                SinkStage.model_validate(
+                    {
+                        "name": sink.name,
+                        "parallelism": sink.parallelism,
+                        "config": sink.config,
+                        "partitions": sink.partitions,
+                    },
+                    context=context,
+                )
+            )
+        _check_sink_paths(sinks)
+        values["sink"] = sinks[0]
         for name, value in values.items():
             object.__setattr__(self, name, value)
         self._keyed_stages = tuple(steps)
         self._sources = tuple(source_steps)
-        self._sink_inputs = chain.sink_inputs
+        self._sinks = tuple(sinks)
+        self._sink_inputs = {link.sink.name: link.inputs for link in chain.sinks}
 
     def keyed_stages(self) -> tuple[KeyedStep, ...]:
         """Every keyed stage, each after its inputs (one in a job of the older shape)."""
@@ -1324,9 +1332,20 @@ class JobSpec(_Model):
         ordinal, index = divmod(source_id, MAX_PARALLELISM)
         return self._sources[ordinal].stage.name, index
 
-    def sink_inputs(self) -> tuple[str, ...]:
-        """The keyed stages whose updates the sink receives."""
-        return self._sink_inputs
+    def sinks(self) -> tuple[SinkStage, ...]:
+        """Every sink, in the graph's order (the first is `sink`; one in the older shape)."""
+        return self._sinks
+
+    def sink_stage(self, name: str) -> SinkStage:
+        """The sink named `name`; KeyError if there is none."""
+        for sink in self._sinks:
+            if sink.name == name:
+                return sink
+        raise KeyError(name)
+
+    def sink_inputs(self, sink: str | None = None) -> tuple[str, ...]:
+        """The keyed stages whose updates sink `sink` (the first sink: `sink`) receives."""
+        return self._sink_inputs[self.sink.name if sink is None else sink]
 
     def dataflow(self) -> Graph:
         """The job's graph, checked: its `graph`, or the older shape normalised into one (the
@@ -1371,7 +1390,8 @@ class JobSpec(_Model):
             transforms = tuple(Chained.of(t) for t in self.source.transforms)
             routes = (Route(self.keyed.name, transforms),)
             self._sources = (SourceStep(self.source, dict(self.fields), routes),)
-            self._sink_inputs = (self.keyed.name,)
+            self._sinks = (self.sink,)
+            self._sink_inputs = {self.sink.name: (self.keyed.name,)}
         names = [stage.name for stage in self.stages()]
         if len(set(names)) != len(names):
             raise ValueError(f"stage names must be distinct, got {names}")
@@ -1427,7 +1447,8 @@ class JobSpec(_Model):
                     f"keyed.parallelism of stage {step.stage.name!r} must not exceed max_key_groups"
                 )
             op = step.stage.operator
-            feeds_keyed = any(route.target != self.sink.name for route in step.outputs)
+            sinks = {sink.name for sink in self._sinks}
+            feeds_keyed = any(route.target not in sinks for route in step.outputs)
             if isinstance(op, WindowOperator) and op.allowed_lateness_ms and feeds_keyed:
                 raise ValueError(
                     f"stage {step.stage.name!r}: not supported yet: allowed_lateness_ms on a "
@@ -1469,8 +1490,22 @@ class JobSpec(_Model):
         return [
             *(step.stage for step in self._sources),
             *(step.stage for step in self._keyed_stages),
-            self.sink,
+            *self._sinks,
         ]
+
+
+def _check_sink_paths(sinks: list[SinkStage]) -> None:
+    """Each log sink owns its directory: two sinks writing into one (or one inside the other)
+    would mix their partitions, offsets and readers' commits."""
+    logs = [(s.name, Path(s.config.path)) for s in sinks if isinstance(s.config, LogSink)]
+    for i, (name, path) in enumerate(logs):
+        for other, other_path in logs[:i]:
+            if path == other_path or path in other_path.parents or other_path in path.parents:
+                raise ValueError(
+                    f"stage {name!r} (sink): its output log {str(path)!r} and the output log "
+                    f"{str(other_path)!r} of sink {other!r} overlap: give each sink its own "
+                    "directory"
+                )
 
 
 J = TypeVar("J", bound=JobSpec)

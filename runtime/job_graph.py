@@ -5,12 +5,12 @@ and the record schema along every edge.
 older source/keyed/sink shape, normalised into one) becomes `Node`s, `build_graph` refuses a
 bad graph naming the stage and the reason, and `lower_to_chain` maps a graph onto the shape
 the runtime executes today (one or more sources, keyed stages with fan-out and unions between
-them, one sink; the map/filter stages on an edge chained into its sender's instances), refusing
-any other shape with "not supported yet". A join stage (a keyed stage of two inputs,
-`join_keys` one key field per input) reads each input with its own schema: its senders wrap
-every record into `join_input`'s schema (the key, which side, the record as JSON), so both ways
-into it, even from one sender, travel as one stream. The module is pure: no I/O, no imports of
-the job's pydantic models (they import it).
+them, one or more sinks, each fed by keyed stages; the map/filter stages on an edge chained
+into its sender's instances), refusing any other shape with "not supported yet". A join stage
+(a keyed stage of two inputs, `join_keys` one key field per input) reads each input with its
+own schema: its senders wrap every record into `join_input`'s schema (the key, which side, the
+record as JSON), so both ways into it, even from one sender, travel as one stream. The module
+is pure: no I/O, no imports of the job's pydantic models (they import it).
 """
 
 from __future__ import annotations
@@ -357,29 +357,29 @@ class SourceLink:
 
 
 @dataclass(frozen=True)
+class SinkLink:
+    """One sink as the runtime runs it: it receives the updates of the keyed stages in
+    `inputs` (a union when several), each key in the partition of its key group."""
+
+    sink: Node
+    inputs: tuple[str, ...]
+
+
+@dataclass(frozen=True)
 class Chain:
     """The shapes the runtime executes today: one or more sources (in the graph's order),
-    keyed stages (in topological order) with fan-out and unions between them, and one sink
-    receiving the updates of the keyed stages in `sink_inputs`, each key in the partition of
-    its key group. `fields` is the schema the first keyed stage reads (of a join: the first
-    source's records)."""
+    keyed stages (in topological order) with fan-out and unions between them, and one or more
+    sinks (in topological order), each fed by keyed stages. `fields` is the schema the first
+    keyed stage reads (of a join: the first source's records)."""
 
     sources: tuple[SourceLink, ...]
     keyed: tuple[KeyedLink, ...]
-    sink: Node
-    sink_inputs: tuple[str, ...]
+    sinks: tuple[SinkLink, ...]
     fields: Schema
 
 
 def _not_yet(node: Node, reason: str) -> GraphError:
     return GraphError(f"not supported yet: {_stage(node)}: {reason}")
-
-
-def _only(graph: Graph, role: Role, what: str) -> Node:
-    found = graph.of_role(role)
-    if len(found) > 1:
-        raise _not_yet(found[1], f"the runtime runs one {what} per job so far")
-    return found[0]
 
 
 def _hop(graph: Graph, edge: Edge, after_keyed: bool) -> tuple[Hop, Edge]:
@@ -433,7 +433,6 @@ def lower_to_chain(graph: Graph) -> Chain:
     sources = graph.of_role("source")
     if not graph.of_role("keyed"):
         raise _not_yet(graph.of_role("sink")[0], "a job without a keyed stage")
-    sink = _only(graph, "sink", "sink")
     hops: dict[str, list[Hop]] = {}
     senders: dict[str, list[str]] = {}
     for sender in [*sources, *graph.of_role("keyed")]:
@@ -448,7 +447,7 @@ def lower_to_chain(graph: Graph) -> Chain:
                 _check_before_sink(hop, sender)
                 if last.partitioning != "key_by" or last.key_by != KEY_FIELD:
                     raise _not_yet(
-                        sink,
+                        target,
                         f"a {last.partitioning} edge from {last.source!r} (sinks receive each "
                         f"key's updates in the partition of its key group: key_by {KEY_FIELD!r})",
                     )
@@ -470,8 +469,8 @@ def lower_to_chain(graph: Graph) -> Chain:
         if len(set(inputs)) < len(inputs):
             raise _not_yet(keyed, f"two ways from {inputs[0]!r} into one keyed stage")
         links.append(KeyedLink(keyed, graph.schemas[keyed.inputs[0]], tuple(inputs), outputs))
-    sink_inputs = senders[sink.name]
+    sinks = tuple(SinkLink(sink, tuple(senders[sink.name])) for sink in graph.of_role("sink"))
     # The first keyed stage in topological order reads only sources' records.
     fields = graph.schemas[sources[0].name] if links[0].sides else links[0].fields
     links_of_sources = tuple(SourceLink(s, tuple(hops[s.name])) for s in sources)
-    return Chain(links_of_sources, tuple(links), sink, tuple(sink_inputs), fields)
+    return Chain(links_of_sources, tuple(links), sinks, fields)

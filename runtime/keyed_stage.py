@@ -224,10 +224,11 @@ def process_output_schema(key_type: pa.DataType) -> pa.Schema:
     )
 
 
-def sink_schema(spec: JobSpec) -> pa.Schema:
-    """The columns of the records the job's sink receives (and its output log holds): the
-    updates of the keyed stages feeding it (one schema: a union needs one)."""
-    last = spec.keyed_step(spec.sink_inputs()[0])
+def sink_schema(spec: JobSpec, sink: str | None = None) -> pa.Schema:
+    """The columns of the records sink `sink` (the job's first sink: `sink`) receives (and
+    its output log holds): the updates of the keyed stages feeding it (one schema: a union
+    needs one)."""
+    last = spec.keyed_step(spec.sink_inputs(sink)[0])
     key_type = ARROW_TYPES[last.fields[last.stage.key_by]]
     op = last.stage.operator
     if isinstance(op, WindowOperator):
@@ -286,10 +287,14 @@ class KeyedStage:
         # go: to other keyed stages (routed by their assignments, as a source routes) and/or
         # to the sinks.
         self.upstream = step.inputs
-        keyed = tuple(route for route in step.outputs if route.target != spec.sink.name)
+        sinks = {sink.name for sink in spec.sinks()}
+        keyed = tuple(route for route in step.outputs if route.target not in sinks)
         self.outputs = Outputs(ctx, keyed)
-        to_sink = [route for route in step.outputs if route.target == spec.sink.name]
-        self.sink = SinkRouter(ctx, to_sink[0].transforms) if to_sink else None
+        self.sinks = [
+            SinkRouter(ctx, route.target, route.transforms)
+            for route in step.outputs
+            if route.target in sinks
+        ]
         self.owned = ctx.assignment(ctx.stage).owners == ctx.index
         self.ended: set[str] = set()
         self.backlog: deque[tuple[str, bytes, Any]] = deque()
@@ -459,21 +464,21 @@ class KeyedStage:
 
     def send_out(self, out: pa.RecordBatch | None, started: float) -> None:
         """Updates to the sink instance of each one's key group and to the keyed stages fed."""
-        parts: list[tuple[int, bytes]] = []
+        parts: list[list[tuple[int, bytes]]] = []  # per sink fed
         sent = 0
         routed: list[Routed] = []
         if out is None or not out.num_rows:
             self.ctx.metrics.count(MetricName.BUSY_SECONDS, time.perf_counter() - started)
             return
-        if self.sink is not None:
-            parts = self.sink.route(out)
+        for sink in self.sinks:
+            parts.append(sink.route(out))
             sent += out.num_rows
         if self.outputs.routers:
             routed_out, routed = self.outputs.prepare(with_record_ids(out))
             sent += routed_out
         self.ctx.metrics.count(MetricName.BUSY_SECONDS, time.perf_counter() - started)
-        if self.sink is not None:
-            self.sink.send(parts)
+        for sink, sink_parts in zip(self.sinks, parts, strict=True):
+            sink.send(sink_parts)
         self.outputs.send(routed)
         self.ctx.metrics.count(MetricName.RECORDS_OUT, sent)
 
@@ -515,15 +520,15 @@ class KeyedStage:
     def command(self, command: Command) -> None:
         if isinstance(command, Topology):
             self.outputs.handle(command)
-            if self.sink is not None:
-                self.sink.handle(command)
+            for sink in self.sinks:
+                sink.handle(command)
             # A retired sender's barrier never comes: an alignment waiting for it ends here.
             self.checkpoint_if_aligned()
             present = {f"{s}/{i}" for s in self.upstream for i in command.stages.get(s, {})}
             self.watermark_moved(self.watermark.forget_lost(self.upstream, present))
             return
-        if isinstance(command, Reroute) and self.sink is not None and self.sink.handle(command):
-            return  # a rescale of the sink
+        if isinstance(command, Reroute) and any(sink.handle(command) for sink in self.sinks):
+            return  # a rescale of a sink
         if self.outputs.handle(command):
             self.forward_watermark()  # to instances that joined a stage downstream
             return  # a rescale of a keyed stage downstream
@@ -757,8 +762,8 @@ class KeyedStage:
         watermark = current if current is not None and current < WatermarkTracker.FINAL else None
         self.checkpointer.start(barrier, self.state, self.owned, watermark)
         self.outputs.barrier(barrier)
-        if self.sink is not None:
-            self.sink.barrier(barrier)
+        for sink in self.sinks:
+            sink.barrier(barrier)
         for delivery in self.aligner.finish():
             self.backlog.append((delivery.sender, delivery.kind, delivery.payload))
             delivery.release()
@@ -832,8 +837,8 @@ class KeyedStage:
         if self.late_records is not None:
             self.late_records.close()
         self.outputs.finish(kind)
-        if self.sink is not None:
-            self.sink.finish(kind)
+        for sink in self.sinks:
+            sink.finish(kind)
 
 
 def run(ctx: InstanceContext) -> None:

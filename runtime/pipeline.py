@@ -488,22 +488,38 @@ class Stream:
         format: Literal["jsonl", "parquet", "none"] | None = None,
         segment_records: int | None = None,
         parallelism: int | None = None,
+        partitions: int | None = None,
         name: str | None = None,
     ) -> Stream:
-        """An ordered output log in directory `path`."""
+        """An ordered output log in directory `path` (each sink of a job in its own), in
+        `partitions` partitions (left out: its parallelism). A stream may feed several sinks:
+        call this (or `sink`) once per sink, name each, and give them all to `Dataflow`."""
         config = {"kind": "log"} | _given(path=path, format=format, segment_records=segment_records)
-        return self._add(
-            "sink", {"kind": "sink", "config": config} | _given(parallelism=parallelism), name
-        )
+        return self._sink(config, parallelism, partitions, name)
 
     def sink(
-        self, fn: UserFunction, *, parallelism: int | None = None, name: str | None = None
+        self,
+        fn: UserFunction,
+        *,
+        parallelism: int | None = None,
+        partitions: int | None = None,
+        name: str | None = None,
     ) -> Stream:
         """`fn(batch: pyarrow.RecordBatch)` called with every batch this stage receives."""
         config = {"kind": "function", "function": function_path(fn, "sink()")}
-        return self._add(
-            "sink", {"kind": "sink", "config": config} | _given(parallelism=parallelism), name
+        return self._sink(config, parallelism, partitions, name)
+
+    def _sink(
+        self,
+        config: Mapping[str, Any],
+        parallelism: int | None,
+        partitions: int | None,
+        name: str | None,
+    ) -> Stream:
+        stage = {"kind": "sink", "config": dict(config)} | _given(
+            parallelism=parallelism, partitions=partitions
         )
+        return self._add("sink", stage, name)
 
 
 def _merge(
@@ -513,6 +529,11 @@ def _merge(
     merged = {s["name"]: s for s in ours}
     for stage in theirs:
         known = merged.setdefault(stage["name"], stage)
+        if known != stage and known.get("kind") == stage.get("kind") == "sink":
+            raise JobError(
+                f"two different sinks are named {stage['name']!r}: name each sink of a stream "
+                "that feeds several (name=...)"
+            )
         if known != stage:
             raise JobError(
                 f"two different stages are named {stage['name']!r}: name the stages of "
@@ -708,8 +729,9 @@ def source(
 
 
 class Dataflow:
-    """A job of many stages: every stage the given sinks read from, and the job-wide settings
-    as a job file has them (`max_key_groups`, `batching`, `autoscaler`, `checkpoints`, ...)."""
+    """A job of many stages: every stage the given sinks read from (one or more sinks, from
+    one stream or several), and the job-wide settings as a job file has them
+    (`max_key_groups`, `batching`, `autoscaler`, `checkpoints`, ...)."""
 
     __slots__ = ("_data",)
 

@@ -60,12 +60,13 @@ class Message(BaseModel):
 
 class Topology(Message):
     """Every stage's instances (index -> data address), every keyed stage's assignment, and
-    which sink instance owns each output partition (`partitions`, an assignment of partitions)."""
+    per sink which of its instances owns each output partition (`partitions`: by sink, an
+    assignment of its partitions)."""
 
     type: Literal["topology"] = "topology"
     stages: dict[str, dict[str, str]]
     assignments: dict[str, dict[str, Any]]
-    partitions: dict[str, Any] = {}
+    partitions: dict[str, dict[str, Any]] = {}
 
     def addresses(self, stage: str) -> dict[int, str]:
         return {int(i): a for i, a in self.stages[stage].items()}
@@ -91,12 +92,13 @@ class Checkpoint(Message):
 
 
 class CheckpointComplete(Message):
-    """Sources and sinks: checkpoint `id` is complete at these positions and offsets."""
+    """Sources and sinks: checkpoint `id` is complete at these positions and offsets (by
+    sink, by partition)."""
 
     type: Literal["checkpoint_complete"] = "checkpoint_complete"
     id: int
     sources: dict[str, int]
-    outputs: dict[str, int]
+    outputs: dict[str, dict[str, int]]
 
 
 class Reroute(Message):
@@ -434,8 +436,12 @@ class InstanceStatus(Message):
     stats: dict[str, Any]
 
 
+StageRole = Literal["source", "keyed", "sink"]
+
+
 class StageStatus(Message):
     name: str
+    role: StageRole  # what the stage's instances run (a job may have several sinks)
     parallelism: int  # instances registered now
     desired: int  # instances the coordinator wants (a host keeps 0..desired-1 running)
     instances: list[InstanceStatus]

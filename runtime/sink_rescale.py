@@ -44,11 +44,11 @@ from keyshift.runtime.sink_router import partition_owners
 class SinkRescaleHost(RescaleHost, Protocol):
     """What the sink's driver needs besides a keyed one's (implemented by Coordinator)."""
 
-    def commit_partitions(self, owners: Assignment) -> None: ...
+    def commit_partitions(self, sink: str, owners: Assignment) -> None: ...
 
 
 class SinkRescaleDriver(RescaleDriver):
-    """Runs one rescale of the sink: `current` is its partitions' owners."""
+    """Runs one rescale of sink `sink`: `current` is its partitions' owners."""
 
     host: SinkRescaleHost
 
@@ -116,7 +116,7 @@ class SinkRescaleDriver(RescaleDriver):
             "new owners to open partitions",
         )
         self.current = target
-        self.host.commit_partitions(target)
+        self.host.commit_partitions(sink, target)
         status.groups_moved = len(moving)
         if new_p < old_p:
             self._phase("retiring")

@@ -1,6 +1,7 @@
-"""The edge into the sink, at its senders (the keyed instances whose updates the sink writes):
+"""The edge into a sink, at its senders (the keyed instances whose updates the sink writes):
 each update goes to output partition `key group % partitions`, and to the sink instance that
-owns that partition by the sink's partition assignment (the `partitions` of the topology).
+owns that partition by the sink's partition assignment (its entry in the `partitions` of the
+topology). A keyed instance holds one per sink it feeds.
 
 A rescale of the sink (keyshift.runtime.sink_rescale) reaches a sender as `reroute` naming the
 sink: it sends an epoch MARKER on every stream to the sink, after the last batch it routed by
@@ -51,15 +52,17 @@ def partition_owners(partitions: int, parallelism: int, epoch: int = 1) -> Assig
 
 
 class SinkRouter:
-    """A sender's streams to the sink instances, and which one owns each partition."""
+    """A sender's streams to the instances of sink `sink`, and which one owns each partition."""
 
-    def __init__(self, ctx: InstanceContext, transforms: tuple[Chained, ...] = ()) -> None:
+    def __init__(
+        self, ctx: InstanceContext, sink: str, transforms: tuple[Chained, ...] = ()
+    ) -> None:
         self.ctx = ctx
         self.transforms = resolve_transforms(transforms)
-        self.stage = ctx.spec.sink.name
-        self.partitions = ctx.spec.sink.output_partitions
+        self.stage = sink
+        self.partitions = ctx.spec.sink_stage(sink).output_partitions
         self.outlets: dict[int, Outlet] = ctx.connect(self.stage)
-        self.owners = Assignment.from_json(ctx.wait_topology().partitions)
+        self.owners = Assignment.from_json(ctx.wait_topology().partitions[sink])
 
     def route(self, out: pa.RecordBatch) -> list[tuple[int, bytes]]:
         """The updates' parts by the sink instance that owns their partition, after the maps

@@ -11,7 +11,8 @@ kept, so the job is backpressured), fails the checkpoints it sees meanwhile with
 says so in its stats (`storage_error`) and tries the write again with backoff; once it
 succeeds, the sink goes on where it stopped, nothing lost or doubled.
 
-Called by `keyshift.runtime.instance` for instances of the job's sink stage.
+Called by `keyshift.runtime.instance` for instances of the job's sink stages (each sink's
+instances run this loop for their own sink: its config, log, partitions and inputs).
 """
 
 from __future__ import annotations
@@ -92,20 +93,20 @@ class OutputStall:
 
 def run(ctx: InstanceContext) -> None:
     spec = ctx.spec
-    config = spec.sink.config
+    config = spec.sink_stage(ctx.stage).config
     function = resolve_function(config.function) if isinstance(config, FunctionSink) else None
     log_config = config if isinstance(config, LogSink) else None
     topology = ctx.wait_topology()
-    restore = ctx.restore.outputs if ctx.restore else {}
+    restore = ctx.restore.of_sink(ctx.stage).outputs if ctx.restore else {}
     parts = SinkPartitions(
-        log_config, ctx.index, Assignment.from_json(topology.partitions), restore
+        log_config, ctx.index, Assignment.from_json(topology.partitions[ctx.stage]), restore
     )
     if spec.checkpoints is not None:
         # An earlier run's output, or the checkpoint's.
         for writer in parts.writers.values():
             retrying(partial(writer.publish, writer.end_offset), "publishing the output log")
     writing = log_config is not None
-    upstream = spec.sink_inputs()
+    upstream = spec.sink_inputs(ctx.stage)
     ended: set[str] = set()
     aligner = BarrierAligner()
     held: deque[Delivery] = deque()  # what aligned senders sent during the last alignment
@@ -142,7 +143,7 @@ def run(ctx: InstanceContext) -> None:
     def follow(command: Command) -> None:
         nonlocal rescaling, retire
         if isinstance(command, CheckpointComplete):
-            parts.completed(command.outputs)
+            parts.completed(command.outputs.get(ctx.stage, {}))
         elif isinstance(command, MovePartitions):
             parts.prepare(command)
             ctx.emit(Ack(step="move_partitions", epoch=command.epoch))

@@ -11,7 +11,8 @@ delete what was read and backpressure the job while the query lags. Each row car
 log's `partition` and `offset` columns first, then the job's output columns.
 
 Options: `path` (the log directory; `load(path)` sets it), `job` (the job file: the schema
-comes from it; without it, from the log's first segment), `reader` (a name, see above),
+comes from it; without it, from the log's first segment), `sink` (with `job`: which of the
+job's sinks wrote the log, needed when it has several), `reader` (a name, see above),
 `maxRecordsPerBatch` (a stream's default read limit).
 """
 
@@ -53,7 +54,8 @@ def log_schema(options: dict[str, str]) -> pa.Schema:
     path = _path(options)
     job_file = options.get("job")
     if job_file is not None:
-        columns = sink_schema(_load_job(job_file))
+        job = _load_job(job_file)
+        columns = sink_schema(job, _sink(job, options.get("sink")))
     else:
         columns = _first_segment_schema(path)
     return pa.schema(
@@ -71,6 +73,18 @@ def _load_job(job_file: str) -> Any:
         return load_job(job_file, resolve_functions=False)
     except JobError as exc:
         raise ValueError(f"option 'job': cannot read the job file {job_file}: {exc}") from None
+
+
+def _sink(job: Any, name: str | None) -> str:
+    """The sink of `job` whose log is read: `name`, or the job's only sink."""
+    sinks = [sink.name for sink in job.sinks()]
+    if name is None and len(sinks) > 1:
+        raise ValueError(
+            f"option 'sink': job {job.name} has the sinks {sinks}: name the one that wrote this log"
+        )
+    if name is not None and name not in sinks:
+        raise ValueError(f"option 'sink': job {job.name} has no sink {name!r} (it has {sinks})")
+    return name or sinks[0]
 
 
 def _path(options: dict[str, str]) -> Path:

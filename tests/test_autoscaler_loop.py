@@ -22,7 +22,7 @@ from keyshift.operator.scaling_metrics import _rate, job_graph, shares
 from keyshift.policies import make_policy
 from keyshift.policies.model import Decision, InstanceRates, ScalingInput, StageRates
 from keyshift.policies.settings import AutoscalerSettings
-from keyshift.runtime.job import parse_job
+from keyshift.runtime.job import load_job, parse_job
 from keyshift.runtime.metrics import JOB_LABEL, NAMESPACE_LABEL, AutoscalerMetrics, MetricName
 from tests.test_graph_rescale import fan_out_and_in
 
@@ -237,6 +237,22 @@ def test_poll_ticks_once_per_interval() -> None:
 def test_counter_rates_survive_a_restart() -> None:
     samples = [(0.0, {"c": 100.0}), (1.0, {"c": 150.0}), (2.0, {"c": 20.0}), (3.0, {"c": 70.0})]
     assert _rate(samples, "c") == (50 + 20 + 50) / 3
+
+
+def test_every_sink_is_in_the_metrics_graph_after_the_keyed_stage_feeding_it() -> None:
+    spec = load_job(Path(__file__).resolve().parent.parent / "examples" / "user_regions.yaml")
+    graph = job_graph(spec)
+    assert graph == [
+        ("clicks", ()),
+        ("per-user", ("clicks",)),
+        ("per-region", ("per-user",)),
+        ("users", ("per-user",)),
+        ("regions", ("per-region",)),
+    ]
+    # per-user's output counts each update once per way: to per-region and to users.
+    out = {"clicks": 1000.0, "per-user": 2000.0, "per-region": 1000.0}
+    taken = {"per-user": 1000.0, "per-region": 1000.0, "users": 1000.0, "regions": 1000.0}
+    assert shares(graph, taken, out)["users"] == {"per-user": 0.5}
 
 
 def test_the_metrics_graph_is_the_jobs_and_its_shares_come_from_observed_rates() -> None:

@@ -155,7 +155,9 @@ def test_sources_and_sinks_are_told_when_a_checkpoint_is_complete(tmp_path: Path
 
     outcome = job.take(answer)
     assert outcome.ok, outcome.error
-    told = CheckpointComplete(id=outcome.id, sources={"0": 10, "1": 20}, outputs={"0": 30})
+    told = CheckpointComplete(
+        id=outcome.id, sources={"0": 10, "1": 20}, outputs={"sink": {"0": 30}}
+    )
     for stage, index in [("source", 0), ("source", 1), ("sink", 0)]:
         assert told in job.commands(stage, index), (stage, index)
     assert not any(isinstance(c, CheckpointComplete) for c in job.commands("counts", 0))

@@ -26,6 +26,7 @@ from keyshift.runtime.checkpoint_store import (
     CheckpointStore,
     GroupChain,
     KeyedGroups,
+    SinkOutputs,
 )
 from keyshift.runtime.state_checkpoint import (
     WrittenGroups,
@@ -247,6 +248,26 @@ def test_a_checkpoint_of_the_format_before_graphs_still_loads() -> None:
     meta = CheckpointMeta.from_json(body)
     assert meta.later == {} and meta.of_stage("counts") is meta
     assert meta.assignment == {"epoch": 2, "owners": [0]}
+
+
+def test_each_sink_keeps_its_own_offsets_and_owners_and_older_checkpoints_read_as_one() -> None:
+    """The first sink's offsets and owners are the top level's (as in a job of one sink); a
+    later sink's are under `later_sinks`, each restored by its name."""
+    owners = {"epoch": 2, "owners": [0, 1]}
+    meta = CheckpointMeta(
+        3,
+        1.0,
+        outputs={"0": 10, "1": 12},
+        partitions={"epoch": 1, "owners": [0, 0]},
+        later_sinks={"copy": SinkOutputs({"0": 4, "1": 5}, owners)},
+    )
+    loaded = CheckpointMeta.from_json(meta.to_json())
+    assert loaded == meta
+    assert loaded.of_sink("out") == SinkOutputs({"0": 10, "1": 12}, {"epoch": 1, "owners": [0, 0]})
+    assert loaded.of_sink("copy") == SinkOutputs({"0": 4, "1": 5}, owners)
+    older = meta.to_json()
+    del older["later_sinks"]
+    assert CheckpointMeta.from_json(older).of_sink("out").outputs == {"0": 10, "1": 12}
 
 
 def test_unusable_storage_is_a_clear_error(tmp_path: Path) -> None:

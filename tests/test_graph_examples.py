@@ -1,8 +1,9 @@
-"""examples/pages.yaml (a job written as a graph), examples/regions.yaml (two keyed stages) and
-examples/busy_users.yaml (a filter before the sink) and their Python twins
-examples/pages_pipeline.py, examples/regions_pipeline.py and examples/busy_users_pipeline.py
-build one job each, and each job runs through real processes to the output an independent
-computation over the same generated records gives."""
+"""examples/pages.yaml (a job written as a graph), examples/regions.yaml (two keyed stages),
+examples/busy_users.yaml (a filter before the sink) and examples/user_regions.yaml (two sinks)
+and their Python twins examples/pages_pipeline.py, examples/regions_pipeline.py,
+examples/busy_users_pipeline.py and examples/user_regions_pipeline.py build one job each, and
+each job runs through real processes to the output an independent computation over the same
+generated records gives (each sink's, for the job of two)."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from examples import busy_users, pages, regions
 from examples.busy_users_pipeline import busy_users as busy_users_pipeline
 from examples.pages_pipeline import pages as pages_pipeline
 from examples.regions_pipeline import regions as regions_pipeline
+from examples.user_regions_pipeline import user_regions as user_regions_pipeline
 from keyshift.runtime.job import load_job, parse_job
 from keyshift.runtime.pipeline import Dataflow
 from tests import pipeline_fns
@@ -68,8 +70,9 @@ def run_example(tmp_path: Path, name: str, twin: Callable[[], Dataflow], origin:
 
 def clicks_per_user(job_file: str) -> dict[int, int]:
     """The clicks of each user an example's source makes (bounded: `TOTAL` of them)."""
-    job = bounded(yaml.safe_load((REPO / "examples" / job_file).read_text()), REPO / "unused")
-    source = next(s for s in job["graph"] if s["name"] == "clicks")["config"]
+    job = yaml.safe_load((REPO / "examples" / job_file).read_text())
+    made = next(s for s in job["graph"] if s["name"] == "clicks")["config"]
+    source = {k: v for k, v in made.items() if k != "profile"} | {"total": TOTAL}
     clicks: dict[int, int] = defaultdict(int)
     for _, _, key, _ in generated(source, parallelism=1):
         clicks[key] += 1
@@ -115,6 +118,40 @@ def test_the_two_keyed_stage_example_equals_independent_truth(tmp_path: Path, or
         region = regions.to_region({"key": user, "value": count})["region"]
         truth[region] = max(truth[region], count)
     assert final_values(out) == truth
+
+
+def test_the_two_sink_twin_builds_its_job_file() -> None:
+    expected = load_job(REPO / "examples" / "user_regions.yaml")
+    assert user_regions_pipeline().build() == expected
+    assert [s.name for s in expected.sinks()] == ["users", "regions"]
+    assert {s.name: expected.sink_inputs(s.name) for s in expected.sinks()} == {
+        "users": ("per-user",),
+        "regions": ("per-region",),
+    }
+
+
+@pytest.mark.live
+@pytest.mark.parametrize("origin", ["yaml", "python"])
+def test_the_two_sink_example_writes_each_sinks_truth(tmp_path: Path, origin: str) -> None:
+    """The sink `users` has every user's click count; the sink `regions` the busiest user's
+    clicks per region, each in its own log."""
+    if origin == "yaml":
+        job = yaml.safe_load((REPO / "examples" / "user_regions.yaml").read_text())
+    else:
+        job = user_regions_pipeline().to_dict()
+    stages = {stage["name"]: stage for stage in job["graph"]}
+    stages["clicks"]["config"].pop("profile")
+    stages["clicks"]["config"]["total"] = TOTAL
+    for sink in ("users", "regions"):
+        stages[sink]["config"]["path"] = str(tmp_path / sink)
+    run_to_end(tmp_path, job | {"batching": dict(BATCHING)})
+    clicks = clicks_per_user("user_regions.yaml")
+    truth: dict[int, int] = defaultdict(int)
+    for user, count in clicks.items():
+        region = regions.to_region({"key": user, "value": count})["region"]
+        truth[region] = max(truth[region], count)
+    assert final_values(tmp_path / "users") == clicks
+    assert final_values(tmp_path / "regions") == truth
 
 
 def test_the_filter_before_the_sink_twin_builds_its_job_file() -> None:

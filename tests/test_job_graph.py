@@ -255,6 +255,20 @@ BAD_GRAPHS: dict[str, tuple[list[dict[str, Any]], str]] = {
         chain(**{"per-user": {"partitioning": "rebalance"}}),
         "graph.2.partitioning: Extra inputs are not permitted",
     ),
+    "two sinks writing to one path": (
+        [*chain(), stage("copy", "sink", "per-user", config={"kind": "log", "path": "out/g"})],
+        "stage 'copy' (sink): its output log 'out/g' and the output log 'out/g' of sink 'out' "
+        "overlap",
+    ),
+    "a sink writing inside another's log": (
+        [*chain(), stage("copy", "sink", "per-user", config={"kind": "log", "path": "out/g/c"})],
+        "stage 'copy' (sink): its output log 'out/g/c' and the output log 'out/g' of sink 'out' "
+        "overlap",
+    ),
+    "a second sink fed by the source": (
+        [*chain(), stage("raw", "sink", "clicks", config={"kind": "log", "path": "out/raw"})],
+        "not supported yet: stage 'raw' (sink): a sink fed by a stage that is not keyed",
+    ),
     "an aggregate of a missing field": (
         chain(**{"per-user": {"operator": {"function": "sum", "field": "amount"}}}),
         "'per-user' (keyed): aggregate field 'amount' must be int or float",
@@ -369,10 +383,6 @@ NOT_YET: dict[str, tuple[list[dict[str, Any]], str]] = {
         ],
         "stage 'tidy' (filter): a rebalance edge from 'per-user' (map and filter stages run "
         "chained into a keyed stage's instances",
-    ),
-    "two sinks": (
-        [*chain(), stage("copy", "sink", "per-user")],
-        "stage 'copy' (sink): the runtime runs one sink per job so far",
     ),
     "a rebalance edge before the keyed stage": (
         chain(keep={"partitioning": "rebalance"}),
@@ -521,6 +531,42 @@ def test_fan_out_and_unions_between_keyed_stages_are_lowered_onto_routes() -> No
     assert totals.inputs == ("per-user", "per-key")
     assert [r.target for r in spec.keyed_step("per-user").outputs] == ["totals", "out"]
     assert set(spec.sink_inputs()) == {"per-user", "per-key", "totals"}
+
+
+def log_sink(name: str, input: str | list[str], **rest: Any) -> dict[str, Any]:
+    return stage(name, "sink", input, config={"kind": "log", "path": f"out/{name}"}, **rest)
+
+
+def test_a_keyed_stage_fanning_out_to_two_sinks_feeds_each() -> None:
+    spec = parse_job(graph_job([*chain(), log_sink("copy", "per-user", parallelism=2)]))
+    assert [r.target for r in spec.keyed_step("per-user").outputs] == ["out", "copy"]
+    assert [s.name for s in spec.sinks()] == ["out", "copy"] and spec.sink.name == "out"
+    assert spec.sink_inputs("copy") == spec.sink_inputs() == ("per-user",)
+    assert spec.sink_stage("copy").output_partitions == 2
+    assert [s.name for s in spec.stages()][-2:] == ["out", "copy"]
+
+
+def test_two_keyed_stages_each_to_its_own_sink_and_a_stage_read_every_way() -> None:
+    track = {"kind": "process", "function": TRACK}
+    spec = parse_job(
+        graph_job(
+            [
+                stage("clicks", "source"),
+                stage("per-user", "keyed", "clicks", key_by="key", operator=track),
+                stage("totals", "keyed", "per-user", key_by="key", operator=track),
+                stage("per-key", "keyed", "clicks", key_by="key", operator=track),
+                log_sink("users", "per-user"),
+                log_sink("sums", "totals"),
+                log_sink("keys", "per-key"),
+            ]
+        )
+    )
+    assert [r.target for r in spec.keyed_step("per-user").outputs] == ["totals", "users"]
+    assert {s.name: spec.sink_inputs(s.name) for s in spec.sinks()} == {
+        "users": ("per-user",),
+        "sums": ("totals",),
+        "keys": ("per-key",),
+    }
 
 
 def test_a_keyed_stage_wider_than_its_key_groups_is_refused_by_name() -> None:

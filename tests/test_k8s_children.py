@@ -433,6 +433,53 @@ def test_the_output_log_lives_on_a_claim_the_sink_pods_and_spark_sinks_mount() -
     assert {"name": "job", "configMap": {"name": config_map_name(NAME)}} in report["volumes"]
 
 
+def two_sinks_job() -> dict[str, Any]:
+    """A graph job whose keyed stage feeds two log sinks, each in its own directory."""
+    return {
+        "name": "clicks",
+        "graph": [
+            {"name": "events", "kind": "source", "config": {"kind": "generator"}},
+            {"name": "counts", "kind": "keyed", "input": "events", "key_by": "key"},
+            {"name": "all", "kind": "sink", "input": "counts", "parallelism": 2,
+             "config": {"kind": "log", "path": "out/all"}},
+            {"name": "copy", "kind": "sink", "input": "counts",
+             "config": {"kind": "log", "path": "out/copy"}},
+        ],
+    }  # fmt: skip
+
+
+def test_each_sink_is_a_statefulset_with_its_own_subdirectory_of_the_output_claim() -> None:
+    """Two log sinks: a StatefulSet each at its own width, each mounting its own subdirectory
+    of the claim at its log's directory; a Spark sink mounts both, named in KEYSHIFT_OUTPUTS,
+    and each sink is rescaled live on its own."""
+    sinks = [{"name": "report", "script": "/app/examples/spark/sink_job.py"}]
+    spec, manifests = build(job=two_sinks_job(), sinks=sinks, output={"claim": "clicks-out"})
+    assert child_problems(NAME, spec, spec.job_spec()) == []
+    for m in manifests:
+        kubernetes_validate.validate(m, "1.30", strict=True)
+    sets = by_kind(manifests, "StatefulSet")
+    assert {n: s["spec"]["replicas"] for n, s in sets.items()} == {
+        "clicks-events": 1, "clicks-counts": 1, "clicks-all": 2, "clicks-copy": 1
+    }  # fmt: skip
+    mounts = {
+        name: [m for m in t["spec"]["containers"][0]["volumeMounts"] if m["name"] == "output"]
+        for name, t in pod_templates(manifests)
+    }
+    all_mount = {"name": "output", "mountPath": "/app/out/all", "subPath": "all"}
+    copy_mount = {"name": "output", "mountPath": "/app/out/copy", "subPath": "copy"}
+    assert mounts["clicks-all"] == [all_mount] and mounts["clicks-copy"] == [copy_mount]
+    assert mounts["clicks-sink-report"] == [all_mount, copy_mount]
+    assert not mounts["clicks-counts"]
+    report = by_kind(manifests, "Deployment")["clicks-sink-report"]["spec"]["template"]["spec"]
+    env = {e["name"]: e.get("value") for e in report["containers"][0]["env"]}
+    assert env["KEYSHIFT_OUTPUT"] == "/app/out/all"
+    assert json.loads(env["KEYSHIFT_OUTPUTS"]) == {"all": "/app/out/all", "copy": "/app/out/copy"}
+    alone = StreamingJobSpec.model_validate(spec_data(job=two_sinks_job()))
+    for sink in ("all", "copy"):
+        problem = sink_rescale_problem(alone, alone.job_spec(), sink)
+        assert problem is not None and f"/app/out/{sink} lives in each sink pod's" in problem
+
+
 @pytest.mark.parametrize(
     ("changes", "message"),
     [
@@ -851,14 +898,14 @@ def test_the_sink_rescales_only_where_every_sink_pod_sees_its_output_log() -> No
     """Its partitions move between sink pods: a log on each pod's own emptyDir would strand
     them; a shared claim, or a sink that writes no files, rescales."""
     alone = StreamingJobSpec.model_validate(spec_data())
-    problem = sink_rescale_problem(alone, alone.job_spec())
+    problem = sink_rescale_problem(alone, alone.job_spec(), "sink")
     assert (
         problem is not None and "/app/out/clicks lives in each sink pod's own emptyDir" in problem
     )
     assert "give spec.output.claim" in problem
     shared = StreamingJobSpec.model_validate(spec_data(output={"claim": "clicks-out"}))
-    assert sink_rescale_problem(shared, shared.job_spec()) is None
+    assert sink_rescale_problem(shared, shared.job_spec(), "sink") is None
     job = spec_data()["job"]
     job["sink"]["config"]["format"] = "none"
     offsets = StreamingJobSpec.model_validate(spec_data(job=job))
-    assert sink_rescale_problem(offsets, offsets.job_spec()) is None
+    assert sink_rescale_problem(offsets, offsets.job_spec(), "sink") is None

@@ -689,8 +689,9 @@ async def test_a_replicas_handover_cut_short_is_finished_before_the_next_apply(
 async def test_every_keyed_stage_of_a_graph_job_rescales_and_the_status_shows_each(
     emu: Emulator, tmp_path: Path
 ) -> None:
-    """A graph job with two keyed stages: an edit of both stages' and the sink's parallelism
-    in spec.job.graph rescales them live, one after the other, each StatefulSet follows, and
+    """A graph job with two keyed stages and two sinks (users feeds nested and the sink
+    `copy`; nested feeds `out`): an edit of every stage's parallelism in spec.job.graph
+    rescales them live, one after the other, each StatefulSet (one per sink too) follows, and
     the status shows every stage's parallelism and the autoscaler's latest decision for it
     (dry run: decided, never applied)."""
 
@@ -713,13 +714,21 @@ async def test_every_keyed_stage_of_a_graph_job_rescales_and_the_status_shows_ea
             "partitions": 2,
             "config": {"kind": "log", "format": "none"},
         },
+        {
+            "name": "copy",
+            "kind": "sink",
+            "input": "users",
+            "partitions": 2,
+            "config": {"kind": "log", "path": "copy", "format": "none"},
+        },
     ]
     job = {"name": "clicks", "graph": graph, "autoscaler": {"interval": 1, "dry_run": True}}
     body = streaming_job()
     body["spec"]["job"] = job
     async with job_running_in_cluster(emu, tmp_path, body):
         edited = copy.deepcopy(graph)
-        edited[1]["parallelism"], edited[2]["parallelism"], edited[3]["parallelism"] = 2, 3, 2
+        for stage, width in zip(edited[1:], (2, 3, 2, 2), strict=True):
+            stage["parallelism"] = width
         patch = {"spec": {"job": {"graph": edited}}}
         reply = await emu.patch(f"{CR_API}/namespaces/{NS}/streamingjobs/clicks", json=patch,
                                 headers=MERGE)  # fmt: skip
@@ -739,15 +748,17 @@ async def test_every_keyed_stage_of_a_graph_job_rescales_and_the_status_shows_ea
         try:
             await eventually(
                 lambda: [(s.get("current"), s.get("ready")) for s in
-                         (stages().get(name, {}) for name in ("users", "nested", "out"))]
-                == [(2, 2), (3, 3), (2, 2)]
-                and (replicas("users"), replicas("nested"), replicas("out")) == (2, 3, 2)
-                and len(rescales()) == 3,
-                120, "both keyed stages and the sink rescaled",
+                         (stages().get(name, {}) for name in ("users", "nested", "out", "copy"))]
+                == [(2, 2), (3, 3), (2, 2), (2, 2)]
+                and [replicas(s) for s in ("users", "nested", "out", "copy")] == [2, 3, 2, 2]
+                and len(rescales()) == 4,
+                120, "both keyed stages and both sinks rescaled",
             )  # fmt: skip
         except AssertionError as exc:
             raise AssertionError(f"{exc}: {job_object(emu)['status']}") from None
-        assert rescales() == [("users", 2, "done"), ("nested", 3, "done"), ("out", 2, "done")]
+        assert rescales() == [
+            ("users", 2, "done"), ("nested", 3, "done"), ("out", 2, "done"), ("copy", 2, "done")
+        ]  # fmt: skip
         assert any(e["reason"] == "ManualRescale" for e in events_of(emu))
         await eventually(
             lambda: all(stages()[s].get("lastDecision") for s in ("users", "nested")),

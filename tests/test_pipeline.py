@@ -383,6 +383,23 @@ def test_union_and_partitioning_steps_shape_the_edges() -> None:
         Dataflow("g", both.key_by("key").count(name="k").sink_log(name="out")).build()
 
 
+def test_a_stream_feeds_several_sinks_each_named() -> None:
+    counts = source("clicks").key_by("key").count(name="counts")
+    job = Dataflow(
+        "g",
+        counts.sink_log("out/a", name="a", partitions=4, parallelism=2),
+        counts.sink(fns.collect, name="b"),
+    ).build()
+    assert [(s.name, s.output_partitions) for s in job.sinks()] == [("a", 4), ("b", 1)]
+    assert [r.target for r in job.keyed_step("counts").outputs] == ["a", "b"]
+    with pytest.raises(JobError, match="two different sinks are named 'sink-3'"):
+        Dataflow("g", counts.sink_log("out/a"), counts.sink_log("out/b"))
+    with pytest.raises(JobError, match="stage 'b' \\(sink\\): its output log 'out/a'"):
+        Dataflow(
+            "g", counts.sink_log("out/a", name="a"), counts.sink_log("out/a", name="b")
+        ).build()
+
+
 def test_branches_joined_again_must_not_reuse_a_name() -> None:
     clicks = source("clicks")
     one = clicks.filter(fns.keep)

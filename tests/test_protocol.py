@@ -67,7 +67,7 @@ COMMANDS = [
     Drain(),
     Stop(reason="shutdown"),
     Checkpoint(id=3, previous=None),
-    CheckpointComplete(id=3, sources={"0": 10}, outputs={"0": 7}),
+    CheckpointComplete(id=3, sources={"0": 10}, outputs={"sink": {"0": 7}}),
     Reroute(stage="counts", epoch=2, assignment={"epoch": 2}, keyed={"0": "a:1"}, lost=[1]),
     Pause(epoch=1),
     Resume(epoch=1),

@@ -133,6 +133,33 @@ def test_rescales_that_cannot_be_are_refused_naming_the_reason() -> None:
     assert "job is starting" in str(starting)
 
 
+def test_each_sink_of_a_job_is_bounded_by_its_own_partitions() -> None:
+    """Two sinks: a rescale names the sink it moves, bounded by that sink's partitions."""
+    job: dict[str, object] = {
+        "name": "two",
+        "graph": [
+            {"name": "clicks", "kind": "source"},
+            {"name": "counts", "kind": "keyed", "input": "clicks", "key_by": "key"},
+            {"name": "out", "kind": "sink", "input": "counts", "partitions": 4,
+             "config": {"kind": "log", "path": "out/two"}},
+            {"name": "copy", "kind": "sink", "input": "counts", "partitions": 2,
+             "config": {"kind": "log", "path": "out/copy"}},
+        ],
+    }  # fmt: skip
+    beyond = refusal(job, RescaleRequest(stage="copy", parallelism=3))
+    assert beyond.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert "stage 'copy' must be an integer from 1 to 2 (the sink writes 2" in str(beyond)
+    options = refusal(job, RescaleRequest(stage="copy", parallelism=2, options={"chunk_keys": 8}))
+    assert "do not apply to the sink" in str(options)
+    assert "job is starting" in str(refusal(job, RescaleRequest(stage="out", parallelism=4)))
+    coordinator = Coordinator(parse_job(job), 30.0)
+    topology = coordinator._topology()
+    assert {sink: len(owners["owners"]) for sink, owners in topology.partitions.items()} == {
+        "out": 4,
+        "copy": 2,
+    }
+
+
 def test_a_stateless_stage_is_refused_naming_the_stage_it_runs_in() -> None:
     job = count_job(source={"transforms": [{"filter": "tests.pipeline_fns:keep"}]})
     chained = refusal(job, RescaleRequest(stage="source-1", parallelism=2))

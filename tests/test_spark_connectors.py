@@ -3,6 +3,8 @@ split over partitions, and bids as a pure function of their number."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pyarrow as pa
 import pytest
@@ -19,7 +21,7 @@ from keyshift.spark.ingest_writer import (
     check_due_column,
     due_backlog,
 )
-from keyshift.spark.log_reader import limit_ends
+from keyshift.spark.log_reader import limit_ends, log_schema
 from keyshift.spark.nexmark import NexmarkOptions, nexmark_rows
 
 
@@ -189,3 +191,20 @@ def test_nexmark_rows_are_the_events_of_a_jobs_nexmark_source() -> None:
 def test_bad_nexmark_options_say_what_is_wrong(options: dict[str, str], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         NexmarkOptions(options)
+
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+
+
+def test_a_reader_takes_the_schema_of_the_sink_it_names() -> None:
+    two = {"path": "unused", "job": str(EXAMPLES / "user_regions.yaml")}
+    users = log_schema({**two, "sink": "users"})
+    regions = log_schema({**two, "sink": "regions"})
+    assert users.names[:2] == regions.names[:2] == ["partition", "offset"]
+    assert users.field("key").type == pa.int64() and regions.field("value").type == pa.float64()
+    with pytest.raises(ValueError, match=r"has the sinks \['users', 'regions'\]: name the one"):
+        log_schema(two)
+    with pytest.raises(ValueError, match="has no sink 'out'"):
+        log_schema({**two, "sink": "out"})
+    one = log_schema({"path": "unused", "job": str(EXAMPLES / "regions.yaml")})
+    assert one.names == regions.names
