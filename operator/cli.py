@@ -227,6 +227,17 @@ def describe_rescale(r: RescaleReport) -> str:
     return text + (f"; error: {r.error}" if r.error else "")
 
 
+def rescale_accepted(r: RescaleReport) -> str:
+    """The answer to `keyshift rescale`: the request's id and whether it runs or waits."""
+    state = "queued" if r.phase == "queued" else "started"
+    text = f"{state} rescale {r.id}: {r.stage} -> {r.to_parallelism}"
+    if r.phase == "queued":
+        text += " (it starts when the rescales before it end: see `keyshift status`)"
+    if r.replaced is not None:
+        text += f"; it replaces queued rescale {r.replaced} of {r.stage}"
+    return text
+
+
 def cmd_rescale(args: argparse.Namespace, console: Console) -> int:
     try:
         request = parse(
@@ -242,7 +253,7 @@ def cmd_rescale(args: argparse.Namespace, console: Console) -> int:
     except TransportError as exc:
         _error(console, exc)
         return 1
-    console.print(f"started rescale {started.id}: {args.stage} -> {args.parallelism}")
+    console.print(rescale_accepted(started), highlight=False)
     if args.no_wait:
         return 0
     deadline = time.monotonic() + args.timeout

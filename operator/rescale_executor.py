@@ -8,6 +8,14 @@ workers hold no state. Local host: the pool is the job's subprocesses (`LocalJob
 the stage's StatefulSet replicas (`keyshift.operator.k8s_scaling`). What is left of a
 decision it applies one rescale at a time is a `PendingSteps` value, which a host may keep
 where it outlives the host (the operator: the StreamingJob's status) and hand a new executor.
+
+The coordinator queues requests for other stages while one runs
+(keyshift.runtime.rescale_queue), yet a decision is still handed over one step at a time, not
+all at once: a step that fails must drop the ones after it (the coordinator's queue has no
+such link between requests, and no cancel), and a queued scale-out's workers must not start
+before its turn (the coordinator refuses them). So the queue serves requests from several
+callers at once (a person's `keyshift rescale`, an edit of the StreamingJob, the autoscaler),
+and the executor's own steps only ever wait there behind someone else's rescale.
 """
 
 from __future__ import annotations
@@ -203,14 +211,18 @@ class CoordinatorExecutor:
             reply = self.client.call("Rescale", request.wire(), timeout=10.0)
         except TransportError as exc:
             raise RescaleRefused(str(exc)) from None
-        self.pool.ensure(stage, parallelism)
         try:
             report = parse(RescaleReport, reply)
-            self._started = (RescaleMark(report.incarnation, report.id), report.stage)
         except ProtocolError as exc:
             # Started, yet unreadable: the next steps cannot know when it ends.
+            self.pool.ensure(stage, parallelism)
             self._queued.clear()
             raise RescaleRefused(f"started, but its reply is unreadable: {exc}") from None
+        self._started = (RescaleMark(report.incarnation, report.id), report.stage)
+        # One queued behind another's rescale (a manual one) gets its workers when it starts
+        # (`_match_pool`): the coordinator refuses them until then.
+        if report.phase != "queued":
+            self.pool.ensure(stage, parallelism)
 
     def running(self) -> str | None:
         rescale = running_rescale(self.status())
@@ -260,8 +272,7 @@ class CoordinatorExecutor:
                 detail += f"; not started after it: {dropped}"
                 self._queued.clear()
             outcomes.append(RescaleOutcome(rescale.stage, ok, detail))
-        if self._reconcile:
-            self._match_pool(status)
+        self._match_pool(status)
         # After matching the pool to `status`, which is older than the next step's start.
         if self._started is None and self._queued and running_rescale(status) is None:
             outcomes += self._start_next()
@@ -288,15 +299,18 @@ class CoordinatorExecutor:
         return []
 
     def _match_pool(self, status: Mapping[str, Any]) -> None:
-        """Every stage's pool at the coordinator's desired parallelism, once no rescale runs
-        (a scale-in's retiring workers still hold state); a running scale-out gets its new
-        workers now (the host that asked for them may have died before starting them)."""
+        """A running scale-out gets its new workers now (the host that asked for them may
+        have died before starting them, or it waited in the coordinator's queue); when
+        reconciling, every stage's pool at the coordinator's desired parallelism, once no
+        rescale runs (a scale-in's retiring workers still hold state)."""
         if status.get("phase") not in RECONCILED_PHASES:
             return
         running = running_rescale(status)
         if running is not None:
             if running.to_parallelism > running.from_parallelism:
                 self.pool.ensure(running.stage, running.to_parallelism)
+            return
+        if not self._reconcile:
             return
         for stage in status.get("stages", []):
             self.pool.match(stage["name"], int(stage["desired"]))

@@ -14,6 +14,9 @@ from typing import Any
 
 import pytest
 
+from keyshift.operator.autoscaler import RescaleOutcome
+from keyshift.operator.cli import rescale_accepted
+from keyshift.operator.rescale_executor import CoordinatorExecutor, LatestStatus
 from keyshift.runtime.coordinator import Coordinator
 from keyshift.runtime.job import parse_job
 from keyshift.runtime.protocol import (
@@ -27,6 +30,7 @@ from keyshift.runtime.rescale import RescaleStatus
 from keyshift.runtime.rescale_queue import MAX_QUEUED, QueueFull, RescaleQueue
 from keyshift.runtime.transport import JsonClient, RequestRefused, TransportError
 from tests.conftest import count_job, served, wait_for
+from tests.test_rescale_executor import RecordingPool
 from tests.test_rescale_recovery import ScaleOut, join, moving_scale_out
 
 SERVICE = "keyshift.Coordinator"
@@ -187,3 +191,36 @@ def test_the_queue_is_bounded_and_keeps_one_request_per_stage() -> None:
     assert len(dropped) == MAX_QUEUED - 1 and len(waiting) == 0
     assert {(s.phase, s.error) for s in dropped} == {("failed", "not started: why")}
     assert waiting.pop() is None
+
+
+def test_the_hosts_step_queued_behind_another_rescale_gets_its_workers_when_it_starts(
+    two_stage: tuple[Coordinator, str],
+) -> None:
+    """The executor's step waits behind a rescale someone else started: its new workers are
+    not started before its turn (the coordinator would refuse them), but as it starts."""
+    coordinator, address = two_stage
+    with moving_scale_out(coordinator, address) as move:
+        latest, pool = LatestStatus(), RecordingPool()
+        made = CoordinatorExecutor(move.client, pool, latest, frozenset({"counts", "sink"}))
+        made.apply([("sink", 3)])
+        latest.value = move.client.call("Status")
+        assert made.finished() == []
+        assert pool.calls == [("ensure", "counts", 2)]  # the running scale-out's, not the sink's
+        pool.calls.clear()
+        assert made.running() == "counts"  # the guards hold every stage meanwhile
+        finish(move)
+        wait_for(lambda: coordinator.desired["sink"] == 3, 10, "the queued rescale to start")
+        latest.value = move.client.call("Status")
+        assert made.finished() == [RescaleOutcome("counts", True, "done")]
+        assert pool.calls == [("ensure", "sink", 3)]
+        assert made.running() == "sink"
+
+
+def test_the_cli_says_whether_a_request_runs_or_waits() -> None:
+    running = RescaleStatus("x", 4, "users", 2, 3, "hot-first", {}, "starting-instances")
+    assert rescale_accepted(running.report()) == "started rescale 4: users -> 3"
+    queued = RescaleStatus("x", 6, "out", 2, 4, "hot-first", {}, "queued", replaced=5)
+    assert rescale_accepted(queued.report()) == (
+        "queued rescale 6: out -> 4 (it starts when the rescales before it end: see "
+        "`keyshift status`); it replaces queued rescale 5 of out"
+    )
