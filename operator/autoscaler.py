@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -53,7 +53,8 @@ class RescaleExecutor(Protocol):
     """Runs the rescales of one decision one after another: the job moves one stage at a
     time (the coordinator refuses a second rescale while one runs)."""
 
-    scalable: frozenset[str]  # the stages this host can rescale live
+    # The stages this host can rescale live, each with the most instances it can have.
+    scalable: Mapping[str, int]
 
     def apply(self, steps: Sequence[tuple[str, int]]) -> None:
         """Start a decision's rescales, (stage, parallelism) in order, with the host's

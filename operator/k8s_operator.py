@@ -228,6 +228,7 @@ def build_registry(config: OperatorConfig) -> kopf.OperatorRegistry:
         memo["job"] = kube_job(
             name, namespace, job, config.coordinator_address(name, namespace),
             config.metrics_for(namespace, name), plan, memory, security,
+            sink_rescale_problem(parsed, job),
         )  # fmt: skip
         memo["spec"] = parsed
         patch.status["observedGeneration"] = generation

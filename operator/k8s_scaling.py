@@ -87,7 +87,7 @@ class KubeEvents:
     pending_actions: list[Decision] = field(default_factory=list)
     last_problem: str | None = None
     pending_problems: list[str] = field(default_factory=list)
-    scalable: frozenset[str] = frozenset()
+    scalable: Mapping[str, int] = field(default_factory=dict)
 
     def decided(self, decisions: Sequence[Decision]) -> None:
         self.last_problem = None
@@ -219,13 +219,15 @@ def kube_job(
     plan: MigrationPlan,
     memory: Memory,
     security: Security,
+    sink_problem: str | None = None,
 ) -> KubeJob:
     """Wire the parts for one StreamingJob, going on from `memory`; `security` holds the job's
-    token for its calls."""
+    token for its calls; `sink_problem`, why its sink cannot be rescaled live here (then the
+    autoscaler leaves the sink alone)."""
     client = JsonClient(coordinator, "keyshift.Coordinator", security)
     latest = LatestStatus()
     pool = StatefulSetPool(name, namespace)
-    scalable = scalable_stages(job)
+    scalable = scalable_stages(job, sink_problem)
     executor = CoordinatorExecutor(
         client, pool, latest, scalable, plan, memory.handled, memory.pending
     )

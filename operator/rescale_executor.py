@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from keyshift.operator.autoscaler import RescaleOutcome, RescaleRefused
-from keyshift.runtime.job import JobSpec
+from keyshift.runtime.job import MAX_PARALLELISM, JobSpec
 from keyshift.runtime.protocol import (
     DEFAULT_STRATEGY,
     ProtocolError,
@@ -44,10 +44,17 @@ Status = Callable[[], Mapping[str, Any]]
 RECONCILED_PHASES = ("starting", "running")
 
 
-def scalable_stages(spec: JobSpec) -> frozenset[str]:
-    """The stages a host rescales live: every keyed stage (sources stay bounded by their
-    partitions, and the sink is rescaled by hand: its bound is its partitions)."""
-    return frozenset(step.stage.name for step in spec.keyed_stages())
+def scalable_stages(spec: JobSpec, sink_problem: str | None = None) -> dict[str, int]:
+    """The stages a host rescales live, each with the most instances it can have: every keyed
+    stage (up to its key groups and MAX_PARALLELISM) and the sink (up to its output
+    partitions), unless the host says why its sink cannot move (`sink_problem`). Sources stay
+    at their partitions, set when the job starts; the map/filter stages run chained in their
+    sender's processes, at its parallelism."""
+    most = min(spec.max_key_groups, MAX_PARALLELISM)
+    stages = {step.stage.name: most for step in spec.keyed_stages()}
+    if sink_problem is None:
+        stages[spec.sink.name] = spec.sink.output_partitions
+    return stages
 
 
 class WorkerPool(Protocol):
@@ -166,7 +173,7 @@ class CoordinatorExecutor:
         client: JsonClient,
         pool: WorkerPool,
         status: Status,
-        scalable: frozenset[str],
+        scalable: Mapping[str, int],
         plan: MigrationPlan = MigrationPlan(),
         handled: RescaleMark | None = None,
         pending: PendingSteps = NO_PENDING,

@@ -6,7 +6,7 @@ each fault can be produced exactly. The policy, guards and exported metrics are 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -54,7 +54,7 @@ class ScriptedExecutor:
     refuse: str | None = None
     outcomes: list[RescaleOutcome] = field(default_factory=list)
     applied: list[tuple[str, int]] = field(default_factory=list)
-    scalable: frozenset[str] = frozenset({"keyed"})
+    scalable: Mapping[str, int] = field(default_factory=lambda: {"keyed": 256})
     moving: str | None = None
 
     def apply(self, steps: Sequence[tuple[str, int]]) -> None:
@@ -134,7 +134,7 @@ def test_one_tick_sizes_every_stage_and_hands_the_executor_its_rescales_in_order
     source = StageRates("source", 1, (InstanceRates(10_000, 10_000, 0.1),), offered=12_000)
     a = StageRates("a", 4, (InstanceRates(2_500, 2_500, 0.1),) * 4, {"source": 1})
     b = StageRates("b", 1, (InstanceRates(10_000, 10_000, 1.0),), {"a": 1})
-    executor = ScriptedExecutor(scalable=frozenset({"a", "b"}))
+    executor = ScriptedExecutor(scalable={"a": 256, "b": 256})
     settings = SETTINGS.model_copy(update={"scale_down_activation": 1})
     observed = ScriptedMetrics([ScalingInput(0, 30, (source, a, b))])
     loop, events, _ = make_loop(observed, executor, settings)

@@ -201,7 +201,7 @@ def test_the_hosts_step_queued_behind_another_rescale_gets_its_workers_when_it_s
     coordinator, address = two_stage
     with moving_scale_out(coordinator, address) as move:
         latest, pool = LatestStatus(), RecordingPool()
-        made = CoordinatorExecutor(move.client, pool, latest, frozenset({"counts", "sink"}))
+        made = CoordinatorExecutor(move.client, pool, latest, {"counts": 256, "sink": 4})
         made.apply([("sink", 3)])
         latest.value = move.client.call("Status")
         assert made.finished() == []
