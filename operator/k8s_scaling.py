@@ -240,6 +240,7 @@ def kube_job(
     clock = WallClock()
     source, scrape = metrics_source(job, settings.prometheus_url, latest, clock, namespace)
     loop = AutoscalingLoop(
-        settings, source, make_policy(settings), executor, events, clock, exported, memory.guards
-    )
+        settings, source, make_policy(settings), executor, events, clock, exported,
+        memory.guards, job.dataflow().chained(),
+    )  # fmt: skip
     return KubeJob(client, latest, pool, executor, events, loop, scrape, restarts=restarts)

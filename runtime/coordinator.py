@@ -691,13 +691,11 @@ class Coordinator:
                 "set when the job starts; only the keyed stages and the sink are rescaled live",
                 refused,
             )
-        names = {node.name: node for node in self.spec.dataflow().nodes}
-        node = names.get(stage)
+        graph = self.spec.dataflow()
+        node = next((n for n in graph.nodes if n.name == stage), None)
         if node is None:
             return f"job {self.spec.name} has no stage {stage!r}", grpc.StatusCode.NOT_FOUND
-        runner = node
-        while runner.role in ("map", "filter", "flat_map"):
-            runner = names[runner.inputs[0]]
+        runner = graph.runner_of(stage)
         return (
             f"stage {stage!r} is a stateless {node.role} chained into the processes of stage "
             f"{runner.name!r}: it runs at {runner.name!r}'s parallelism, so rescale "

@@ -94,11 +94,13 @@ def make_loop(
     metrics: ScriptedMetrics,
     executor: ScriptedExecutor,
     settings: AutoscalerSettings = SETTINGS,
+    chained: dict[str, list[str]] | None = None,
 ) -> tuple[AutoscalingLoop, Recorded, AutoscalerMetrics]:
     events, exported = Recorded(), AutoscalerMetrics("j")
     loop = AutoscalingLoop(
-        settings, metrics, make_policy(settings), executor, events, FixedClock(), exported
-    )
+        settings, metrics, make_policy(settings), executor, events, FixedClock(), exported,
+        chained=chained,
+    )  # fmt: skip
     return loop, events, exported
 
 
@@ -266,3 +268,20 @@ def test_the_metrics_graph_is_the_jobs_and_its_shares_come_from_observed_rates()
     }
     idle = shares(graph, {}, {})
     assert idle["users"] == {"clicks": 0.5} and idle["regions"] == {"users": 0.5, "odds": 1.0}
+
+
+def test_the_decisions_name_the_stages_chained_in_each_stage_and_why_sources_hold() -> None:
+    """The chained map/filter stages of a job's graph have no decision of their own: the
+    decisions of the stage they run in name them; a source says why it is not sized."""
+    job = parse_job(fan_out_and_in(Path("out")))
+    chained = job.dataflow().chained()
+    assert chained == {"users": ["to-region"], "regions": ["to-zone"], "clicks": ["keep"],
+                       "odds": ["odd-to-region"]}  # fmt: skip
+    loop, events, _ = make_loop(ScriptedMetrics([overloaded()]), ScriptedExecutor(),
+                                chained={"keyed": ["enrich", "only-big"]})  # fmt: skip
+    decisions = {d.stage: d for d in loop.tick(0.0)}
+    assert decisions["keyed"].reason.endswith(
+        "; runs enrich, only-big chained in its processes, at its parallelism"
+    )
+    assert "not sized" in decisions["source"].reason
+    assert events.decisions == list(decisions.values())
