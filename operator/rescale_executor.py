@@ -270,11 +270,14 @@ class CoordinatorExecutor:
                     self._queued.clear()
                 continue
             self.handled = RescaleMark(incarnation, rescale.id)
+            mine = self._ends_started(rescale)
+            if rescale.phase == "replaced" and not mine:
+                continue  # someone else's request, asked again before it started: no outcome
             ok = rescale.phase == "done"
             if ok and rescale.to_parallelism < rescale.from_parallelism:
                 self.pool.shrink(rescale.stage, rescale.to_parallelism)
             detail = rescale.error or rescale.phase
-            if self._ends_started(rescale) and not ok and self._queued:
+            if mine and not ok and self._queued:
                 dropped = ", ".join(f"{stage}→{n}" for stage, n in self._queued)
                 detail += f"; not started after it: {dropped}"
                 self._queued.clear()

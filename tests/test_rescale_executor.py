@@ -317,3 +317,21 @@ def test_pending_steps_read_back_as_written() -> None:
     memory, problems = remembered({"pendingRescales": pending.to_json()})
     assert memory.pending == pending and problems == []
     assert PendingSteps.from_json(PendingSteps().to_json()) == PendingSteps()
+
+
+def test_someone_elses_replaced_request_is_no_outcome_but_the_hosts_own_ends_its_decision(
+    nobody: JsonClient,
+) -> None:
+    """A request that waited in the coordinator's queue and was replaced by a newer one of
+    its stage did nothing: not a failure to back off from, unless it was this host's step,
+    whose decision then ends (its next steps were planned with it)."""
+    made, latest, _ = executor(nobody, RescaleMark("a", 1))
+    latest.value = status("a", [rescale(2, 2, 3, "replaced"), rescale(3, 2, 4)], desired=4)
+    assert made.finished() == [RescaleOutcome("counts", True, "done")]
+    pending = PendingSteps(RescaleMark("a", 5), "counts", (("b", 2),))
+    made, latest, _ = executor(nobody, RescaleMark("a", 4), pending)
+    latest.value = status("a", [rescale(5, 2, 3, "replaced")], desired=2)
+    (outcome,) = made.finished()
+    assert (outcome.stage, outcome.ok) == ("counts", False)
+    assert outcome.detail == "boom; not started after it: b→2"
+    assert not made.pending() and made.running() is None
