@@ -593,6 +593,8 @@ class Coordinator:
                     "a request for the stage that moves is refused, not queued: ask again "
                     "when it ends"
                 )
+            if running is None:
+                self._wait_for_checkpoint()  # before an id is given: it may refuse
             self._rescale_ids += 1
             status = RescaleStatus(
                 incarnation=self.incarnation,
