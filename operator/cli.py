@@ -201,6 +201,9 @@ def job_client(job: str) -> JsonClient:
 
 
 def describe_rescale(r: RescaleReport) -> str:
+    if r.steps == 0 and r.phase in ("replaced", "failed") and not r.progress:
+        # It never ran: replaced in the queue, or dropped from it.
+        return f"rescale {r.id} of {r.stage} -> {r.to_parallelism}: {r.phase}; {r.error}"
     progress = r.progress
     if "partitions_out" in progress or "partitions_in" in progress:
         # A rescale of the sink: whole output partitions moved, no state.

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from keyshift.operator.autoscaler import RescaleOutcome
-from keyshift.operator.cli import rescale_accepted
+from keyshift.operator.cli import describe_rescale, rescale_accepted
 from keyshift.operator.rescale_executor import CoordinatorExecutor, LatestStatus
 from keyshift.runtime.coordinator import Coordinator
 from keyshift.runtime.job import parse_job
@@ -223,4 +223,10 @@ def test_the_cli_says_whether_a_request_runs_or_waits() -> None:
     assert rescale_accepted(queued.report()) == (
         "queued rescale 6: out -> 4 (it starts when the rescales before it end: see "
         "`keyshift status`); it replaces queued rescale 5 of out"
+    )
+
+    why = "replaced by rescale 6 of its stage before it started"
+    waited = RescaleStatus("x", 5, "out", 2, 3, "hot-first", {}, "replaced", error=why)
+    assert describe_rescale(waited.report()) == (
+        "rescale 5 of out -> 3: replaced; replaced by rescale 6 of its stage before it started"
     )
