@@ -201,7 +201,7 @@ def job_client(job: str) -> JsonClient:
 
 
 def describe_rescale(r: RescaleReport) -> str:
-    if r.steps == 0 and r.phase in ("replaced", "failed") and not r.progress:
+    if r.phase == "replaced" or (r.error or "").startswith("not started:"):
         # It never ran: replaced in the queue, or dropped from it.
         return f"rescale {r.id} of {r.stage} -> {r.to_parallelism}: {r.phase}; {r.error}"
     progress = r.progress
