@@ -131,7 +131,7 @@ def test_a_queued_request_that_cannot_start_any_more_fails_with_the_reason(
         wait_for(lambda: len(history(move.client)) == 2, 10, "both rescales to end")
         last = move.client.call("Status")["rescales"][-1]
         assert last["id"] == queued["id"] and last["phase"] == "failed"
-        error = "not started: sources [0] of job t have ended; the job is finishing"
+        error = "not started: sources source-0 of job t have ended; the job is finishing"
         assert last["error"] == error
         assert coordinator.desired["sink"] == 1
 
