@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 from keyshift.policies.decide import decide, rescale_order, window
@@ -53,7 +53,8 @@ class RescaleExecutor(Protocol):
     """Runs the rescales of one decision one after another: the job moves one stage at a
     time (the coordinator refuses a second rescale while one runs)."""
 
-    scalable: frozenset[str]  # the stages this host can rescale live
+    # The stages this host can rescale live, each with the most instances it can have.
+    scalable: Mapping[str, int]
 
     def apply(self, steps: Sequence[tuple[str, int]]) -> None:
         """Start a decision's rescales, (stage, parallelism) in order, with the host's
@@ -98,9 +99,12 @@ class AutoscalingLoop:
         clock: Clock,
         exported: AutoscalerMetrics,
         state: GuardState | None = None,
+        chained: Mapping[str, Sequence[str]] | None = None,
     ) -> None:
         """`state`: the guards' memory a previous loop of this job left (a restarted host
-        keeps it), so a cooldown or back-off in progress goes on."""
+        keeps it), so a cooldown or back-off in progress goes on. `chained`: the map, filter
+        and flat_map stages each stage runs in its processes, which its decisions name (they
+        are sized with it, never apart)."""
         self.settings = settings
         self.metrics = metrics
         self.policy = policy
@@ -109,6 +113,7 @@ class AutoscalingLoop:
         self.clock = clock
         self.exported = exported
         self.state = state if state is not None else GuardState()
+        self.chained = chained or {}
         self.decisions: deque[Decision] = deque(maxlen=KEPT_DECISIONS)
         self._next_tick: float | None = None
 
@@ -136,7 +141,7 @@ class AutoscalingLoop:
             rescaling=self.executor.running(),
             scalable=self.executor.scalable,
         )
-        self.state, decisions = step.state, step.decisions
+        self.state, decisions = step.state, [self._naming_chained(d) for d in step.decisions]
         if step.problem is not None:
             self._problem(now, "metrics", step.problem)
             return []
@@ -150,6 +155,14 @@ class AutoscalingLoop:
         self.decisions.extend(decisions)
         self.events.decided(decisions)
         return decisions
+
+    def _naming_chained(self, decision: Decision) -> Decision:
+        names = self.chained.get(decision.stage)
+        if not names:
+            return decision
+        chained = ", ".join(names)
+        why = f"{decision.reason}; runs {chained} chained in its processes, at its parallelism"
+        return replace(decision, reason=why)
 
     def _execute(self, acted: list[Decision], now: float) -> None:
         try:

@@ -201,6 +201,9 @@ def job_client(job: str) -> JsonClient:
 
 
 def describe_rescale(r: RescaleReport) -> str:
+    if r.phase == "replaced" or (r.error or "").startswith("not started:"):
+        # It never ran: replaced in the queue, or dropped from it.
+        return f"rescale {r.id} of {r.stage} -> {r.to_parallelism}: {r.phase}; {r.error}"
     progress = r.progress
     if "partitions_out" in progress or "partitions_in" in progress:
         # A rescale of the sink: whole output partitions moved, no state.
@@ -227,6 +230,17 @@ def describe_rescale(r: RescaleReport) -> str:
     return text + (f"; error: {r.error}" if r.error else "")
 
 
+def rescale_accepted(r: RescaleReport) -> str:
+    """The answer to `keyshift rescale`: the request's id and whether it runs or waits."""
+    state = "queued" if r.phase == "queued" else "started"
+    text = f"{state} rescale {r.id}: {r.stage} -> {r.to_parallelism}"
+    if r.phase == "queued":
+        text += " (it starts when the rescales before it end: see `keyshift status`)"
+    if r.replaced is not None:
+        text += f"; it replaces queued rescale {r.replaced} of {r.stage}"
+    return text
+
+
 def cmd_rescale(args: argparse.Namespace, console: Console) -> int:
     try:
         request = parse(
@@ -242,7 +256,7 @@ def cmd_rescale(args: argparse.Namespace, console: Console) -> int:
     except TransportError as exc:
         _error(console, exc)
         return 1
-    console.print(f"started rescale {started.id}: {args.stage} -> {args.parallelism}")
+    console.print(rescale_accepted(started), highlight=False)
     if args.no_wait:
         return 0
     deadline = time.monotonic() + args.timeout

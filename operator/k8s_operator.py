@@ -23,6 +23,7 @@ import os
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -228,6 +229,7 @@ def build_registry(config: OperatorConfig) -> kopf.OperatorRegistry:
         memo["job"] = kube_job(
             name, namespace, job, config.coordinator_address(name, namespace),
             config.metrics_for(namespace, name), plan, memory, security,
+            partial(sink_rescale_problem, parsed, job),
         )  # fmt: skip
         memo["spec"] = parsed
         patch.status["observedGeneration"] = generation

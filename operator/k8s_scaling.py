@@ -12,7 +12,7 @@ from __future__ import annotations
 import datetime
 import threading
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -87,7 +87,7 @@ class KubeEvents:
     pending_actions: list[Decision] = field(default_factory=list)
     last_problem: str | None = None
     pending_problems: list[str] = field(default_factory=list)
-    scalable: frozenset[str] = frozenset()
+    scalable: Mapping[str, int] = field(default_factory=dict)
 
     def decided(self, decisions: Sequence[Decision]) -> None:
         self.last_problem = None
@@ -219,13 +219,15 @@ def kube_job(
     plan: MigrationPlan,
     memory: Memory,
     security: Security,
+    sink_problem: Callable[[str], str | None] | None = None,
 ) -> KubeJob:
     """Wire the parts for one StreamingJob, going on from `memory`; `security` holds the job's
-    token for its calls."""
+    token for its calls; `sink_problem(name)`, why a sink cannot be rescaled live here (then
+    the autoscaler leaves that sink alone)."""
     client = JsonClient(coordinator, "keyshift.Coordinator", security)
     latest = LatestStatus()
     pool = StatefulSetPool(name, namespace)
-    scalable = scalable_stages(job)
+    scalable = scalable_stages(job, sink_problem)
     executor = CoordinatorExecutor(
         client, pool, latest, scalable, plan, memory.handled, memory.pending
     )
@@ -238,6 +240,7 @@ def kube_job(
     clock = WallClock()
     source, scrape = metrics_source(job, settings.prometheus_url, latest, clock, namespace)
     loop = AutoscalingLoop(
-        settings, source, make_policy(settings), executor, events, clock, exported, memory.guards
-    )
+        settings, source, make_policy(settings), executor, events, clock, exported,
+        memory.guards, job.dataflow().chained(),
+    )  # fmt: skip
     return KubeJob(client, latest, pool, executor, events, loop, scrape, restarts=restarts)

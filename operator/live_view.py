@@ -177,14 +177,18 @@ def render_table(status: dict[str, Any], tracker: RateTracker, notes: Sequence[s
 
 
 def rescale_note(status: dict[str, Any]) -> str:
-    """A running rescale, or the last one, in a few words."""
+    """A running rescale, or the last one, in a few words, and the stages queued after it."""
     rescale = status.get("rescale") or (status.get("rescales") or [None])[-1]
     if not rescale:
         return ""
-    return (
+    note = (
         f"rescale {rescale['id']} {rescale['stage']} {rescale['from']}->{rescale['to']} "
         f"({rescale['strategy']}): {rescale['phase']}"
     )
+    queued = status.get("queued") or []
+    if queued:
+        note += "; queued: " + ", ".join(f"{r['stage']}->{r['to']}" for r in queued)
+    return note
 
 
 def plain_line(status: dict[str, Any], tracker: RateTracker, notes: Sequence[str] = ()) -> str:

@@ -139,6 +139,7 @@ def local_autoscaler(
     plan = MigrationPlan(settings.strategy)  # a job file's one place for the loop's strategy
     executor = CoordinatorExecutor(client, pool, latest, scalable_stages(spec), plan)
     loop = AutoscalingLoop(
-        settings, source, make_policy(settings), executor, events, clock, exported
-    )
+        settings, source, make_policy(settings), executor, events, clock, exported,
+        chained=spec.dataflow().chained(),
+    )  # fmt: skip
     return LocalAutoscaler(loop, events, latest, metrics_port, scrape)

@@ -8,6 +8,14 @@ workers hold no state. Local host: the pool is the job's subprocesses (`LocalJob
 the stage's StatefulSet replicas (`keyshift.operator.k8s_scaling`). What is left of a
 decision it applies one rescale at a time is a `PendingSteps` value, which a host may keep
 where it outlives the host (the operator: the StreamingJob's status) and hand a new executor.
+
+The coordinator queues requests for other stages while one runs
+(keyshift.runtime.rescale_queue), yet a decision is still handed over one step at a time, not
+all at once: a step that fails must drop the ones after it (the coordinator's queue has no
+such link between requests, and no cancel), and a queued scale-out's workers must not start
+before its turn (the coordinator refuses them). So the queue serves requests from several
+callers at once (a person's `keyshift rescale`, an edit of the StreamingJob, the autoscaler),
+and the executor's own steps only ever wait there behind someone else's rescale.
 """
 
 from __future__ import annotations
@@ -18,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from keyshift.operator.autoscaler import RescaleOutcome, RescaleRefused
-from keyshift.runtime.job import JobSpec
+from keyshift.runtime.job import MAX_PARALLELISM, JobSpec
 from keyshift.runtime.protocol import (
     DEFAULT_STRATEGY,
     ProtocolError,
@@ -36,10 +44,20 @@ Status = Callable[[], Mapping[str, Any]]
 RECONCILED_PHASES = ("starting", "running")
 
 
-def scalable_stages(spec: JobSpec) -> frozenset[str]:
-    """The stages a host rescales live: every keyed stage (sources stay bounded by their
-    partitions, and the sink is rescaled by hand: its bound is its partitions)."""
-    return frozenset(step.stage.name for step in spec.keyed_stages())
+def scalable_stages(
+    spec: JobSpec, sink_problem: Callable[[str], str | None] | None = None
+) -> dict[str, int]:
+    """The stages a host rescales live, each with the most instances it can have: every keyed
+    stage (up to its key groups and MAX_PARALLELISM) and every sink (up to its output
+    partitions), but a sink the host says cannot move (`sink_problem(name)`, why). Sources
+    stay at their partitions, set when the job starts; the map/filter stages run chained in
+    their sender's processes, at its parallelism."""
+    most = min(spec.max_key_groups, MAX_PARALLELISM)
+    stages = {step.stage.name: most for step in spec.keyed_stages()}
+    for sink in spec.sinks():
+        if sink_problem is None or sink_problem(sink.name) is None:
+            stages[sink.name] = sink.output_partitions
+    return stages
 
 
 class WorkerPool(Protocol):
@@ -158,7 +176,7 @@ class CoordinatorExecutor:
         client: JsonClient,
         pool: WorkerPool,
         status: Status,
-        scalable: frozenset[str],
+        scalable: Mapping[str, int],
         plan: MigrationPlan = MigrationPlan(),
         handled: RescaleMark | None = None,
         pending: PendingSteps = NO_PENDING,
@@ -203,14 +221,18 @@ class CoordinatorExecutor:
             reply = self.client.call("Rescale", request.wire(), timeout=10.0)
         except TransportError as exc:
             raise RescaleRefused(str(exc)) from None
-        self.pool.ensure(stage, parallelism)
         try:
             report = parse(RescaleReport, reply)
-            self._started = (RescaleMark(report.incarnation, report.id), report.stage)
         except ProtocolError as exc:
             # Started, yet unreadable: the next steps cannot know when it ends.
+            self.pool.ensure(stage, parallelism)
             self._queued.clear()
             raise RescaleRefused(f"started, but its reply is unreadable: {exc}") from None
+        self._started = (RescaleMark(report.incarnation, report.id), report.stage)
+        # One queued behind another's rescale (a manual one) gets its workers when it starts
+        # (`_match_pool`): the coordinator refuses them until then.
+        if report.phase != "queued":
+            self.pool.ensure(stage, parallelism)
 
     def running(self) -> str | None:
         rescale = running_rescale(self.status())
@@ -251,17 +273,19 @@ class CoordinatorExecutor:
                     self._queued.clear()
                 continue
             self.handled = RescaleMark(incarnation, rescale.id)
+            mine = self._ends_started(rescale)
+            if rescale.phase == "replaced" and not mine:
+                continue  # someone else's request, asked again before it started: no outcome
             ok = rescale.phase == "done"
             if ok and rescale.to_parallelism < rescale.from_parallelism:
                 self.pool.shrink(rescale.stage, rescale.to_parallelism)
             detail = rescale.error or rescale.phase
-            if self._ends_started(rescale) and not ok and self._queued:
+            if mine and not ok and self._queued:
                 dropped = ", ".join(f"{stage}→{n}" for stage, n in self._queued)
                 detail += f"; not started after it: {dropped}"
                 self._queued.clear()
             outcomes.append(RescaleOutcome(rescale.stage, ok, detail))
-        if self._reconcile:
-            self._match_pool(status)
+        self._match_pool(status)
         # After matching the pool to `status`, which is older than the next step's start.
         if self._started is None and self._queued and running_rescale(status) is None:
             outcomes += self._start_next()
@@ -288,15 +312,18 @@ class CoordinatorExecutor:
         return []
 
     def _match_pool(self, status: Mapping[str, Any]) -> None:
-        """Every stage's pool at the coordinator's desired parallelism, once no rescale runs
-        (a scale-in's retiring workers still hold state); a running scale-out gets its new
-        workers now (the host that asked for them may have died before starting them)."""
+        """A running scale-out gets its new workers now (the host that asked for them may
+        have died before starting them, or it waited in the coordinator's queue); when
+        reconciling, every stage's pool at the coordinator's desired parallelism, once no
+        rescale runs (a scale-in's retiring workers still hold state)."""
         if status.get("phase") not in RECONCILED_PHASES:
             return
         running = running_rescale(status)
         if running is not None:
             if running.to_parallelism > running.from_parallelism:
                 self.pool.ensure(running.stage, running.to_parallelism)
+            return
+        if not self._reconcile:
             return
         for stage in status.get("stages", []):
             self.pool.match(stage["name"], int(stage["desired"]))

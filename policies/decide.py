@@ -9,7 +9,7 @@ loop's logic.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from keyshift.policies.guards import GuardState, guard
@@ -51,10 +51,12 @@ def decide(
     settings: AutoscalerSettings,
     now: float,
     rescaling: str | None = None,
-    scalable: Collection[str] | None = None,
+    scalable: Mapping[str, int] | None = None,
 ) -> Step:
     """Decisions for every stage, or none and the reason. `scalable` names the stages the host
-    can rescale (None: all); the others' decisions are reported, never applied."""
+    can rescale (None: all), each with the most instances it can have (a keyed stage: its key
+    groups; the sink: its output partitions), which bounds it besides the settings' bounds; the
+    other stages' decisions are reported, never applied."""
     problem = next((p for s in observed.stages if (p := s.problem()) is not None), None)
     if problem is not None:
         return Step([], state, f"no decision: {problem}")
@@ -62,5 +64,7 @@ def decide(
         r if scalable is None or r.stage in scalable else replace(r, scalable=False)
         for r in policy.decide(observed)
     ]
-    decisions, state = guard(recommendations, state, settings, now, policy.name, rescaling)
+    decisions, state = guard(
+        recommendations, state, settings, now, policy.name, rescaling, scalable or {}
+    )
     return Step(decisions, state)

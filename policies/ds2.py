@@ -99,7 +99,8 @@ class DS2Policy:
             else ""
         )
         reason = (
-            f"{stage.name}: source, offered {rate_text(offered)}{clients}, "
+            f"{stage.name}: source (not sized: its partitions, set when the job starts), "
+            f"offered {rate_text(offered)}{clients}, "
             f"backlog {stage.backlog:,.0f} records, selectivity {selectivity:.2f}"
         )
         inputs = {

@@ -124,16 +124,19 @@ def guard(
     now: float,
     policy: str,
     rescaling: str | None = None,
+    limits: Mapping[str, int] | None = None,
 ) -> tuple[list[Decision], GuardState]:
     """Decide what to do for each stage. `rescaling` names a stage whose rescale is running (or
     is the next of a decision's rescales still to run): while one runs, every stage holds.
     Otherwise each stage is guarded on its own, so one tick may rescale several stages: DS2
     sizes the whole graph in one decision, and the host's executor runs its rescales one after
-    another (keyshift.operator.autoscaler)."""
+    another (keyshift.operator.autoscaler). `limits`: the most instances a stage can have,
+    whatever the settings' bounds say (the sink: its output partitions)."""
     decisions = []
     for rec in recommendations:
         history = state.of(rec.stage)
-        action, target, why, history = _one(rec, history, settings, now, rescaling)
+        most = (limits or {}).get(rec.stage)
+        action, target, why, history = _one(rec, history, settings, now, rescaling, most)
         state = state.with_stage(rec.stage, history)
         if action != "hold" and settings.dry_run:
             why = f"dry run, not applied: {why}"
@@ -159,6 +162,7 @@ def _one(
     settings: AutoscalerSettings,
     now: float,
     busy: str | None,
+    most: int | None = None,
 ) -> tuple[Action, int, str, StageHistory]:
     current = rec.current
     hold: Action = "hold"
@@ -178,10 +182,13 @@ def _one(
             history,
         )
     bounds = settings.bounds_of(rec.stage)
-    wanted = min(max(rec.recommended, bounds.min_parallelism), bounds.max_parallelism)
+    upper = bounds.max_parallelism if most is None else min(bounds.max_parallelism, most)
+    lower = min(bounds.min_parallelism, upper)
+    wanted = min(max(rec.recommended, lower), upper)
     capped = ""
     if wanted != rec.recommended:
-        capped = f" (bounded to [{bounds.min_parallelism}, {bounds.max_parallelism}])"
+        limit = ": the most instances the stage can have" if upper == most else ""
+        capped = f" (bounded to [{lower}, {upper}]{limit})"
     if abs(wanted - current) <= settings.change_threshold * current or wanted == current:
         why = "no change" if wanted == current else (
             f"held: {current}→{wanted} is within the change threshold "

@@ -1,7 +1,7 @@
 """The coordinator: one per job. Holds the graph, every keyed stage's assignment and the sink's
 partition owners (each by epoch), registers instances, publishes the topology, drives rescales
-(keyshift.runtime.rescale, keyshift.runtime.sink_rescale) and draining, and reports status over
-gRPC.
+(keyshift.runtime.rescale, keyshift.runtime.sink_rescale; those asked for while one runs wait in
+keyshift.runtime.rescale_queue) and draining, and reports status over gRPC.
 
 Started as a process by a host (`python -m keyshift.runtime.coordinator`); instances and the
 host's client talk to it through the JSON control service `keyshift.Coordinator`.
@@ -81,6 +81,7 @@ from keyshift.runtime.protocol import (
     parse,
 )
 from keyshift.runtime.rescale import RescaleDriver, RescaleError, RescaleStatus, options_for
+from keyshift.runtime.rescale_queue import QueueFull, RescaleQueue
 from keyshift.runtime.sink_rescale import SinkRescaleDriver
 from keyshift.runtime.sink_router import partition_owners
 from keyshift.runtime.standbys import StandbyPool
@@ -173,7 +174,9 @@ class Coordinator:
         self._lost_keyed: set[int] = set()
         self.lost: list[str] = []  # instances lost and recovered from; their hosts let them go
         self.rescale_status: RescaleStatus | None = None
+        self.rescale_queue = RescaleQueue()  # requests waiting for the running one to end
         self.rescale_history: list[RescaleStatus] = []
+        self._rescale_ids = 0  # ids in this coordinator process, queued and replaced included
         self._group_rates = GroupRates(spec.max_key_groups)
         self.checkpoints = CheckpointStats()
         self._checkpoint_events: list[Reported] = []
@@ -225,6 +228,7 @@ class Coordinator:
             # strategy): the recovery is then recorded with this reason and timed from now.
             self._note_failure(message)
         self.phase = "failed"
+        self._drop_queued(f"the job failed: {message}")
         for record in self._records():
             record.commands.put(Stop(reason=message))
 
@@ -246,6 +250,8 @@ class Coordinator:
         self.errors.append(message)
         self.phase = "recovering"
         self.restart = True
+        # The restarted coordinator knows nothing of them: a recovery drops what waits.
+        self._drop_queued("the job restarts from its latest checkpoint")
         for record in self._records():
             record.commands.put(Stop(reason=f"recovering: {message}"))
         self.stopped.set()
@@ -548,13 +554,16 @@ class Coordinator:
             if self.phase == "running" and self.rescale_status is None:
                 self._start_draining()
             elif self.phase in ("starting", "running"):
-                # Honoured once every instance is registered and any rescale has finished.
+                # Honoured once every instance is registered and the running rescale has
+                # finished; the ones waiting behind it would only delay the end.
                 self._drain_requested = True
+                self._drop_queued("the job was asked to drain")
             return DrainReply(phase=self.phase)
 
     def rescale(self, request: RescaleRequest) -> RescaleReport:
-        """Start a rescale of a keyed stage or of a sink; refused while another one runs (of
-        any stage)."""
+        """Start a rescale of a keyed stage or of a sink, or queue it while another stage
+        moves (keyshift.runtime.rescale_queue); a request for the stage that moves now is
+        refused."""
         with self._lock:
             stage = request.stage
             sink = self.spec.sink_stage(stage) if stage in self.partitions else None
@@ -587,48 +596,109 @@ class Coordinator:
                 options = options_for(strategy, request.options)
             except RescaleError as exc:
                 raise ControlError(str(exc), grpc.StatusCode.INVALID_ARGUMENT) from None
-            if self.phase != "running" or self._drain_requested:
-                raise ControlError(f"job is {self.phase}; a rescale needs a running job")
-            ended = [self.spec.source_instance(s) for s in sorted(self.finished_sources())]
-            if ended:
-                names = ", ".join(f"{stage}-{index}" for stage, index in ended)
+            problem = self._cannot_rescale()
+            if problem is not None:
+                raise ControlError(problem)
+            running = self.rescale_status
+            if running is not None and running.stage == stage:
+                # Queued, it would be planned from a parallelism the running move may still
+                # change (a failed scale-out recovers at another width).
                 raise ControlError(
-                    f"sources {names} of job {self.spec.name} have ended; the job is finishing"
+                    f"rescale {running.id} of stage {stage} is still running ({running.phase}); "
+                    "a request for the stage that moves is refused, not queued: ask again "
+                    "when it ends"
                 )
-            if self.rescale_status is not None:
-                current = self.rescale_status
-                raise ControlError(
-                    f"rescale {current.id} of stage {current.stage} is still running "
-                    f"({current.phase}); one rescale at a time, of any stage: try again when "
-                    "it finishes"
-                )
-            self._wait_for_checkpoint()
+            if running is None:
+                self._wait_for_checkpoint()  # before an id is given: it may refuse
+            self._rescale_ids += 1
             status = RescaleStatus(
                 incarnation=self.incarnation,
-                id=len(self.rescale_history) + 1,
+                id=self._rescale_ids,
                 stage=stage,
                 from_parallelism=self.desired[stage],
                 to_parallelism=parallelism,
                 strategy=strategy,
                 options=options,
             )
-            self.rescale_status = status
-            self._events.clear()
-            self._abort = None
-            self._lost_keyed = set()
-            driver: RescaleDriver
-            if sink is not None:
-                driver = SinkRescaleDriver(
-                    self, status, stage, self.spec.sink_inputs(stage), self.partitions[stage]
-                )
-            else:
-                driver = RescaleDriver(
-                    self, status, stage, self.upstream_of(stage), self.assignments[stage],
-                    self._group_rates.rates(stage),
-                )  # fmt: skip
+            if running is None:
+                self._start_rescale(status)
+                return status.report()
+            try:
+                replaced = self.rescale_queue.put(status)
+            except QueueFull as exc:
+                self._rescale_ids -= 1
+                raise ControlError(str(exc), grpc.StatusCode.RESOURCE_EXHAUSTED) from None
+            if replaced is not None:
+                status.replaced = replaced.id
+                self._ended(replaced)
+            log.info(
+                "rescale %d of %s queued behind rescale %d of %s",
+                status.id, stage, running.id, running.stage,
+            )  # fmt: skip
+            return status.report()
+
+    def _cannot_rescale(self) -> str | None:
+        """Why the job cannot start a rescale now, if it cannot."""
+        if self._drain_requested:
+            return f"job {self.spec.name} is draining; a rescale needs a running job"
+        if self.phase != "running":
+            return f"job is {self.phase}; a rescale needs a running job"
+        ended = [self.spec.source_instance(s) for s in sorted(self.finished_sources())]
+        if ended:
+            names = ", ".join(f"{stage}-{index}" for stage, index in ended)
+            return f"sources {names} of job {self.spec.name} have ended; the job is finishing"
+        return None
+
+    def _start_rescale(self, status: RescaleStatus) -> None:
+        """Run `status`'s rescale on a thread of its own (called with the lock held)."""
+        self._wait_for_checkpoint()
+        stage = status.stage
+        # A queued one starts from the width its stage has now, and is timed from now.
+        status.from_parallelism = self.desired[stage]
+        status.started = time.time()
+        status.phase = "requested"
+        self.rescale_status = status
+        self._events.clear()
+        self._abort = None
+        self._lost_keyed = set()
+        driver: RescaleDriver
+        if stage in self.partitions:
+            driver = SinkRescaleDriver(
+                self, status, stage, self.spec.sink_inputs(stage), self.partitions[stage]
+            )
+        else:
+            driver = RescaleDriver(
+                self, status, stage, self.upstream_of(stage), self.assignments[stage],
+                self._group_rates.rates(stage),
+            )  # fmt: skip
         self.metrics.rescale_started(stage)
         threading.Thread(target=self._run_rescale, args=(driver,), daemon=True).start()
-        return status.report()
+
+    def _start_queued(self) -> None:
+        """Start the first queued rescale that still can (called with the lock held, when none
+        runs): one that cannot any more ends failed, with the reason."""
+        while self.rescale_status is None and (status := self.rescale_queue.pop()) is not None:
+            problem = self._cannot_rescale()
+            if problem is None:
+                try:
+                    self._start_rescale(status)
+                    continue
+                except ControlError as exc:
+                    problem = str(exc)
+            status.phase = "failed"
+            status.error = f"not started: {problem}"
+            status.finished = time.time()
+            self._ended(status)
+
+    def _drop_queued(self, reason: str) -> None:
+        for status in self.rescale_queue.drop(reason):
+            self._ended(status)
+
+    def _ended(self, status: RescaleStatus) -> None:
+        """Record a rescale that ended without running (replaced, dropped, not startable)."""
+        log.warning("rescale %d of %s %s: %s", status.id, status.stage, status.phase, status.error)
+        self.metrics.rescale_finished(status.stage, status.strategy, status.phase)
+        self.rescale_history.append(status)
 
     def _not_rescalable(self, stage: str) -> tuple[str, grpc.StatusCode]:
         """Why `stage` is not rescaled live: a source, a stateless stage, or no such stage."""
@@ -639,13 +709,11 @@ class Coordinator:
                 "set when the job starts; only the keyed stages and the sinks are rescaled live",
                 refused,
             )
-        names = {node.name: node for node in self.spec.dataflow().nodes}
-        node = names.get(stage)
+        graph = self.spec.dataflow()
+        node = next((n for n in graph.nodes if n.name == stage), None)
         if node is None:
             return f"job {self.spec.name} has no stage {stage!r}", grpc.StatusCode.NOT_FOUND
-        runner = node
-        while runner.role in ("map", "filter", "flat_map"):
-            runner = names[runner.inputs[0]]
+        runner = graph.runner_of(stage)
         return (
             f"stage {stage!r} is a stateless {node.role} chained into the processes of stage "
             f"{runner.name!r}: it runs at {runner.name!r}'s parallelism, so rescale "
@@ -781,7 +849,8 @@ class Coordinator:
             self.metrics.rescale_finished(status.stage, status.strategy, status.phase)
             self.rescale_history.append(driver.status)
             self.rescale_status = None
-            if self._drain_requested and self.phase == "running":
+            self._start_queued()
+            if self.rescale_status is None and self._drain_requested and self.phase == "running":
                 self._start_draining()
 
     def _progress(self, live: bool = True) -> dict[str, float]:
@@ -839,6 +908,7 @@ class Coordinator:
                 uptime=time.time() - self.started,
                 stages=stages,
                 rescale=rescale,
+                queued=[r.report() for r in self.rescale_queue.waiting()],
                 lost=list(self.lost),
                 rescales=[r.report() for r in self.rescale_history[-20:]],
                 checkpoints=self.checkpoints.to_json() if self.spec.checkpoints else None,
@@ -853,6 +923,7 @@ class Coordinator:
         with self._lock:
             if self.phase not in ("failed", "finished"):
                 self.phase = "stopping"
+            self._drop_queued("the job was shut down")
             for record in self._records():
                 record.commands.put(Stop(reason="shutdown"))
                 record.commands.put(None)

@@ -22,6 +22,8 @@ from typing import Literal
 FieldType = Literal["int", "float", "str", "bool"]
 Schema = Mapping[str, FieldType]
 Role = Literal["source", "map", "filter", "flat_map", "keyed", "sink"]
+# Stages with no processes of their own: they run chained in their sender's.
+STATELESS: tuple[Role, ...] = ("map", "filter", "flat_map")
 Partitioning = Literal["forward", "key_by", "rebalance", "broadcast"]
 PARTITIONINGS: tuple[Partitioning, ...] = ("forward", "key_by", "rebalance", "broadcast")
 KEY_TYPES = ("int", "str")
@@ -114,6 +116,21 @@ class Graph:
 
     def outputs_of(self, name: str) -> list[Edge]:
         return [e for e in self.edges if e.source == name]
+
+    def runner_of(self, name: str) -> Node:
+        """The stage whose processes run stage `name`: itself, or for a map, filter or
+        flat_map, the stage it runs chained in (up its first input, past other such stages)."""
+        runner = self.node(name)
+        while runner.role in STATELESS:
+            runner = self.node(runner.inputs[0])
+        return runner
+
+    def chained(self) -> dict[str, list[str]]:
+        """For each stage that runs maps, filters or flat_maps in its processes, their names."""
+        result: dict[str, list[str]] = {}
+        for node in self.of_role(*STATELESS):
+            result.setdefault(self.runner_of(node.name).name, []).append(node.name)
+        return result
 
 
 def _stage(node: Node) -> str:

@@ -400,7 +400,10 @@ class RescaleRequest(Message):
 
 
 class RescaleReport(Message):
-    """A rescale as the coordinator reports it: in Rescale's reply and in Status."""
+    """A rescale as the coordinator reports it: in Rescale's reply and in Status. Its `phase`
+    is `queued` while it waits for another stage's rescale to end (then `started` is when it
+    was queued), `replaced` once a later request of its stage took its place in the queue, else
+    the driver's phase (ending `done` or `failed`)."""
 
     incarnation: str
     id: int
@@ -422,6 +425,7 @@ class RescaleReport(Message):
     progress: dict[str, float]
     # MB/s of state at each end of the moves (out, in); None until that end finished one.
     mb_per_s: dict[str, float | None] = Field(default_factory=dict)
+    replaced: int | None = None  # the id of the queued request of its stage it replaced
 
 
 class InstanceStatus(Message):
@@ -450,7 +454,8 @@ class StageStatus(Message):
 
 class StatusReply(Message):
     """The coordinator's Status: the job's phase, every stage and instance, the rescale
-    running and the latest ones, checkpoints and recoveries."""
+    running, those queued behind it (in the order they start) and the latest ended ones,
+    checkpoints and recoveries."""
 
     job: str
     incarnation: str
@@ -460,6 +465,7 @@ class StatusReply(Message):
     uptime: float
     stages: list[StageStatus]
     rescale: RescaleReport | None
+    queued: list[RescaleReport] = []
     lost: list[str]
     rescales: list[RescaleReport]
     checkpoints: dict[str, Any] | None
@@ -577,6 +583,12 @@ def running_rescale(status: Mapping[str, Any]) -> RescaleReport | None:
     """The rescale a Status reply shows running, if any."""
     running = status.get("rescale")
     return None if running is None else parse(RescaleReport, running)
+
+
+def queued_rescales(status: Mapping[str, Any]) -> list[RescaleReport]:
+    """The rescales a Status reply shows waiting behind the running one, in the order they
+    start."""
+    return [parse(RescaleReport, r) for r in status.get("queued", [])]
 
 
 def finished_rescales(status: Mapping[str, Any]) -> list[RescaleReport]:

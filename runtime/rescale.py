@@ -1,5 +1,7 @@
 """The rescale protocol, driven by the coordinator: one rescale of a keyed stage at a time.
 
+(Requests for other stages wait meanwhile in keyshift.runtime.rescale_queue.)
+
 A rescale is a small explicit protocol with named phases. For each step (the whole move, or each
 batch of groups for `batched`) the coordinator:
 
@@ -120,6 +122,7 @@ class RescaleStatus:
     groups_moved: int = 0
     steps: int = 0
     progress: dict[str, float] = field(default_factory=dict)
+    replaced: int | None = None  # the queued request of the same stage this one replaced
 
     def report(self) -> RescaleReport:
         return RescaleReport(
@@ -141,6 +144,7 @@ class RescaleStatus:
             steps=self.steps,
             progress=dict(self.progress),
             mb_per_s=transfer_rates(self.progress),
+            replaced=self.replaced,
         )
 
 

@@ -212,7 +212,10 @@ def run(ctx: InstanceContext) -> None:
         delivery = held.popleft() if held else ctx.inbox.get(timeout=0.1)
         metrics.count(MetricName.IDLE_SECONDS, time.perf_counter() - t_wait)
         if writing and time.monotonic() - last_flush >= FLUSH_INTERVAL:
+            t_flush = time.perf_counter()
             stall.attempt(parts.flush)
+            # Writing segments is the sink's work too: DS2's true rate counts it.
+            metrics.count(MetricName.BUSY_SECONDS, time.perf_counter() - t_flush)
             last_flush = time.monotonic()
         if delivery is None:
             continue

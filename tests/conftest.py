@@ -199,19 +199,26 @@ def count_job(**overrides: Any) -> dict[str, Any]:
     return job
 
 
-@pytest.fixture
-def one_keyed_coordinator() -> Iterator[tuple[Coordinator, str]]:
-    """A count job's coordinator (one keyed and one sink instance expected) served in process on
-    a free loopback port, for tests that play the instances over real calls; its address."""
-    coordinator = Coordinator(
-        parse_job(count_job(keyed={"parallelism": 1}, sink={"parallelism": 1})), 30.0
-    )
+@contextmanager
+def served(coordinator: Coordinator) -> Iterator[str]:
+    """`coordinator` served in process on a free loopback port, for tests that play the
+    instances over real calls; its address. Shut down and stopped at the end."""
     server, port = start_server("127.0.0.1:0", [coordinator.handler()])
     try:
-        yield coordinator, f"127.0.0.1:{port}"
+        yield f"127.0.0.1:{port}"
     finally:
         coordinator.shutdown(Empty())
         server.stop(None)
+
+
+@pytest.fixture
+def one_keyed_coordinator() -> Iterator[tuple[Coordinator, str]]:
+    """A count job's coordinator (one keyed and one sink instance expected), `served`."""
+    coordinator = Coordinator(
+        parse_job(count_job(keyed={"parallelism": 1}, sink={"parallelism": 1})), 30.0
+    )
+    with served(coordinator) as address:
+        yield coordinator, address
 
 
 # A test is `live` when it starts one of these: a keyshift process (the CLI, a coordinator or an

@@ -32,6 +32,15 @@ def slow_sink(batch: pa.RecordBatch) -> None:
     time.sleep(0.2)
 
 
+SINK_COST = 0.0015  # seconds a record at `costly_sink`: near 670 records/s per instance
+
+
+def costly_sink(batch: pa.RecordBatch) -> None:
+    """A sink behind a slow service: SINK_COST a record, waited (busy time that does not burn
+    the machine's cores), so the sink is what limits a job of a few thousand records/s."""
+    time.sleep(batch.num_rows * SINK_COST)
+
+
 def every_seventh_broken(record: dict[str, Any]) -> dict[str, Any]:
     """Passes records through, but breaks every 7th in a different way (schema test)."""
     seq = record["seq"]

@@ -6,7 +6,7 @@ each fault can be produced exactly. The policy, guards and exported metrics are 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -54,7 +54,7 @@ class ScriptedExecutor:
     refuse: str | None = None
     outcomes: list[RescaleOutcome] = field(default_factory=list)
     applied: list[tuple[str, int]] = field(default_factory=list)
-    scalable: frozenset[str] = frozenset({"keyed"})
+    scalable: Mapping[str, int] = field(default_factory=lambda: {"keyed": 256})
     moving: str | None = None
 
     def apply(self, steps: Sequence[tuple[str, int]]) -> None:
@@ -94,11 +94,13 @@ def make_loop(
     metrics: ScriptedMetrics,
     executor: ScriptedExecutor,
     settings: AutoscalerSettings = SETTINGS,
+    chained: dict[str, list[str]] | None = None,
 ) -> tuple[AutoscalingLoop, Recorded, AutoscalerMetrics]:
     events, exported = Recorded(), AutoscalerMetrics("j")
     loop = AutoscalingLoop(
-        settings, metrics, make_policy(settings), executor, events, FixedClock(), exported
-    )
+        settings, metrics, make_policy(settings), executor, events, FixedClock(), exported,
+        chained=chained,
+    )  # fmt: skip
     return loop, events, exported
 
 
@@ -134,7 +136,7 @@ def test_one_tick_sizes_every_stage_and_hands_the_executor_its_rescales_in_order
     source = StageRates("source", 1, (InstanceRates(10_000, 10_000, 0.1),), offered=12_000)
     a = StageRates("a", 4, (InstanceRates(2_500, 2_500, 0.1),) * 4, {"source": 1})
     b = StageRates("b", 1, (InstanceRates(10_000, 10_000, 1.0),), {"a": 1})
-    executor = ScriptedExecutor(scalable=frozenset({"a", "b"}))
+    executor = ScriptedExecutor(scalable={"a": 256, "b": 256})
     settings = SETTINGS.model_copy(update={"scale_down_activation": 1})
     observed = ScriptedMetrics([ScalingInput(0, 30, (source, a, b))])
     loop, events, _ = make_loop(observed, executor, settings)
@@ -282,3 +284,20 @@ def test_the_metrics_graph_is_the_jobs_and_its_shares_come_from_observed_rates()
     }
     idle = shares(graph, {}, {})
     assert idle["users"] == {"clicks": 0.5} and idle["regions"] == {"users": 0.5, "odds": 1.0}
+
+
+def test_the_decisions_name_the_stages_chained_in_each_stage_and_why_sources_hold() -> None:
+    """The chained map/filter stages of a job's graph have no decision of their own: the
+    decisions of the stage they run in name them; a source says why it is not sized."""
+    job = parse_job(fan_out_and_in(Path("out")))
+    chained = job.dataflow().chained()
+    assert chained == {"users": ["to-region"], "regions": ["to-zone"], "clicks": ["keep"],
+                       "odds": ["odd-to-region"]}  # fmt: skip
+    loop, events, _ = make_loop(ScriptedMetrics([overloaded()]), ScriptedExecutor(),
+                                chained={"keyed": ["enrich", "only-big"]})  # fmt: skip
+    decisions = {d.stage: d for d in loop.tick(0.0)}
+    assert decisions["keyed"].reason.endswith(
+        "; runs enrich, only-big chained in its processes, at its parallelism"
+    )
+    assert "not sized" in decisions["source"].reason
+    assert events.decisions == list(decisions.values())

@@ -261,6 +261,62 @@ def test_a_query_that_finds_nothing_is_a_reason_not_a_crash(
         source.collect(10, time.time())
 
 
+@pytest.mark.live
+def test_ds2_scales_out_a_sink_that_is_the_bottleneck_within_its_partitions(
+    tmp_path: Path, prometheus: PrometheusServer
+) -> None:
+    """1,200 records/s through a cheap keyed stage into a sink whose function takes 1.5 ms a
+    record (near 670/s an instance): DS2, from real Prometheus, wants ceil(1,200 / (670 *
+    0.8)) = 3 sink instances and gets the sink's 2 partitions; the keyed stage and the source
+    are not scaled, the source saying why."""
+    job = count_job(
+        name="sinky",
+        source={"config": {"kind": "generator", "keys": 2000, "seed": 4,
+                           "profile": {"rate": 1200}}},
+        keyed={"name": "counts", "parallelism": 1,
+               "operator": {"kind": "process", "function": "tests.job_fns:track"}},
+        sink={"name": "out", "parallelism": 1, "partitions": 2,
+              "config": {"kind": "function", "function": "tests.job_fns:costly_sink"}},
+        batching={"max_records": 256, "linger_ms": 20, "credits": 4},
+        autoscaler={"prometheus_url": prometheus.url, "interval": 1, "metrics_window": 5,
+                    "warmup": 3, "activation": 2},
+    )  # fmt: skip
+    logs = tmp_path / "logs"
+    args = ["run", str(write_job(tmp_path, job)), "--no-view", "--log-dir", str(logs),
+            "--prometheus-targets", str(prometheus.targets_file)]  # fmt: skip
+
+    def decisions() -> list[dict[str, Any]]:
+        lines = (logs / "decisions.jsonl").read_text().splitlines()
+        return [d for line in lines if "stage" in (d := json.loads(line))]
+
+    def sink_scaled() -> bool:
+        status = status_of("sinky")
+        rescales = status.get("rescales", []) if status else []
+        return any(r["stage"] == "out" and r["phase"] == "done" for r in rescales)
+
+    with cli(args) as run:
+        output = Output(run)
+        wait_for(lambda: status_of("sinky").get("phase") == "running", 60, "the job to run")
+        wait_for(sink_scaled, 120, "the sink to be scaled out", every=0.5)
+        os.kill(run.pid, signal.SIGINT)
+        run.wait(timeout=60)
+        output.join()
+    text = output.text()
+    assert run.returncode == 0, text
+    made = decisions()
+    acted = [d for d in made if d["action"] != "hold"]
+    assert [(d["stage"], d["from"], d["to"]) for d in acted] == [("out", 1, 2)], (acted, text)
+    (up,) = acted
+    assert up["recommended"] >= 3, up  # more if the machine's load slows the sink further
+    assert "bounded to [1, 2]: the most instances the stage can have" in up["reason"], up
+    assert up["inputs"]["target_rate"] == pytest.approx(1200, rel=0.1), up
+    # At most the function's 667/s, less by the sink's own work per record.
+    assert 300 < up["inputs"]["true_rate_per_instance"] < 800, up
+    source = [d for d in made if d["stage"] == "source"]
+    assert source and all("not sized" in d["reason"] for d in source)
+    assert "rescale 1 of out 1->2" in text and "failed" not in text, text
+
+
 # --- the backlog an ingest client reports -------------------------------------------------------
 
 CLIENT_BACKLOG = 60_000

@@ -12,6 +12,7 @@ the stage before, around a move there, have no order between them.)
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import signal
@@ -176,34 +177,45 @@ def test_every_keyed_stage_rescales_live_and_the_output_equals_the_truth(
     check_paths(out, emitted)
 
 
-def test_a_second_stage_is_refused_while_another_moves(tmp_path: Path) -> None:
-    """One rescale at a time, of any stage: the refusal names the stage that moves."""
+def test_rescales_of_three_stages_asked_at_once_run_in_order_and_the_output_equals_the_truth(
+    tmp_path: Path,
+) -> None:
+    """Three stages asked for at once (two keyed stages and the sink): the first runs, the
+    others wait in the coordinator's queue and run one after another in the order asked;
+    a request for the stage that moves, or for a stateless stage, is refused."""
     out = tmp_path / "out"
     with running_job(tmp_path, keyed_line(out)) as local:
         client = JsonClient(local.address, SERVICE)
         wait_for(lambda: local.status()["phase"] == "running", 30, "the job to run")
         wait_for(lambda: sum_out(local) > 3000, 60, "records to flow")
-        # The test is the host: users/2 starts only when `finished` below starts it, so the
-        # first rescale still waits for it when the second request comes (no need for a slow
-        # move, which kept the test waiting for its trickle for 20 s).
-        started = client.call("Rescale", {"stage": "users", "parallelism": 3, "strategy": "lazy"})
-        # Refused (FAILED_PRECONDITION, a RequestRefused at the client), not queued.
-        with pytest.raises(RequestRefused) as refused:
-            client.call("Rescale", {"stage": "regions", "parallelism": 3, "strategy": "hot-first"})
-        assert f"rescale {started['id']} of stage users is still running" in str(refused.value)
-        with pytest.raises(RequestRefused) as sink:
-            client.call("Rescale", {"stage": "out", "parallelism": 1})
-        assert f"rescale {started['id']} of stage users is still running" in str(sink.value)
+        # The test is the host: users/2 starts only when `ended` below starts it, so the
+        # first rescale still waits for it when the others are asked for.
+        asked = [
+            client.call("Rescale", {"stage": "users", "parallelism": 3}),
+            client.call("Rescale", {"stage": "out", "parallelism": 1}),
+            client.call("Rescale", {"stage": "regions", "parallelism": 1}),
+        ]
+        assert [r["phase"] == "queued" for r in asked] == [False, True, True]
+        with pytest.raises(RequestRefused) as moving:
+            client.call("Rescale", {"stage": "users", "parallelism": 1})
+        assert f"rescale {asked[0]['id']} of stage users is still running" in str(moving.value)
         with pytest.raises(RequestRefused) as stateless:
             client.call("Rescale", {"stage": "to-zone", "parallelism": 3})
         assert "stateless map chained into the processes of stage 'regions'" in str(stateless.value)
+        queued = [r["id"] for r in local.status()["queued"]]
+        assert queued == [asked[1]["id"], asked[2]["id"]]
 
-        def finished() -> bool:
+        def ended() -> list[dict[str, Any]] | None:
             status = local.status()
             local.ensure_instances(status)
-            return any(r["id"] == started["id"] for r in status["rescales"])
+            return status["rescales"] if len(status["rescales"]) == 3 else None
 
-        wait_for(finished, 120, "the first rescale to finish")
+        history = wait_for(ended, 120, "the three rescales to end")
+        assert [(r["id"], r["phase"]) for r in history] == [(r["id"], "done") for r in asked]
+        for before, after in itertools.pairwise(history):
+            assert after["started"] >= before["finished"]
+        widths = {s["name"]: s["desired"] for s in local.status()["stages"]}
+        assert (widths["users"], widths["out"], widths["regions"]) == (3, 1, 1)
         local.drain()
         final = wait_for(
             lambda: (s := local.status())["phase"] == "finished" and s, 120, "the job to drain"

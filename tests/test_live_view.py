@@ -93,3 +93,18 @@ def test_the_rows_an_ingest_sources_clients_are_behind_show_on_its_line() -> Non
     assert view.behind == 42_000
     line = plain_line({"uptime": 1.0, "phase": "running"}, tracker)
     assert "source x1 in 0/s busy 0% q 0 behind 42,000" in line
+
+
+def test_the_rescale_running_and_those_queued_after_it_show_on_the_line() -> None:
+    def rescale(id_: int, stage: str, to: int, phase: str) -> dict[str, Any]:
+        return {"id": id_, "stage": stage, "from": 2, "to": to, "strategy": "hot-first",
+                "phase": phase}  # fmt: skip
+
+    snapshot = {
+        "uptime": 3.0,
+        "phase": "running",
+        "rescale": rescale(4, "users", 3, "moving"),
+        "queued": [rescale(5, "out", 1, "queued"), rescale(6, "regions", 4, "queued")],
+    }
+    line = plain_line(snapshot, RateTracker())
+    assert "rescale 4 users 2->3 (hot-first): moving; queued: out->1, regions->4" in line

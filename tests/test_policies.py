@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from pydantic import ValidationError
 
 from keyshift.policies import make_policy
+from keyshift.policies.decide import decide
 from keyshift.policies.ds2 import DS2Policy
 from keyshift.policies.guards import GuardState, StageHistory, guard
 from keyshift.policies.model import (
@@ -513,6 +514,34 @@ def test_guard_bounds_the_target() -> None:
     held, _ = one(rec(current=6, recommended=9), config)
     assert (held.action, held.target) == ("hold", 6)
     assert "no change (bounded to [2, 6])" in held.reason
+
+
+def test_ds2_sizes_the_sink_with_the_keyed_stages_within_its_partitions() -> None:
+    """src (8k/s) → keyed (one instance, true rate 10k/s, selectivity 1) → sink (one instance,
+    2k/s at busy 1.0: true rate 2k/s). DS2 sizes both in one decision: the keyed stage stays at
+    ceil(8k / 10k) = 1, the sink needs ceil(8k / 2k) = 4 and gets its 3 output partitions; the
+    source holds, saying why."""
+    given = scaling(
+        source(8_000),
+        op("keyed", {"src": 1.0}, inst(2_000, 0.2)),
+        op("sink", {"keyed": 1.0}, inst(2_000, 1.0, 0.0)),
+    )
+    config = guard_settings(target_utilization=1.0)
+    step = decide(given, ds2(target_utilization=1.0), GuardState(), config, 100.0,
+                  scalable={"keyed": 256, "sink": 3})  # fmt: skip
+    decisions = {d.stage: d for d in step.decisions}
+    assert decisions["sink"].recommended == 4
+    assert (decisions["sink"].action, decisions["sink"].target) == ("scale_up", 3)
+    assert "(bounded to [1, 3]: the most instances the stage can have)" in decisions["sink"].reason
+    assert decisions["keyed"].action == "hold" and decisions["keyed"].target == 1
+    assert decisions["src"].action == "hold"
+    assert "set when the job starts" in decisions["src"].reason
+    # A host that cannot move its sink leaves it out: reported, never applied.
+    held = decide(given, ds2(target_utilization=1.0), GuardState(), config, 100.0,
+                  scalable={"keyed": 256})  # fmt: skip
+    sink = next(d for d in held.decisions if d.stage == "sink")
+    assert sink.recommended == 4 and sink.action == "hold"
+    assert "not scaled by the autoscaler" in sink.reason
 
 
 def test_guard_per_stage_bounds_override_the_default() -> None:

@@ -342,9 +342,9 @@ def test_bad_rescale_requests_are_refused_and_change_nothing(tmp_path: Path) -> 
         status = local.status()
         assert status["epoch"] == 1 and status["rescales"] == []
         assert status["stages"][1]["parallelism"] == 2
-        # One at a time: a second request while the first runs is refused, not queued.
+        # The stage that moves now: a second request for it is refused, not queued.
         client.call("Rescale", {"stage": "track", "parallelism": 3, "strategy": "lazy"})
-        with pytest.raises(TransportError, match="one rescale at a time"):
+        with pytest.raises(TransportError, match="a request for the stage that moves is refused"):
             client.call("Rescale", {"stage": "track", "parallelism": 1})
         client.close()
 

@@ -81,7 +81,7 @@ def executor(
 ) -> tuple[CoordinatorExecutor, LatestStatus, RecordingPool]:
     latest, pool = LatestStatus(), RecordingPool()
     made = CoordinatorExecutor(
-        client, pool, latest, frozenset({"counts"}), MigrationPlan(), handled, pending
+        client, pool, latest, {"counts": 256}, MigrationPlan(), handled, pending
     )
     return made, latest, pool
 
@@ -191,7 +191,7 @@ def test_the_plan_travels_with_every_rescale_to_the_coordinator(tmp_path: Path) 
         wait_for(lambda: local.status()["phase"] == "running", 60, "the job to run")
         latest = LatestStatus()
         plan = MigrationPlan("batched", {"batch_groups": 64, "chunk_keys": 1000})
-        made = CoordinatorExecutor(local.client, local, latest, frozenset({"counts"}), plan)
+        made = CoordinatorExecutor(local.client, local, latest, {"counts": 256}, plan)
         made.apply([("counts", 3)])
         done = wait_for(
             lambda: (s := local.status())["rescales"] and s["rescales"][-1], 90, "the rescale"
@@ -203,7 +203,7 @@ def test_the_plan_travels_with_every_rescale_to_the_coordinator(tmp_path: Path) 
         assert done["groups_to_move"] > 256
         assert done["steps"] == math.ceil(done["groups_to_move"] / 64), done
         refused = CoordinatorExecutor(
-            local.client, local, latest, frozenset({"counts"}),
+            local.client, local, latest, {"counts": 256},
             MigrationPlan("lazy", {"batch_groups": 64}),
         )  # fmt: skip
         with pytest.raises(RescaleRefused, match="'batch_groups' does not apply to lazy"):
@@ -236,7 +236,7 @@ def test_a_decisions_rescales_run_one_after_another_and_a_refused_one_ends_it(
         assert local.client is not None
         wait_for(lambda: local.status()["phase"] == "running", 60, "the job to run")
         latest = LatestStatus()
-        made = CoordinatorExecutor(local.client, local, latest, frozenset({"a", "b"}))
+        made = CoordinatorExecutor(local.client, local, latest, {"a": 256, "b": 256})
         outcomes: list[RescaleOutcome] = []
 
         def ended(n: int) -> bool:
@@ -317,3 +317,21 @@ def test_pending_steps_read_back_as_written() -> None:
     memory, problems = remembered({"pendingRescales": pending.to_json()})
     assert memory.pending == pending and problems == []
     assert PendingSteps.from_json(PendingSteps().to_json()) == PendingSteps()
+
+
+def test_someone_elses_replaced_request_is_no_outcome_but_the_hosts_own_ends_its_decision(
+    nobody: JsonClient,
+) -> None:
+    """A request that waited in the coordinator's queue and was replaced by a newer one of
+    its stage did nothing: not a failure to back off from, unless it was this host's step,
+    whose decision then ends (its next steps were planned with it)."""
+    made, latest, _ = executor(nobody, RescaleMark("a", 1))
+    latest.value = status("a", [rescale(2, 2, 3, "replaced"), rescale(3, 2, 4)], desired=4)
+    assert made.finished() == [RescaleOutcome("counts", True, "done")]
+    pending = PendingSteps(RescaleMark("a", 5), "counts", (("b", 2),))
+    made, latest, _ = executor(nobody, RescaleMark("a", 4), pending)
+    latest.value = status("a", [rescale(5, 2, 3, "replaced")], desired=2)
+    (outcome,) = made.finished()
+    assert (outcome.stage, outcome.ok) == ("counts", False)
+    assert outcome.detail == "boom; not started after it: b→2"
+    assert not made.pending() and made.running() is None
