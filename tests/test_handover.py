@@ -76,7 +76,7 @@ def test_rescales_hand_over_from_checkpoints_and_keep_the_invariants(
     for result in results:
         handover = result["handover"]
         assert handover["checkpoint"] is not None and handover["fallback"] is None, handover
-        assert handover["preloaded_keys"] > 0 and handover["delta_groups"] > 0, (handover, result["progress"])
+        assert handover["preloaded_keys"] > 0 and handover["delta_groups"] > 0, handover
         assert handover["whole_groups"] == 0, result
         assert handover["switch_bytes"] == result["progress"]["bytes_in"], result
     moved = metrics[MetricName.HANDOVER_BYTES]
@@ -131,7 +131,7 @@ def test_the_handover_option_turns_it_off(tmp_path: Path) -> None:
 def test_bad_handover_options_are_refused() -> None:
     assert options_for("hot-first", {"handover": 0})["handover"] == 0.0
     for value in (0.5, 2, -1, True, "yes"):
-        with pytest.raises(RescaleError, match="must be 1 .* or 0"):
+        with pytest.raises(RescaleError, match=r"must be 1 .* or 0"):
             options_for("batched", {"handover": value})
     with pytest.raises(RescaleError, match="does not apply to lazy"):
         options_for("lazy", {"handover": 1})
