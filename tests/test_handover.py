@@ -3,20 +3,25 @@ load while new owners preload their groups from the latest checkpoint and the sw
 the changes since; every record is still applied exactly once and in order per key and sender
 (tests.job_fns:track), on both state backends. A checkpoint whose files are gone or corrupt
 falls back to a direct transfer with the reason in the rescale's status and a metric; the
-`handover` option turns it off, and a bad value of it is refused."""
+`handover` option turns it off, and a bad value of it is refused. A `kill -9` of a new owner
+while it preloads, or of an old owner mid-switch, recovers from the checkpoint exactly once."""
 
 from __future__ import annotations
 
+import os
+import signal
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from keyshift.runtime.checkpoint_store import CheckpointStore
 from keyshift.runtime.metrics import JOB_LABEL, MetricName
 from keyshift.runtime.rescale import RescaleError, options_for
 from keyshift.runtime.transport import JsonClient
 from tests.conftest import STATE_BACKENDS, running_job, state_settings, wait_for
 from tests.test_metrics import scrape
+from tests.test_recovery import Run, run_and_crash
 from tests.test_rescale import SERVICE, check_output, rescale_via, sum_out, tracked_job
 
 SOURCE = {"kind": "generator", "keys": 3000, "distribution": "zipf", "seed": 11,
@@ -135,3 +140,45 @@ def test_bad_handover_options_are_refused() -> None:
             options_for("batched", {"handover": value})
     with pytest.raises(RescaleError, match="does not apply to lazy"):
         options_for("lazy", {"handover": 1})
+
+
+def rescale_then_kill(phases: tuple[str, ...], victim: int) -> Any:
+    """A crash for tests.test_recovery's runs: rescale 2 -> 3 (hot-first, the push slowed to a
+    trickle so the switch lasts seconds), and `kill -9` instance `victim` of the keyed stage
+    once it is up and the rescale is in one of `phases`."""
+
+    def crash(run: Run) -> None:
+        slow = {"chunk_keys": 8, "trickle_keys_per_s": 200}
+        run.client.call("Rescale", {"stage": "track", "parallelism": 3, "strategy": "hot-first",
+                                    "options": slow})  # fmt: skip
+
+        def target() -> int | None:
+            status = run.status_now()
+            rescale = status and status.get("rescale")
+            if not rescale or rescale["phase"] not in phases:
+                return None
+            keyed = {i["index"]: i["pid"] for i in status["stages"][1]["instances"]}
+            return keyed.get(victim)
+
+        os.kill(wait_for(target, 60, f"the rescale to reach {phases}", every=0.02), signal.SIGKILL)
+
+    return crash
+
+
+@pytest.mark.live
+@pytest.mark.slow
+def test_a_new_owner_killed_while_it_preloads_recovers_exactly_once(tmp_path: Path) -> None:
+    # The new instance dies as soon as it has registered: before or while it preloads (the
+    # preload of ~700 keys takes milliseconds, so which one is not pinned down).
+    run_and_crash(tmp_path, rescale_then_kill(("starting-instances", "preloading"), 2))
+    recovery = CheckpointStore(str(tmp_path / "checkpoints")).recoveries()[0]
+    assert recovery["reason"].startswith("instance track/2"), recovery
+
+
+@pytest.mark.live
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", STATE_BACKENDS)
+def test_an_old_owner_killed_mid_switch_recovers_exactly_once(tmp_path: Path, backend: str) -> None:
+    run_and_crash(tmp_path, rescale_then_kill(("moving",), 0), backend)
+    recovery = CheckpointStore(str(tmp_path / "checkpoints")).recoveries()[0]
+    assert recovery["reason"].startswith("instance track/0"), recovery
