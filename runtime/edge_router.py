@@ -47,7 +47,15 @@ from keyshift.runtime.records import (
 )
 from keyshift.runtime.schema_check import check_records, event_time_problem
 from keyshift.runtime.stage_context import InstanceContext
-from keyshift.runtime.transport import BARRIER, END, MARKER, WATERMARK, Outlet, TransportError
+from keyshift.runtime.transport import (
+    BARRIER,
+    BATCH,
+    END,
+    MARKER,
+    WATERMARK,
+    Outlet,
+    TransportError,
+)
 
 log = logging.getLogger("keyshift.routing")
 Function = tuple[str, Callable[..., Any]]
@@ -226,21 +234,28 @@ class EdgeRouter:
                 # Dead, or gone from the topology before the reroute that gives its groups away.
                 self.stranded.append(payload)
                 continue
-            try:
-                self.ctx.send(outlet, payload)
-            except TransportError as exc:
-                # A keyed instance died; the coordinator reroutes its groups to survivors, and
-                # these records follow them then. (What it had received is gone with it.)
-                log.warning("%s/%d is gone (%s); holding its records", self.target, owner, exc)
-                self.dead.add(owner)
+            if not self.deliver(owner, outlet, payload):
+                # The coordinator reroutes its groups to survivors, and these records follow
+                # them then. (What it had received is gone with it.)
                 self.stranded.append(payload)
+
+    def deliver(self, owner: int, outlet: Outlet, payload: bytes, kind: bytes = BATCH) -> bool:
+        """Send to keyed instance `owner`; False if it died. A dead receiver is the
+        coordinator's to handle (a reroute, an abort, or a recovery): this sender goes on."""
+        try:
+            self.ctx.send(outlet, payload, kind=kind)
+        except TransportError as exc:
+            log.warning("%s/%d is gone (%s); holding its records", self.target, owner, exc)
+            self.dead.add(owner)
+            return False
+        return True
 
     def barrier(self, barrier: Barrier) -> None:
         """A checkpoint barrier on every live stream: what was sent before it is in it."""
         encoded = json.dumps(barrier.wire()).encode()
-        for index, outlet in self.outlets.items():
+        for index, outlet in list(self.outlets.items()):
             if index not in self.dead:
-                self.ctx.send(outlet, encoded, kind=BARRIER)
+                self.deliver(index, outlet, encoded, kind=BARRIER)
 
     def topology(self, command: Topology) -> None:
         """Close the streams to instances that left the stage."""
@@ -329,8 +344,12 @@ class Outputs:
             for index in np.unique(router.assignment.owners).tolist():
                 outlet = router.outlets.get(index)
                 sent = self.watermarks.get((stage, index))
-                if outlet is not None and index not in router.dead and sent != payload:
-                    self.ctx.send(outlet, payload, kind=WATERMARK)
+                if (
+                    outlet is not None
+                    and index not in router.dead
+                    and sent != payload
+                    and router.deliver(index, outlet, payload, kind=WATERMARK)
+                ):
                     self.watermarks[(stage, index)] = payload
 
     def finish(self, kind: bytes = END) -> None:

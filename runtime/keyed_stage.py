@@ -523,6 +523,8 @@ class KeyedStage:
                 self.sink.handle(command)
             # A retired sender's barrier never comes: an alignment waiting for it ends here.
             self.checkpoint_if_aligned()
+            present = {f"{s}/{i}" for s in self.upstream for i in command.stages.get(s, {})}
+            self.watermark_moved(self.watermark.forget_lost(self.upstream, present))
             return
         if isinstance(command, Reroute) and self.sink is not None and self.sink.handle(command):
             return  # a rescale of the sink
@@ -651,6 +653,7 @@ class KeyedStage:
             self.last_out = move
             self.move_out = None
             self.ctx.emit(OutDone(epoch=move.epoch, stats=dict(move.stats), fallback=move.fallback))
+            self.forward_watermark()  # no longer held where the move left it
         if self.move_in is not None:
             self.move_in.handle_replies()
             if self.move_in.done():
@@ -737,6 +740,12 @@ class KeyedStage:
         if not self.outputs.routers or self.outputs.paused:
             return  # a paused sender sends nothing; its resume sends the watermark then
         current = self.watermark.current
+        if self.move_out is not None and current is not None:
+            # An aborted move brings its groups back with the windows and timers that came due
+            # while they were away, and those fire here then: nothing downstream may be past
+            # them, so the watermark sent stays where the move left it until the move is done.
+            left_at = self.move_out.left_at
+            current = None if left_at is None else min(current, left_at)
         if current is not None and current >= WatermarkTracker.FINAL:
             current = None  # their END tells them that
         if current is None and hold is None and release is None:

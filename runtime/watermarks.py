@@ -18,6 +18,7 @@ The source stage loop (`keyshift.runtime.source_stage`) sends what its generator
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 __all__ = ["WatermarkGenerator", "WatermarkTracker"]
@@ -88,11 +89,13 @@ class WatermarkTracker:
     # names per move.
     _holds: dict[tuple[str, int, str], tuple[int | None, set[str]]] = field(default_factory=dict)
     _released: dict[tuple[str, int], set[str]] = field(default_factory=dict)
+    _left: set[str] = field(default_factory=set)  # retired (said so with a LEAVE), not lost
 
     def advance(self, sender: str, watermark: int | None, idle: bool = False) -> bool:
         """A watermark from `sender` (none: it has not seen a record yet; idle: it has gone
         quiet); whether the current one moved."""
         self.inputs.add(sender)
+        self._left.discard(sender)  # an instance of its name joined again
         if watermark is not None and watermark > self._marks.get(sender, watermark - 1):
             self._marks[sender] = watermark
         if idle:
@@ -111,8 +114,32 @@ class WatermarkTracker:
         """`sender` left its stage (a rescale retired it): it holds nothing back, until an
         instance of its name joins again and sends a watermark."""
         self.inputs.discard(sender)
+        self._left.add(sender)
         self._marks.pop(sender, None)
         self._idle.discard(sender)
+        return self._recompute()
+
+    def forget_lost(self, stages: Collection[str], present: Collection[str]) -> bool:
+        """Of `stages`' instances, those not `present` any more died (one that retires says
+        so with a LEAVE first): they hold nothing back, neither as inputs nor as the old owners
+        of a move (their groups' state went with them), and a move waiting for a lost new
+        owner's release waits no more (it will never come)."""
+        known = set(self.inputs)
+        for (_, _, holder), (_, waiting) in self._holds.items():
+            known |= {holder, *waiting}
+        absent = {n for n in known if n.rsplit("/", 1)[0] in stages and n not in present}
+        # A retired old owner's hold stays until its new owners release it.
+        lost = absent - self._left
+        if not lost:
+            return False
+        for held, (_, waiting) in list(self._holds.items()):
+            waiting -= lost
+            if not waiting or held[2] in lost:
+                del self._holds[held]
+        self.inputs -= lost
+        for sender in lost:
+            self._marks.pop(sender, None)
+            self._idle.discard(sender)
         return self._recompute()
 
     def hold(

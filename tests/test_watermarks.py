@@ -149,6 +149,26 @@ def test_an_input_that_left_holds_nothing_back_until_it_joins_again() -> None:
     assert tracker.advance("a/1", 800) and tracker.current == 800
 
 
+def test_a_lost_new_owner_releases_its_move_and_a_retired_old_owner_still_holds() -> None:
+    """a/1 moves groups to a/2, which dies (the topology no longer names it): the move will
+    never be released, so it holds nothing back. a/0 retires after giving groups to a/1 (a
+    LEAVE, then a topology without it): its hold stays until a/1 releases that move. An
+    instance of another stage is never taken for lost."""
+    tracker = WatermarkTracker({"a/0", "a/1", "b/0"})
+    for sender, mark in (("a/0", 100), ("a/1", 150), ("b/0", 400)):
+        tracker.advance(sender, mark)
+    assert tracker.current == 100
+    tracker.hold("a", 4, "a/0", 100, {"a/1"})
+    tracker.hold("a", 5, "a/1", 150, {"a/2"})
+    assert not tracker.leave("a/0")  # held at a/0's 100 still
+    assert not tracker.forget_lost({"a"}, {"a/1", "a/2"})
+    assert not tracker.forget_lost({"a"}, {"a/1"}) and tracker.current == 100  # a/2 lost
+    assert tracker.release("a", 4, "a/1") and tracker.current == 150
+    assert tracker.advance("a/1", 300) and tracker.current == 300
+    assert not tracker.forget_lost({"a"}, {"a/1"})  # nothing more to forget
+    assert tracker.forget_lost({"a"}, set()) and tracker.current == 400  # b/0's
+
+
 def test_a_watermark_message_is_checked_when_parsed() -> None:
     assert parse(Watermark, {"watermark": 5, "idle": True}) == Watermark(watermark=5, idle=True)
     assert parse(Watermark, {"watermark": None}).idle is False

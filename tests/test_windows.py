@@ -60,6 +60,7 @@ from tests.test_nexmark_queries import (
     truth,
 )
 from tests.test_recovery import Run, coordinator_pids, start_run
+from tests.test_rescale import SERVICE
 
 
 def test_each_event_time_falls_in_every_window_that_covers_it() -> None:
@@ -675,3 +676,59 @@ def test_the_late_records_log_keeps_what_the_disk_refused_and_writes_it_with_the
     logged = OutputLogReader(tmp_path / "per-user").read_all()
     assert logged.column("user").to_pylist() == ["a", "b"]
     assert logged.schema.names == ["offset", "user", "event_time"]  # nothing job-internal
+
+
+@pytest.mark.live
+def test_windows_an_aborted_move_brings_back_fire_before_the_watermark_goes_past_them(
+    tmp_path: Path,
+) -> None:
+    """No checkpoints: q5 goes 2 -> 3 slowly (lazy, a key every 10 s) and its new instance is
+    killed once windows came due while the move ran. The move is aborted, the old owners take
+    their groups back and fire those windows then: q5-hot, downstream, must not have gone past
+    them meanwhile (q5's watermark stayed where the move left it), so none of q5's results is
+    late there."""
+    out, late = tmp_path / "out", tmp_path / "late"
+    job = example("q5", out, total=None, profile={"rate": 2000})
+    job["late_records"] = {"path": str(late)}
+
+    def q5_watermarks(local: Any) -> list[int]:
+        (q5,) = [s for s in local.status()["stages"] if s["name"] == "q5"]
+        return [i["stats"].get("watermark_us") or 0 for i in q5["instances"][:2]]
+
+    def watermark_of(local: Any, stage: str) -> int:
+        (found,) = [s for s in local.status()["stages"] if s["name"] == stage]
+        return min(i["stats"].get("watermark_us") or 0 for i in found["instances"])
+
+    with running_job(tmp_path, job) as local:
+        client = JsonClient(local.address, SERVICE)
+        try:
+            wait_for(lambda: local.status()["phase"] == "running", 30, "the job to run")
+            wait_for(lambda: min(q5_watermarks(local)) > 0, 60, "q5 to have a watermark")
+            # A key pushed every 10 s: auctions no bid asks for keep the move running.
+            slow = {"chunk_keys": 1, "trickle_keys_per_s": 0.1}
+            body = {"stage": "q5", "parallelism": 3, "strategy": "lazy", "options": slow}
+            client.call("Rescale", body)
+
+            def moving() -> bool:
+                status = local.status()
+                local.ensure_instances(status)
+                return bool(status["rescale"]) and status["rescale"]["phase"] == "moving"
+
+            wait_for(moving, 60, "the rescale to start moving state")
+            left_at = max(q5_watermarks(local))
+            # Two slides (windows of every group came due) past where the move left.
+            wait_for(lambda: min(q5_watermarks(local)) > left_at + 4_000_000, 60, "windows due")
+            local.instances["q5/2"].process.kill()
+            status = wait_for(lambda: (s := local.status())["rescales"] and s, 60, "the abort")
+            assert status["rescales"][0]["phase"] == "failed", status["rescales"]
+            # q5-hot's event time goes on (the lost new owner holds it back no more), past the
+            # windows the old owners took back and fired.
+            wait_for(lambda: watermark_of(local, "q5-hot") > left_at + 12_000_000, 60, "q5-hot")
+            local.drain()
+            wait_for(lambda: local.status()["phase"] == "finished", 120, "the job to drain")
+        finally:
+            client.close()
+    if (late / "q5-hot").exists():
+        assert OutputLogReader(late / "q5-hot").read_all().num_rows == 0, "q5's results late"
+    windows = {row[0] for row in rows_of("q5", out)}  # each fired once: rows_of checks
+    assert len(windows) > 5, "too few windows fired: the test would prove little"
