@@ -49,7 +49,8 @@ JOB = f'{NAMESPACE}, {JOB_LABEL}="$job"'
 AUTOSCALED_JOB = f'{OWNER_NAMESPACE}, {JOB_LABEL}="$job"'
 OPERATED_JOBS = f'{OWNER_NAMESPACE}, {JOB_LABEL}=~"$job"'
 STAGE = 'stage=~"$stage"'
-SOURCE = 'stage="$source"'
+# A regex (anchored, as PromQL's are): a job of several sources is shown as `clicks|views`.
+SOURCE = 'stage=~"$source"'
 INSTANCE = INSTANCE_LABEL
 
 
@@ -328,7 +329,7 @@ def job_variables(*, source: bool = True) -> list[Json]:
         ),
     ]
     if source:
-        variables.append(textbox_variable("source", "Source stage", "source"))
+        variables.append(textbox_variable("source", "Source stages (a|b)", "source"))
     return variables
 
 

@@ -11,16 +11,17 @@ What a job becomes, in creation order:
 - a ConfigMap `<job>-job` holding the job as `job.yaml` (the same model `keyshift run` reads);
 - the coordinator: a Deployment (one replica, Recreate) running `keyshift.runtime.coordinator`
   on that file, and a ClusterIP Service `<job>-coordinator` (grpc 7000, metrics 9100);
-- per stage (source, keyed, sink): a headless Service `<job>-<stage>` and a StatefulSet of the
-  same name whose pods run `keyshift.runtime.instance --index hostname` (the pod ordinal is the
-  instance index) and register their pod IP with the coordinator;
+- per stage (every source, keyed stage and the sink): a headless Service `<job>-<stage>` and a
+  StatefulSet of the same name whose pods run `keyshift.runtime.instance --index hostname` (the
+  pod ordinal is the instance index) and register their pod IP with the coordinator;
 - per entry of `spec.sources` and `spec.sinks`: a Deployment `<job>-<source|sink>-<app>` (one
   replica, Recreate) running the PySpark script with `spark-submit --master local[*]`. The app
   finds the job through its environment and the job file (mounted at JOB_MOUNT/JOB_FILE, as in
   the coordinator): KEYSHIFT_JOB (the job's name), KEYSHIFT_COORDINATOR
-  (host:port of the coordinator), KEYSHIFT_ROLE (`source` or `sink`) and, for sources when the
-  job's source is `kind: ingest` with a fixed port, KEYSHIFT_INGEST (host:port of the source
-  stage's headless Service, which resolves to the source pods; a gRPC client picks one):
+  (host:port of the coordinator), KEYSHIFT_ROLE (`source` or `sink`) and, for sources writing
+  into a `kind: ingest` source with a fixed port (the app's `stage`, or the job's only ingest
+  source), KEYSHIFT_INGEST (host:port of that source stage's headless Service, which resolves
+  to its pods; a gRPC client picks one):
   examples/spark/source_job.py takes $KEYSHIFT_INGEST as its endpoint. A Spark sink reads the
   output log where the sink stage writes it: `spec.output.claim`, a ReadWriteMany
   PersistentVolumeClaim mounted at the log's directory in the sink stage's pods and in every
@@ -294,13 +295,49 @@ def child_problems(
         found.append(f"two Services would be named {clashes} (is a stage named 'coordinator'?)")
     found += _checkpoint_problems(spec, job)
     found += _output_problems(spec, job)
-    source = job.source.config
-    if spec.sources and isinstance(source, IngestSource) and source.port == 0:
-        found.append(
-            "spec.job.source.config.port: a job with Spark sources needs a fixed ingest port "
-            "(0 picks a random one, which the sources cannot find)"
-        )
+    for app in spec.sources:
+        found += _spark_source_problems(job, app)
     return found
+
+
+def _ingest_sources(job: JobSpec) -> dict[str, IngestSource]:
+    """The job's ingest sources' configs, by stage."""
+    return {
+        step.stage.name: step.stage.config
+        for step in job.source_steps()
+        if isinstance(step.stage.config, IngestSource)
+    }
+
+
+def _spark_target(job: JobSpec, app: SparkApp) -> str | None:
+    """The ingest source stage a Spark source writes into: the one it names, or the job's only
+    ingest source; None when there is none (or it names none of several: a problem)."""
+    ingest = _ingest_sources(job)
+    if app.stage is not None:
+        return app.stage if app.stage in ingest else None
+    return next(iter(ingest)) if len(ingest) == 1 else None
+
+
+def _spark_source_problems(job: JobSpec, app: SparkApp) -> list[str]:
+    ingest = _ingest_sources(job)
+    where = f"spec.sources {app.name!r}"
+    if app.stage is not None and app.stage not in ingest:
+        return [
+            f"{where}: stage {app.stage!r} is not an ingest source of the job (its ingest "
+            f"sources: {sorted(ingest)})"
+        ]
+    if app.stage is None and len(ingest) > 1:
+        return [
+            f"{where}: the job has several ingest sources ({sorted(ingest)}): name the one it "
+            "writes into as its `stage`"
+        ]
+    target = _spark_target(job, app)
+    if target is not None and ingest[target].port == 0:
+        return [
+            f"stage {target!r}: a job with Spark sources needs a fixed ingest port in the "
+            "source's config (0 picks a random one, which the sources cannot find)"
+        ]
+    return []
 
 
 def _checkpoint_problems(spec: StreamingJobSpec, job: JobSpec) -> list[str]:
@@ -691,11 +728,9 @@ def coordinator_service(name: str, namespace: str) -> Manifest:
 
 
 def _ingest_port(job: JobSpec, stage: str) -> int | None:
-    """The fixed ingest port of the source stage's pods, if they serve one."""
-    config = job.source.config
-    if stage == job.source.name and isinstance(config, IngestSource) and config.port:
-        return config.port
-    return None
+    """The fixed ingest port of a source stage's pods, if they serve one."""
+    config = _ingest_sources(job).get(stage)
+    return config.port if config is not None and config.port else None
 
 
 def _stage_ports(job: JobSpec, stage: str) -> list[tuple[str, int]]:
@@ -837,9 +872,10 @@ def spark_deployment(
         "KEYSHIFT_ROLE": role,
         "KEYSHIFT_COORDINATOR": coordinator_address(name, namespace),
     }
-    ingest = _ingest_port(job, job.source.name)
-    if role == "source" and ingest is not None:
-        env["KEYSHIFT_INGEST"] = f"{stage_set_name(name, job.source.name)}.{namespace}.svc:{ingest}"
+    target = _spark_target(job, app) if role == "source" else None
+    ingest = None if target is None else _ingest_port(job, target)
+    if target is not None and ingest is not None:
+        env["KEYSHIFT_INGEST"] = f"{stage_set_name(name, target)}.{namespace}.svc:{ingest}"
     output = _local_output_dir(job)
     # The job file, for a reader's schema (the `job` option of the keyshift Spark source).
     volumes, mounts = [_job_volume(name)], [_job_mount()]
@@ -897,8 +933,8 @@ def network_policy(
         {"from": [peer(options.prometheus)], "ports": ports(METRICS_PORT)},
     ]
     if options.spark_clients:
-        ingest = _ingest_port(job, job.source.name)
-        client_ports = [COORDINATOR_PORT, *([ingest] if ingest is not None else [])]
+        ingest = [p for stage in _ingest_sources(job) if (p := _ingest_port(job, stage))]
+        client_ports = [COORDINATOR_PORT, *ingest]
         rules.append(
             {"from": [peer(c) for c in options.spark_clients], "ports": ports(*client_ports)}
         )

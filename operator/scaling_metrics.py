@@ -45,10 +45,10 @@ Series = dict[tuple[str, str], dict[str, float]]
 
 
 def job_graph(spec: JobSpec) -> Graph:
-    """The stages of processes the job runs, each after its inputs: the source, every keyed
-    stage (its inputs: the source or keyed stages) and the sink (the keyed stages feeding it)."""
+    """The stages of processes the job runs, each after its inputs: the sources, every keyed
+    stage (its inputs: sources or keyed stages) and the sink (the keyed stages feeding it)."""
     return [
-        (spec.source.name, ()),
+        *((step.stage.name, ()) for step in spec.source_steps()),
         *((step.stage.name, step.inputs) for step in spec.keyed_stages()),
         (spec.sink.name, spec.sink_inputs()),
     ]

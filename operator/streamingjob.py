@@ -80,6 +80,11 @@ class SparkApp(_Model):
     script: str = Field(min_length=1, description="path of the PySpark script in the image")
     args: list[str] = Field(default_factory=list, description="arguments of the script")
     resources: Resources = Field(default_factory=Resources)
+    stage: str | None = Field(
+        default=None,
+        description="spec.sources: the ingest source stage it writes into (its address is "
+        "KEYSHIFT_INGEST); needed when the job has several ingest sources",
+    )
 
 
 # A DNS subdomain name, as Kubernetes names Secrets and claims.

@@ -107,7 +107,9 @@ class CheckpointHost(Protocol):
         running)."""
         ...
 
-    def checkpoint_send(self, index: int, command: Checkpoint) -> None: ...
+    def checkpoint_send(self, source: int, command: Checkpoint) -> None:
+        """Start `command` at the source instance of id `source`."""
+        ...
 
     def checkpoint_assignments(self) -> dict[str, dict[str, Any]]:
         """Every keyed stage's assignment (unchanged while a checkpoint is in flight)."""
@@ -137,8 +139,8 @@ class CheckpointHost(Protocol):
 
 @dataclass(frozen=True)
 class CheckpointMembers:
-    """The instances one checkpoint involves: source indexes, each keyed stage's instance
-    indexes, sink indexes."""
+    """The instances one checkpoint involves: source ids (`JobSpec.source_id`, unique across
+    the job's sources), each keyed stage's instance indexes, sink indexes."""
 
     sources: set[int]
     keyed: dict[str, set[int]]
@@ -249,8 +251,8 @@ class CheckpointDriver:
         checkpoint = self.next_id
         self.next_id += 1
         command = Checkpoint(id=checkpoint, previous=self.last_completed)
-        for index in sorted(members.sources):
-            self.host.checkpoint_send(index, command)
+        for source in sorted(members.sources):
+            self.host.checkpoint_send(source, command)
         outcome = CheckpointOutcome(checkpoint, False, started, 0.0)
         try:
             events = self.host.checkpoint_events(checkpoint, self.settings.timeout)
@@ -296,7 +298,7 @@ class CheckpointDriver:
         for reported in events:
             event = reported.event
             if isinstance(event, SourceCheckpointAck):
-                sources[str(reported.index)] = event.position
+                sources[str(event.source)] = event.position
             elif isinstance(event, KeyedCheckpointAck):
                 groups.setdefault(reported.stage, {}).update(chains_from_json(event.chains))
                 written += event.written
@@ -354,7 +356,7 @@ def acked(events: Iterable[Reported], checkpoint: int, members: CheckpointMember
             return True
         event = reported.event
         if isinstance(event, SourceCheckpointAck):
-            sources.add(reported.index)
+            sources.add(event.source)
         elif isinstance(event, KeyedCheckpointAck):
             keyed.setdefault(reported.stage, set()).add(reported.index)
         elif isinstance(event, SinkCheckpointAck):

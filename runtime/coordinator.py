@@ -274,7 +274,17 @@ class Coordinator:
             return {i for i, r in self.members[stage].items() if r.finished}
 
     def finished_sources(self) -> set[int]:
-        return self.finished(self.spec.source.name)
+        """The source ids (`JobSpec.source_id`) of the source instances that have ended."""
+        with self._lock:
+            return {s for s, r in self._source_records().items() if r.finished}
+
+    def _source_records(self) -> dict[int, InstanceRecord]:
+        """Every source instance, of every source, by its source id."""
+        return {
+            self.spec.source_id(step.stage.name, index): record
+            for step in self.spec.source_steps()
+            for index, record in self.members[step.stage.name].items()
+        }
 
     def send(self, stage: str, index: int, command: Command) -> None:
         with self._lock:
@@ -533,7 +543,7 @@ class Coordinator:
 
     def _start_draining(self) -> None:
         self.phase = "draining"
-        for record in self.members[self.spec.source.name].values():
+        for record in self._source_records().values():
             record.commands.put(Drain())
 
     def drain(self, request: Empty) -> DrainReply:
@@ -583,10 +593,11 @@ class Coordinator:
                 raise ControlError(str(exc), grpc.StatusCode.INVALID_ARGUMENT) from None
             if self.phase != "running" or self._drain_requested:
                 raise ControlError(f"job is {self.phase}; a rescale needs a running job")
-            ended = sorted(self.finished_sources())
+            ended = [self.spec.source_instance(s) for s in sorted(self.finished_sources())]
             if ended:
+                names = ", ".join(f"{stage}-{index}" for stage, index in ended)
                 raise ControlError(
-                    f"sources {ended} of job {self.spec.name} have ended; the job is finishing"
+                    f"sources {names} of job {self.spec.name} have ended; the job is finishing"
                 )
             if self.rescale_status is not None:
                 current = self.rescale_status
@@ -626,7 +637,7 @@ class Coordinator:
     def _not_rescalable(self, stage: str) -> tuple[str, grpc.StatusCode]:
         """Why `stage` is not rescaled live: a source, a stateless stage, or no such stage."""
         refused = grpc.StatusCode.INVALID_ARGUMENT
-        if stage == self.spec.source.name:
+        if stage in {step.stage.name for step in self.spec.source_steps()}:
             return (
                 f"stage {stage!r} is a source: its parallelism is bounded by its partitions and "
                 "set when the job starts; only the keyed stages and the sink are rescaled live",
@@ -663,9 +674,7 @@ class Coordinator:
             if self.phase != "running" or self._drain_requested or self.rescale_status:
                 return None
             members = CheckpointMembers(
-                sources={
-                    i for i, r in self.members[self.spec.source.name].items() if not r.finished
-                },
+                sources={s for s, r in self._source_records().items() if not r.finished},
                 keyed={name: set(self.members[name]) for name in self.assignments},
                 sinks=set(self.members[self.spec.sink.name]),
             )
@@ -675,10 +684,10 @@ class Coordinator:
             self._checkpoint_events.clear()
             return members
 
-    def checkpoint_send(self, index: int, command: Checkpoint) -> None:
+    def checkpoint_send(self, source: int, command: Checkpoint) -> None:
         with self._lock:
             self.checkpoints.in_flight = command.id
-            self.members[self.spec.source.name][index].commands.put(command)
+            self._source_records()[source].commands.put(command)
 
     def checkpoint_assignments(self) -> dict[str, dict[str, Any]]:
         with self._lock:
@@ -707,20 +716,21 @@ class Coordinator:
                     return None
                 self._changed.wait(min(remaining, 0.5))
             events = [r for r in self._checkpoint_events if checkpoint_of(r) == checkpoint]
-            positioned = {r.index for r in events if isinstance(r.event, SourceCheckpointAck)}
-            source = self.spec.source.name
-            for index, position in ended.items():
-                if index not in positioned:
-                    ack = SourceCheckpointAck(id=checkpoint, position=position)
-                    events.append(Reported(source, index, ack))
+            positioned = {
+                r.event.source for r in events if isinstance(r.event, SourceCheckpointAck)
+            }
+            for source, position in ended.items():
+                if source not in positioned:
+                    ack = SourceCheckpointAck(id=checkpoint, source=source, position=position)
+                    events.append(Reported(*self.spec.source_instance(source), ack))
             return events
 
     def _ended_source_positions(self) -> dict[int, int]:
-        """The final positions of the sources that have ended (a recovery must not replay
-        them from the start)."""
+        """The final positions of the source instances that have ended, by source id (a
+        recovery must not replay them from the start)."""
         return {
-            i: int(r.stats["emitted"])
-            for i, r in self.members[self.spec.source.name].items()
+            s: int(r.stats["emitted"])
+            for s, r in self._source_records().items()
             if r.finished and "emitted" in r.stats
         }
 
@@ -731,9 +741,11 @@ class Coordinator:
             outputs=meta.outputs,
         )
         with self._lock:
-            for stage in (self.spec.source.name, self.spec.sink.name):
-                for record in self.members[stage].values():
-                    record.commands.put(command)
+            for record in [
+                *self._source_records().values(),
+                *self.members[self.spec.sink.name].values(),
+            ]:
+                record.commands.put(command)
 
     def checkpoint_ended(self, outcome: CheckpointOutcome) -> None:
         with self._changed:
@@ -954,7 +966,8 @@ def max_calls(spec: JobSpec) -> int:
     keyed = len(spec.keyed_stages())
     sinks = spec.sink.output_partitions
     standbys = sum(step.stage.standby for step in spec.keyed_stages())
-    instances = spec.source.parallelism + sinks + keyed * MAX_PARALLELISM + standbys
+    sources = sum(step.stage.parallelism for step in spec.source_steps())
+    instances = sources + sinks + keyed * MAX_PARALLELISM + standbys
     return 3 * instances + CLIENT_CALLS
 
 

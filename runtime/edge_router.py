@@ -190,9 +190,9 @@ class EdgeRouter:
         self.ways = [(resolve_transforms(route.transforms), route.side) for route in routes]
         self.sides = step.sides
         # A source stamps its records' event times from this field, after the functions.
-        settings = ctx.spec.source.event_time
-        at_source = ctx.stage == ctx.spec.source.name
-        self.time_field = settings.field if settings is not None and at_source else None
+        sources = {step.stage.name: step.stage for step in ctx.spec.source_steps()}
+        settings = sources[ctx.stage].event_time if ctx.stage in sources else None
+        self.time_field = settings.field if settings is not None else None
         self.outlets = ctx.connect(target)
         self.assignment = ctx.assignment(target)
         self.dead: set[int] = set()

@@ -90,7 +90,8 @@ def run_stage(ctx: InstanceContext) -> None:
     # Only this instance's stage is imported: the others' modules (the output log's Parquet and
     # JSON writers, the ingest endpoint, ...) would cost every instance memory and start time.
     spec = ctx.spec
-    modules = {spec.source.name: "source_stage", spec.sink.name: "sink_stage"}
+    modules = {step.stage.name: "source_stage" for step in spec.source_steps()}
+    modules[spec.sink.name] = "sink_stage"
     module = modules.get(ctx.stage, "keyed_stage")
     stage = importlib.import_module(f"keyshift.runtime.{module}")
     try:

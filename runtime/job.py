@@ -817,6 +817,38 @@ class KeyedStep:
     sides: tuple[JoinSide, ...] = ()
 
 
+@dataclass(frozen=True)
+class SourceStep:
+    """A source as the runtime runs it: its settings, the schema of the records it makes (an
+    ingest source checks its rows against it), and its records' routes."""
+
+    stage: SourceStage
+    fields: dict[str, FieldType]
+    routes: tuple[Route, ...]
+
+
+def _check_sources(sources: list[SourceNode]) -> None:
+    """Sources either all carry event time or none do: a receiver's watermark is the minimum
+    over all its inputs, which a source sending none would leave undefined. Two ingest sources
+    cannot listen on one fixed port."""
+    ports: dict[int, str] = {}
+    for source in sources:
+        if isinstance(source.config, IngestSource) and source.config.port:
+            other = ports.setdefault(source.config.port, source.name)
+            if other != source.name:
+                raise ValueError(
+                    f"stage {source.name!r} (source): ingest port {source.config.port} is "
+                    f"already the port of source {other!r}; give each ingest source its own"
+                )
+    timed = [s.name for s in sources if s.event_time is not None]
+    untimed = [s.name for s in sources if s.event_time is None]
+    if timed and untimed:
+        raise ValueError(
+            f"stage {untimed[0]!r} (source) has no `event_time` while source {timed[0]!r} has: "
+            "a job's sources either all carry event time or none do"
+        )
+
+
 GENERATED_FIELDS: dict[str, FieldType] = {"key": "int", "value": "float"}
 NEXMARK_FIELDS: dict[str, FieldType] = dict(NEXMARK_SCHEMA)
 
@@ -1121,7 +1153,7 @@ class JobSpec(_Model):
     # Derived at validation: every keyed stage (the first being `keyed`), the source's routes,
     # and the keyed stages feeding the sink.
     _keyed_stages: tuple[KeyedStep, ...] = PrivateAttr(default=())
-    _source_routes: tuple[Route, ...] = PrivateAttr(default=())
+    _sources: tuple[SourceStep, ...] = PrivateAttr(default=())
     _sink_inputs: tuple[str, ...] = PrivateAttr(default=())
 
     @model_validator(mode="before")
@@ -1156,23 +1188,28 @@ class JobSpec(_Model):
         except GraphError as exc:
             raise ValueError(str(exc)) from None
         stages = {stage.name: stage for stage in self.graph}
-        source = stages[chain.source.name]
         sink = stages[chain.sink.name]
-        assert isinstance(source, SourceNode) and isinstance(sink, SinkNode)
+        assert isinstance(sink, SinkNode)
         links = {link.keyed.name: link for link in chain.keyed}
 
         def reads(hop: Hop) -> Schema:
             link = links[hop.target]
             return link.fields if hop.side is None else link.sides[hop.side]
 
-        for hop in chain.outputs:
-            if isinstance(source.config, IngestSource) and dict(reads(hop)) != source.fields:
-                changing = next(t for t in hop.transforms if t.fields is not None)
-                raise ValueError(
-                    f"not supported yet: stage {changing.name!r} (map): a map that reshapes an "
-                    "ingest source's rows (the runtime checks them against the schema the keyed "
-                    "stage reads)"
-                )
+        sources = []
+        for source_link in chain.sources:
+            source = stages[source_link.source.name]
+            assert isinstance(source, SourceNode)
+            sources.append(source)
+            for hop in source_link.outputs:
+                if isinstance(source.config, IngestSource) and dict(reads(hop)) != source.fields:
+                    changing = next(t for t in hop.transforms if t.fields is not None)
+                    raise ValueError(
+                        f"not supported yet: stage {changing.name!r} (map): a map that reshapes "
+                        "an ingest source's rows (the runtime checks them against the schema the "
+                        "keyed stage reads)"
+                    )
+        _check_sources(sources)
         # Validated again with the job's context: a model's own checks rerun on its instances,
         # and the user's functions must be checked as the job asks (imported, or by form only).
         context = info.context
@@ -1207,9 +1244,9 @@ class JobSpec(_Model):
                 JoinSide(dict(fields), key) for fields, key in zip(link.sides, joins, strict=True)
             )
             steps.append(KeyedStep(step, dict(link.fields), link.inputs, outputs, sides))
-        routes = tuple(route(hop) for hop in chain.outputs)
-        values = {
-            "source": SourceStage.model_validate(
+        source_steps = []
+        for source, source_link in zip(sources, chain.sources, strict=True):
+            stage = SourceStage.model_validate(
                 {
                     "name": source.name,
                     "parallelism": source.parallelism,
@@ -1218,13 +1255,17 @@ class JobSpec(_Model):
                     # no place there; the runtime reads the routes).
                     "transforms": [
                         {t.role: t.function}
-                        for t in chain.outputs[0].transforms
+                        for t in source_link.outputs[0].transforms
                         if t.role in ("map", "filter")
                     ],
                     "event_time": source.event_time,
                 },
                 context=context,
-            ),
+            )
+            routes = tuple(route(hop) for hop in source_link.outputs)
+            source_steps.append(SourceStep(stage, source.record_fields(), routes))
+        values = {
+            "source": source_steps[0].stage,
             "keyed": steps[0].stage,
             "sink": SinkStage.model_validate(
                 {
@@ -1240,7 +1281,7 @@ class JobSpec(_Model):
         for name, value in values.items():
             object.__setattr__(self, name, value)
         self._keyed_stages = tuple(steps)
-        self._source_routes = routes
+        self._sources = tuple(source_steps)
         self._sink_inputs = chain.sink_inputs
 
     def keyed_stages(self) -> tuple[KeyedStep, ...]:
@@ -1254,9 +1295,34 @@ class JobSpec(_Model):
                 return step
         raise KeyError(name)
 
-    def source_routes(self) -> tuple[Route, ...]:
-        """Where the source's records go: each route to a keyed stage."""
-        return self._source_routes
+    def source_steps(self) -> tuple[SourceStep, ...]:
+        """Every source, in the graph's order (one in a job of the older shape, `source`)."""
+        return self._sources
+
+    def source_step(self, name: str) -> SourceStep:
+        """The source named `name` as the runtime runs it; KeyError if there is none."""
+        for step in self._sources:
+            if step.stage.name == name:
+                return step
+        raise KeyError(name)
+
+    def source_routes(self, name: str | None = None) -> tuple[Route, ...]:
+        """Where source `name`'s records go (the first source's when not named): each route
+        to a keyed stage."""
+        return self._sources[0].routes if name is None else self.source_step(name).routes
+
+    def source_id(self, stage: str, index: int) -> int:
+        """The id instance `index` of source `stage` stamps its records with, and keys its
+        checkpointed position by: unique across the job's sources, each source's ids in a
+        block of MAX_PARALLELISM (a source's parallelism never changes; the first source's
+        ids are its indexes)."""
+        ordinal = next(i for i, step in enumerate(self._sources) if step.stage.name == stage)
+        return ordinal * MAX_PARALLELISM + index
+
+    def source_instance(self, source_id: int) -> tuple[str, int]:
+        """The (source stage, index) of a `source_id`."""
+        ordinal, index = divmod(source_id, MAX_PARALLELISM)
+        return self._sources[ordinal].stage.name, index
 
     def sink_inputs(self) -> tuple[str, ...]:
         """The keyed stages whose updates the sink receives."""
@@ -1303,7 +1369,8 @@ class JobSpec(_Model):
             source = (self.source.name,)
             self._keyed_stages = (KeyedStep(self.keyed, dict(self.fields), source, to_sink),)
             transforms = tuple(Chained.of(t) for t in self.source.transforms)
-            self._source_routes = (Route(self.keyed.name, transforms),)
+            routes = (Route(self.keyed.name, transforms),)
+            self._sources = (SourceStep(self.source, dict(self.fields), routes),)
             self._sink_inputs = (self.keyed.name,)
         names = [stage.name for stage in self.stages()]
         if len(set(names)) != len(names):
@@ -1338,7 +1405,9 @@ class JobSpec(_Model):
                 raise ValueError(f"keyed.operator.field is required for {aggregate!r}")
             elif self.fields.get(op.field) not in ("int", "float"):
                 raise ValueError(f"keyed.operator.field {op.field!r} must be an int or float field")
-        made = made_fields(self.source.config)
+        # A graph's sources are checked as its stages (`SourceNode`): its `fields` are what its
+        # first keyed stage reads, which need not be the first source's records.
+        made = made_fields(self.source.config) if self.graph is None else None
         if made and not self.source.transforms and self.fields != made:
             maker = "generator" if made is GENERATED_FIELDS else "nexmark source"
             raise ValueError(
@@ -1346,7 +1415,10 @@ class JobSpec(_Model):
                 f"them, fields must be exactly that (got {self.fields})"
             )
         self._check_event_time()
-        not_floats = [f for f in self.allow_non_finite if self.fields.get(f) != "float"]
+        # A field any source's records have (several sources: each checks its own).
+        schemas = [self.fields, *(source.fields for source in self._sources)]
+        floats = {name for schema in schemas for name, kind in schema.items() if kind == "float"}
+        not_floats = [f for f in self.allow_non_finite if f not in floats]
         if not_floats:
             raise ValueError(f"allow_non_finite names {not_floats}, which are not float fields")
         for step in self._keyed_stages:
@@ -1370,27 +1442,35 @@ class JobSpec(_Model):
         return self
 
     def _check_event_time(self) -> None:
-        """An event-time field names an int field of the records the source emits (after its
-        chained transforms: the job's fields)."""
-        settings = self.source.event_time
-        if settings is None or settings.field is None:
-            return
-        kind = self.fields.get(settings.field)
-        if kind is None:
-            raise ValueError(
-                f"source.event_time.field {settings.field!r} is not one of the source's "
-                f"fields {list(self.fields)}"
-            )
-        if kind != "int":
-            raise ValueError(
-                f"source.event_time.field {settings.field!r} is a {kind!r} field; an event "
-                "time is an 'int' field of epoch microseconds"
-            )
+        """An event-time field names an int field of the records each source emits (after its
+        chained transforms: what each of its routes' keyed stages reads)."""
+        for source in self._sources:
+            settings = source.stage.event_time
+            if settings is None or settings.field is None:
+                continue
+            for route in source.routes:
+                step = self.keyed_step(route.target)
+                fields = step.fields if route.side is None else step.sides[route.side].fields
+                kind = fields.get(settings.field)
+                if kind is None:
+                    raise ValueError(
+                        f"source.event_time.field {settings.field!r} is not one of the source's "
+                        f"fields {list(fields)} (source {source.stage.name!r})"
+                    )
+                if kind != "int":
+                    raise ValueError(
+                        f"source.event_time.field {settings.field!r} is a {kind!r} field; an "
+                        "event time is an 'int' field of epoch microseconds"
+                    )
 
     _no_reserved = field_validator("fields")(_record_fields)
 
     def stages(self) -> list[Stage]:
-        return [self.source, *(step.stage for step in self._keyed_stages), self.sink]
+        return [
+            *(step.stage for step in self._sources),
+            *(step.stage for step in self._keyed_stages),
+            self.sink,
+        ]
 
 
 J = TypeVar("J", bound=JobSpec)

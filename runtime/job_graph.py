@@ -4,13 +4,13 @@ and the record schema along every edge.
 `keyshift.runtime.job` validates every job through it: a job file's `graph` (and a job of the
 older source/keyed/sink shape, normalised into one) becomes `Node`s, `build_graph` refuses a
 bad graph naming the stage and the reason, and `lower_to_chain` maps a graph onto the shape
-the runtime executes today (one source, keyed stages with fan-out and unions between them, one
-sink; the map/filter stages on an edge chained into its sender's instances), refusing any other
-shape with "not supported yet". A join stage (a keyed stage of two inputs, `join_keys` one key
-field per input) reads each input with its own schema: its senders wrap every record into
-`join_input`'s schema (the key, which side, the record as JSON), so both ways into it, even
-from one sender, travel as one stream. The module is pure: no I/O, no
-imports of the job's pydantic models (they import it).
+the runtime executes today (one or more sources, keyed stages with fan-out and unions between
+them, one sink; the map/filter stages on an edge chained into its sender's instances), refusing
+any other shape with "not supported yet". A join stage (a keyed stage of two inputs,
+`join_keys` one key field per input) reads each input with its own schema: its senders wrap
+every record into `join_input`'s schema (the key, which side, the record as JSON), so both ways
+into it, even from one sender, travel as one stream. The module is pure: no I/O, no imports of
+the job's pydantic models (they import it).
 """
 
 from __future__ import annotations
@@ -349,15 +349,22 @@ class KeyedLink:
 
 
 @dataclass(frozen=True)
-class Chain:
-    """The shapes the runtime executes today: one source whose updates take `outputs`, keyed
-    stages (in topological order) with fan-out and unions between them, and one sink
-    receiving the updates of the keyed stages in `sink_inputs`, each key in the partition of
-    its key group. `fields` is the schema the first keyed stage reads (of a join: the
-    source's records)."""
+class SourceLink:
+    """One source as the runtime runs it: its records take each of its `outputs`."""
 
     source: Node
     outputs: tuple[Hop, ...]
+
+
+@dataclass(frozen=True)
+class Chain:
+    """The shapes the runtime executes today: one or more sources (in the graph's order),
+    keyed stages (in topological order) with fan-out and unions between them, and one sink
+    receiving the updates of the keyed stages in `sink_inputs`, each key in the partition of
+    its key group. `fields` is the schema the first keyed stage reads (of a join: the first
+    source's records)."""
+
+    sources: tuple[SourceLink, ...]
     keyed: tuple[KeyedLink, ...]
     sink: Node
     sink_inputs: tuple[str, ...]
@@ -423,13 +430,13 @@ def _check_before_sink(hop: Hop, keyed: Node) -> None:
 def lower_to_chain(graph: Graph) -> Chain:
     """The graph as the runtime runs it; GraphError "not supported yet" naming the first stage
     the runtime cannot execute as the graph says."""
-    source = _only(graph, "source", "source")
+    sources = graph.of_role("source")
     if not graph.of_role("keyed"):
         raise _not_yet(graph.of_role("sink")[0], "a job without a keyed stage")
     sink = _only(graph, "sink", "sink")
     hops: dict[str, list[Hop]] = {}
     senders: dict[str, list[str]] = {}
-    for sender in [source, *graph.of_role("keyed")]:
+    for sender in [*sources, *graph.of_role("keyed")]:
         for edge in graph.outputs_of(sender.name):
             hop, last = _hop(graph, edge, after_keyed=sender.role == "keyed")
             target = graph.node(hop.target)
@@ -464,6 +471,7 @@ def lower_to_chain(graph: Graph) -> Chain:
             raise _not_yet(keyed, f"two ways from {inputs[0]!r} into one keyed stage")
         links.append(KeyedLink(keyed, graph.schemas[keyed.inputs[0]], tuple(inputs), outputs))
     sink_inputs = senders[sink.name]
-    # The first keyed stage in topological order reads only the source's records.
-    fields = graph.schemas[source.name] if links[0].sides else links[0].fields
-    return Chain(source, tuple(hops[source.name]), tuple(links), sink, tuple(sink_inputs), fields)
+    # The first keyed stage in topological order reads only sources' records.
+    fields = graph.schemas[sources[0].name] if links[0].sides else links[0].fields
+    links_of_sources = tuple(SourceLink(s, tuple(hops[s.name])) for s in sources)
+    return Chain(links_of_sources, tuple(links), sink, tuple(sink_inputs), fields)

@@ -285,8 +285,11 @@ class PeerUnreachable(Message):
 
 
 class SourceCheckpointAck(Message):
+    """Source instance `source` (its job-wide source id) is at `position` in checkpoint `id`."""
+
     type: Literal["checkpoint_source"] = "checkpoint_source"
     id: int
+    source: int
     position: int
     error: str | None = None
 

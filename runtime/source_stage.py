@@ -2,7 +2,9 @@
 chained map/filter functions, check them against the schema, compute key groups, and send each
 record to its keyed owner by the current assignment epoch.
 
-Called by `keyshift.runtime.instance` for instances of the job's source stage.
+Called by `keyshift.runtime.instance` for instances of the job's source stages (each source of
+a job runs this loop with its own config, schema and routes; its instances stamp their records
+with their job-wide source id, `JobSpec.source_id`).
 """
 
 from __future__ import annotations
@@ -65,6 +67,7 @@ class Emitter:
         self.ctx = ctx
         self.outputs = outputs
         self.emitted = 0
+        self.source_id = ctx.spec.source_id(ctx.stage, ctx.index)
         self.watermarks = Watermarks(ctx, outputs)
         # A source that keeps what it emitted until a checkpoint covers it lets go of it here.
         self.on_complete: Callable[[int], None] = lambda position: None
@@ -93,14 +96,15 @@ class Emitter:
             if isinstance(command, Checkpoint):
                 self.barrier(command)
             elif isinstance(command, CheckpointComplete):
-                self.on_complete(command.sources.get(str(self.ctx.index), 0))
+                self.on_complete(command.sources.get(str(self.source_id), 0))
             else:
                 self.outputs.handle(command)
 
     def barrier(self, command: Checkpoint) -> None:
         """Checkpoint here, between two batches: what was emitted so far is in it."""
         self.outputs.barrier(Barrier(id=command.id, previous=command.previous))
-        self.ctx.emit(SourceCheckpointAck(id=command.id, position=self.emitted))
+        ack = SourceCheckpointAck(id=command.id, source=self.source_id, position=self.emitted)
+        self.ctx.emit(ack)
 
 
 class Watermarks:
@@ -113,7 +117,7 @@ class Watermarks:
         self.ctx = ctx
         self.outputs = outputs
         self.highest: int | None = None  # the latest event time stamped, not yet observed
-        settings = ctx.spec.source.event_time
+        settings = ctx.spec.source_step(ctx.stage).stage.event_time
         self.field = settings.field if settings is not None else None
         self.generator = (
             None
@@ -165,8 +169,8 @@ class Watermarks:
 
 
 def run(ctx: InstanceContext) -> None:
-    config = ctx.spec.source.config
-    outputs = Outputs(ctx, ctx.spec.source_routes())
+    config = ctx.spec.source_step(ctx.stage).stage.config
+    outputs = Outputs(ctx, ctx.spec.source_routes(ctx.stage))
     emitter = Emitter(ctx, outputs)
     if isinstance(config, IngestSource):
         run_ingest(ctx, config, emitter)
@@ -192,10 +196,10 @@ def run_ingest(ctx: InstanceContext, config: IngestSource, emitter: Emitter) -> 
             )
         except StorageError as exc:
             raise RuntimeError(f"the ingest source keeps its log at {url}: {exc}") from None
-    position = int(ctx.restore.sources.get(str(ctx.index), 0)) if ctx.restore else None
+    position = restored_position(ctx, emitter.source_id) if ctx.restore else None
     service = IngestService(
-        spec.fields,
-        ctx.index,
+        spec.source_step(ctx.stage).fields,
+        emitter.source_id,
         max_pending=spec.batching.credits,
         # The first word of a reason is the metric's label.
         on_reject=lambda reason, sample, count: ctx.reject(f"ingest {reason}", sample, count),
@@ -238,10 +242,16 @@ def run_ingest(ctx: InstanceContext, config: IngestSource, emitter: Emitter) -> 
         server.stop(grace=0.5)
 
 
+def restored_position(ctx: InstanceContext, source_id: int) -> int:
+    """Where source instance `source_id` goes on from: its checkpointed position after a crash,
+    else 0."""
+    return int(ctx.restore.sources.get(str(source_id), 0)) if ctx.restore else 0
+
+
 def event_time_check(ctx: InstanceContext) -> EventTimeCheck:
     """What the ingest endpoint asks of a row's event time: its field's, when the source takes
     it from one; else, with event time on, no null `event_time`."""
-    settings = ctx.spec.source.event_time
+    settings = ctx.spec.source_step(ctx.stage).stage.event_time
     if settings is None:
         return EventTimeCheck()
     return EventTimeCheck(field=settings.field, nulls_bad=settings.field is None)
@@ -276,7 +286,7 @@ BatchMaker = Callable[[int, int, np.ndarray], pa.RecordBatch]
 
 def key_value_batches(ctx: InstanceContext, config: GeneratorSource) -> BatchMaker:
     """The generator's records: a key and a value, their event time the time they fell due."""
-    generator = KeyGenerator(config, source_id=ctx.index)
+    generator = KeyGenerator(config, source_id=ctx.spec.source_id(ctx.stage, ctx.index))
     schema = record_schema(GENERATED_FIELDS)
 
     def make(seq: int, n: int, times: np.ndarray) -> pa.RecordBatch:
@@ -293,7 +303,7 @@ def nexmark_batches(ctx: InstanceContext, config: NexmarkSource) -> BatchMaker:
     """NEXMark's events (keyshift.runtime.nexmark): this instance's share of the event numbers,
     each with the model's event time."""
     model = config.model()
-    parallelism = ctx.spec.source.parallelism
+    parallelism = ctx.spec.source_step(ctx.stage).stage.parallelism
     schema = record_schema(NEXMARK_FIELDS)
 
     def make(seq: int, n: int, times: np.ndarray) -> pa.RecordBatch:
@@ -309,7 +319,7 @@ def _record_ids(ctx: InstanceContext, seq: int, n: int, times: np.ndarray) -> li
     """Ingest time, source, sequence number and (not yet computed) key group of new records."""
     return [
         pa.array(times),
-        pa.array(np.full(n, ctx.index, dtype=np.int32)),
+        pa.array(np.full(n, ctx.spec.source_id(ctx.stage, ctx.index), dtype=np.int32)),
         pa.array(np.arange(seq, seq + n, dtype=np.int64)),
         pa.array(np.zeros(n, dtype=np.int32)),
     ]
@@ -321,7 +331,7 @@ def run_generator(
     """A built-in source: records made by a pure function of their sequence number, as due by
     the load profile."""
     spec = ctx.spec
-    parallelism = spec.source.parallelism
+    parallelism = spec.source_step(ctx.stage).stage.parallelism
     make = (
         key_value_batches(ctx, config)
         if isinstance(config, GeneratorSource)
@@ -335,7 +345,7 @@ def run_generator(
     metrics = ctx.metrics
     # After a crash the source replays from the checkpoint's position, on the profile's clock
     # as of that position.
-    seq = int(ctx.restore.sources.get(str(ctx.index), 0)) if ctx.restore else 0
+    seq = restored_position(ctx, emitter.source_id)
     emitter.start_at(seq)
     resumed = pacer.elapsed_at(seq)
     start = time.monotonic() - resumed

@@ -39,9 +39,12 @@ REPO = Path(__file__).resolve().parent.parent
 KEYSHIFT = str(Path(sys.executable).with_name("keyshift"))
 
 
-def ingest_address(local: Any) -> str | None:
-    """The ingest endpoint of a running job's first source instance, once it has one."""
-    instances = local.status()["stages"][0]["instances"]
+def ingest_address(local: Any, stage: str | None = None) -> str | None:
+    """The ingest endpoint of a running job's source instance 0 (of source `stage`; of the
+    first source when not named), once it has one."""
+    stages = local.status()["stages"]
+    found = stages[0] if stage is None else next(s for s in stages if s["name"] == stage)
+    instances = sorted(found["instances"], key=lambda i: i["index"])
     return instances[0]["stats"].get("ingest_address") if instances else None
 
 

@@ -124,7 +124,7 @@ def test_an_ended_source_is_in_every_later_checkpoint_at_its_final_position(
     job.report("source", 1, stats={"emitted": 700}, finished=True)  # ended before
 
     def answer(checkpoint: int) -> None:
-        job.report("source", 0, events=[SourceCheckpointAck(id=checkpoint, position=50)])
+        job.report("source", 0, events=[SourceCheckpointAck(id=checkpoint, source=0, position=50)])
         job.ack_keyed_and_sink(checkpoint, 40)
 
     first = job.take(answer)
@@ -149,7 +149,7 @@ def test_sources_and_sinks_are_told_when_a_checkpoint_is_complete(tmp_path: Path
 
     def answer(checkpoint: int) -> None:
         for index in range(2):
-            ack = SourceCheckpointAck(id=checkpoint, position=10 * (index + 1))
+            ack = SourceCheckpointAck(id=checkpoint, source=index, position=10 * (index + 1))
             job.report("source", index, events=[ack])
         job.ack_keyed_and_sink(checkpoint, 30)
 
@@ -180,7 +180,11 @@ def test_a_restarted_coordinator_records_its_recovery(tmp_path: Path) -> None:
 
     def answer(checkpoint: int) -> None:
         for index in range(2):
-            first.report("source", index, events=[SourceCheckpointAck(id=checkpoint, position=5)])
+            first.report(
+                "source",
+                index,
+                events=[SourceCheckpointAck(id=checkpoint, source=index, position=5)],
+            )
         first.ack_keyed_and_sink(checkpoint, 5)
 
     assert first.take(answer).ok

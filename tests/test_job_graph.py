@@ -370,15 +370,6 @@ NOT_YET: dict[str, tuple[list[dict[str, Any]], str]] = {
         "stage 'tidy' (filter): a rebalance edge from 'per-user' (map and filter stages run "
         "chained into a keyed stage's instances",
     ),
-    "two sources": (
-        [
-            stage("a", "source"),
-            stage("b", "source"),
-            stage("k", "keyed", ["a", "b"], key_by="key"),
-            stage("out", "sink", "k"),
-        ],
-        "stage 'b' (source): the runtime runs one source per job so far",
-    ),
     "two sinks": (
         [*chain(), stage("copy", "sink", "per-user")],
         "stage 'copy' (sink): the runtime runs one sink per job so far",

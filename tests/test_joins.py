@@ -19,7 +19,7 @@ import pytest
 import yaml
 
 from examples.nexmark import queries
-from examples.nexmark.q8_pipeline import early_bids, q8
+from examples.nexmark.q8_pipeline import early_bids, q8, q8_sources
 from keyshift.operator.streamingjob import StreamingJob
 from keyshift.runtime.job import (
     FieldType,
@@ -339,6 +339,7 @@ def test_a_join_of_a_keyed_stage_and_the_source_has_a_side_on_each_senders_route
 def test_the_examples_python_twins_build_their_job_files() -> None:
     assert q8().build() == load_job(EXAMPLES / "q8.yaml")
     assert early_bids().build() == load_job(EXAMPLES / "early_bids.yaml")
+    assert q8_sources().build() == load_job(EXAMPLES / "q8_sources.yaml")
 
 
 def joined(how: Callable[[Any, Any], Any], event_time: dict[str, Any] | None = None) -> Dataflow:

@@ -87,7 +87,7 @@ EVENTS = [
     Ack(step="reroute", epoch=2),
     OutDone(epoch=2, stats={"keys_out": 4.0}),
     InDone(epoch=2, stats={"keys_in": 4.0}),
-    SourceCheckpointAck(id=3, position=10),
+    SourceCheckpointAck(id=3, source=0, position=10),
     KeyedCheckpointAck(id=3, chains={"shards": [], "groups": {}}, written=5),
     SinkCheckpointAck(id=3, error="output log: full"),
 ]

@@ -8,10 +8,10 @@ from __future__ import annotations
 from keyshift.runtime.pipeline import Stream, source
 
 
-def timed_events() -> Stream:
-    """The `events` source stage, with event time."""
+def timed_events(name: str = "events") -> Stream:
+    """The `events` source stage (or another of its kind named `name`), with event time."""
     return source(
-        "events",
+        name,
         {
             "kind": "nexmark",
             "seed": 1,
