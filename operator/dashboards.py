@@ -739,6 +739,21 @@ def migration_dashboard() -> Json:
             "Bps",
         ),
         timeseries(
+            "Hand-over from checkpoints",
+            "Rescales of a checkpointed job: bytes the new owners preloaded from the latest "
+            "checkpoint before the switch, and bytes the switch itself moved (cumulative); "
+            "rescales that fell back to a direct transfer, by cause.",
+            [
+                (by("sum", "kind", series(M.HANDOVER_BYTES, JOB, STAGE)), "{{kind}}"),
+                (
+                    by("sum", "cause", series(M.HANDOVER_FALLBACKS, JOB, STAGE)),
+                    "fell back: {{cause}}",
+                ),
+            ],
+            "bytes",
+            overrides=[right_axis("B", "short")],
+        ),
+        timeseries(
             "On-demand fetches",
             "State fetched on demand when a record for a key not yet moved arrives: fetch "
             "requests sent by new owners and served by old owners; cumulative.",

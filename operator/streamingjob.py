@@ -63,10 +63,12 @@ class Migration(_Model):
         description="how keyed state moves in every rescale, manual or the autoscaler's "
         "(spec.job.autoscaler.strategy is a deprecated alias)",
     )
-    options: dict[str, Annotated[float, Field(gt=0)]] = Field(
+    options: dict[str, Annotated[float, Field(ge=0)]] = Field(
         default_factory=dict,
-        description="strategy options (positive numbers), e.g. batch_groups: 256; which ones "
-        "apply depends on the strategy; sent with every rescale",
+        description="strategy options, e.g. batch_groups: 256 (positive numbers), or handover: "
+        "0 to move state directly instead of handing it over from the latest checkpoint (1, the "
+        "default, in a checkpointed job); which ones apply depends on the strategy; sent with "
+        "every rescale",
     )
 
 

@@ -435,9 +435,13 @@ class KeyedCheckpointer:
         self.last_chains: dict[int, GroupChain] = {}
         # The files of this instance's database at its last checkpoint (native checkpoints).
         self.last_files: dict[str, ShardFile] = {}
+        # The checkpoint at whose barrier the state's change marks were last cleared: the marks
+        # are what changed since it (a hand-over from it sends only them). None: not known.
+        self.marks_since: int | None = None
         self._upload: _Upload | None = None
 
-    def _store(self) -> CheckpointStore:
+    def checkpoint_store(self) -> CheckpointStore:
+        """The store, opened once (also for a hand-over's preload)."""
         if self.store is None:
             self.store = open_store(self.settings)
         return self.store
@@ -445,7 +449,7 @@ class KeyedCheckpointer:
     def restore(self, meta: CheckpointMeta, state: KeyedState, owned: np.ndarray) -> int:
         """Load the owned groups' state from a checkpoint (after a crash); the keys restored.
         The next checkpoint writes deltas on top of this one."""
-        store = self._store()
+        store = self.checkpoint_store()
         chains = {g: meta.groups[g] for g in np.flatnonzero(owned).tolist() if g in meta.groups}
         held = native_groups(chains)
         if held and not isinstance(state, RocksStore):
@@ -465,6 +469,7 @@ class KeyedCheckpointer:
             assert isinstance(state, RocksStore)
             restored += restore_databases(store, meta, state, held)
         state.clear_changes()
+        self.marks_since = meta.id
         self.last_id = meta.id
         self.last_chains = chains
         # The restored database is a new one: none of its files are stored yet.
@@ -498,9 +503,13 @@ class KeyedCheckpointer:
             else:
                 store = self._shards(checkpoint, state, groups, complete)
         except CheckpointError as exc:
+            # The marks may or may not have been cleared: what changed since any checkpoint
+            # is not known until the next one.
+            self.marks_since = None
             ack = KeyedCheckpointAck(id=checkpoint, error=str(exc), watermark=watermark)
             future.set_result(_Stored(ack))
         else:
+            self.marks_since = checkpoint
             stamp = {"snapshot_seconds": time.monotonic() - t0, "watermark": watermark}
             threading.Thread(
                 target=_store_in_background,
@@ -537,7 +546,7 @@ class KeyedCheckpointer:
         snapshot = snapshot_groups(
             state, groups, self.last_chains if complete else {}, complete, self.settings.max_chain
         )
-        store, writer = self._store(), self.writer
+        store, writer = self.checkpoint_store(), self.writer
 
         def upload() -> _Stored:
             written = store_groups(store, checkpoint, writer, snapshot)
@@ -556,7 +565,10 @@ class KeyedCheckpointer:
         self, checkpoint: int, state: RocksStore, groups: list[int], complete: bool
     ) -> Callable[[], _Stored]:
         local = snapshot_database(state, checkpoint)
-        store, writer = self._store(), self.writer
+        # The checkpoint itself needs no marks (it is the whole database); a hand-over from it
+        # needs what changed since.
+        state.clear_changes()
+        store, writer = self.checkpoint_store(), self.writer
         previous = self.last_files if complete else {}
 
         def upload() -> _Stored:

@@ -459,6 +459,15 @@ class Coordinator:
         with self._lock:
             return set(self._lost_keyed)
 
+    @property
+    def checkpointed(self) -> bool:
+        return self.spec.checkpoints is not None
+
+    def latest_checkpoint(self) -> int | None:
+        with self._lock:
+            last = self.checkpoints.last_completed
+            return last.id if last is not None else self.restored_from
+
     def _lost(
         self, record: InstanceRecord, why: str = "its process died or stopped answering"
     ) -> None:
@@ -847,6 +856,12 @@ class Coordinator:
             driver.status.progress = self._progress(live=False)
             status = driver.status
             self.metrics.rescale_finished(status.stage, status.strategy, status.phase)
+            if status.handover is not None:
+                handover = status.handover.report(status.progress)
+                self.metrics.handover_finished(
+                    status.stage, handover.preloaded_bytes, handover.switch_bytes,
+                    status.handover.cause,
+                )  # fmt: skip
             self.rescale_history.append(driver.status)
             self.rescale_status = None
             self._start_queued()

@@ -24,6 +24,7 @@ import pyarrow as pa
 from keyshift.runtime.checkpoint_store import CheckpointMeta
 from keyshift.runtime.checkpointing import BarrierAligner, KeyedCheckpointer
 from keyshift.runtime.edge_router import Outputs, Routed
+from keyshift.runtime.handover import Preloader
 from keyshift.runtime.job import (
     AggregateOperator,
     JobSpec,
@@ -48,6 +49,7 @@ from keyshift.runtime.protocol import (
     MigrateIn,
     MigrateOut,
     OutDone,
+    Preload,
     Reroute,
     Rescaling,
     Retire,
@@ -151,9 +153,10 @@ def make_state(
     if settings.backend == "rocksdb":
         directory = prepare_directory(Path(settings.path) / spec.name / owner, owner)
         db = open_database(directory, settings.block_cache_mb, settings.write_buffer_mb)
-        # Its checkpoints are native (keyshift.runtime.rocksdb_checkpoint): no change marks,
-        # which would grow with the keys.
-        track = False
+        # Its checkpoints are native (keyshift.runtime.rocksdb_checkpoint) and need no change
+        # marks; a hand-over from a checkpoint does (keyshift.runtime.handover), so a
+        # checkpointed job keeps them, cleared at every checkpoint's barrier.
+        track = spec.checkpoints is not None
         # A window's keys are found in their key's group, not their own hash's.
         groups_of = (
             partial(
@@ -301,6 +304,7 @@ class KeyedStage:
         self.move_out: MoveOut | None = None
         self.last_out: MoveOut | None = None
         self.move_in: MoveIn | None = None
+        self.preload: Preloader | None = None  # a hand-over's groups from a checkpoint
         self.retire = False
         self.rescaling = False
         self.aligner = BarrierAligner()
@@ -532,17 +536,26 @@ class KeyedStage:
         if self.outputs.handle(command):
             self.forward_watermark()  # to instances that joined a stage downstream
             return  # a rescale of a keyed stage downstream
-        if isinstance(command, MigrateIn):
+        if isinstance(command, Preload):
+            if self.checkpointer is None:
+                raise ProtocolError("a preload from a checkpoint, but the job takes no checkpoints")
+            self.discard_preload()
+            store = self.checkpointer.checkpoint_store()
+            self.preload = Preloader(self.ctx, store, command, self.state)
+        elif isinstance(command, MigrateIn):
             if self.move_in is not None:
                 raise ProtocolError("migrate_in while another move in is running")
-            self.move_in = MoveIn(self.ctx, self.state, command, self.apply, self.seal)
+            incoming = np.asarray([g for gs in command.groups.values() for g in gs], np.int64)
+            preloaded = self.claim_preload(command.handover, incoming)
+            self.move_in = MoveIn(self.ctx, self.state, command, self.apply, self.seal, preloaded)
             self.owned |= self.move_in.source_of >= 0
             self.ctx.emit(Ack(step="migrate_in", epoch=self.move_in.epoch))
         elif isinstance(command, MigrateOut):
             if self.move_out is not None:
                 raise ProtocolError("migrate_out while another move out is running")
             current = self.watermark.current
-            move = MoveOut(self.ctx, self.state, command, self.seal, current)
+            marks = self.checkpointer.marks_since if self.checkpointer is not None else None
+            move = MoveOut(self.ctx, self.state, command, self.seal, current, marks)
             self.move_out = move
             if self.handed_over is not None and current is not None:
                 # Windows fired here (and join records dropped) are late at the new owners too.
@@ -577,8 +590,33 @@ class KeyedStage:
             self.retire = True
         elif isinstance(command, Rescaling):
             self.rescaling = command.active
+            if not command.active:
+                self.discard_preload()
             # Senders that ended before this instance joined never sent it their END.
             self.ended |= set(command.ended) & self.senders()
+
+    def claim_preload(self, handover: int | None, incoming: np.ndarray) -> bool:
+        """Whether a move in builds on the preload: when it names the preload's checkpoint.
+        One that does not (the rescale fell back to a direct transfer) drops the preload."""
+        preload = self.preload
+        if handover is None:
+            self.discard_preload()
+            return False
+        if preload is None or preload.checkpoint != handover or not preload.claim(incoming):
+            raise ProtocolError(
+                f"a move in builds on checkpoint {handover}, which this instance has not "
+                "preloaded its groups from"
+            )
+        return True
+
+    def discard_preload(self) -> None:
+        if self.preload is not None:
+            self.preload.discard(self.state)
+            self.preload = None
+
+    def poll_preload(self) -> None:
+        if self.preload is not None and (event := self.preload.poll(self.state)) is not None:
+            self.ctx.emit(event)
 
     def forward_queued(self, move: MoveOut) -> None:
         """Re-route what already waits in the inbox: moving records leave now, the rest stay
@@ -619,7 +657,7 @@ class KeyedStage:
             move.close()
             self.last_out = move
             self.move_out = None
-            self.ctx.emit(OutDone(epoch=move.epoch, stats=dict(move.stats)))
+            self.ctx.emit(OutDone(epoch=move.epoch, stats=dict(move.stats), fallback=move.fallback))
             self.forward_watermark()  # no longer held where the move left it
         if self.move_in is not None:
             self.move_in.handle_replies()
@@ -802,6 +840,7 @@ class KeyedStage:
             if self.move_out is not None:
                 self.move_out.flush()
                 self.move_out.push_for(PUSH_SLICE)
+            self.poll_preload()
             self.finish_moves()
             if self.checkpointer is not None:
                 self.acknowledge(self.checkpointer.finished())

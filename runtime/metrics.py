@@ -20,7 +20,7 @@ import contextlib
 import threading
 from collections.abc import Iterator, Sequence
 from enum import StrEnum
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 import numpy as np
 from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
@@ -64,6 +64,8 @@ class MetricName(StrEnum):
     PARKED_NOW = "keyshift_migration_parked_records"
     RESCALE_RUNNING = "keyshift_rescale_in_progress"
     RESCALES = "keyshift_rescales_total"
+    HANDOVER_BYTES = "keyshift_rescale_handover_bytes_total"
+    HANDOVER_FALLBACKS = "keyshift_rescale_handover_fallbacks_total"
     AUTOSCALER_PARALLELISM = "keyshift_autoscaler_current_instances"
     AUTOSCALER_RECOMMENDED = "keyshift_autoscaler_recommended_instances"
     AUTOSCALER_DECISIONS = "keyshift_autoscaler_decisions_total"
@@ -131,6 +133,13 @@ HELP: dict[MetricName, str] = {
     MetricName.PARKED_NOW: "Records parked at this instance, waiting for their key's state.",
     MetricName.RESCALE_RUNNING: "1 while a rescale of the stage runs.",
     MetricName.RESCALES: "Finished rescales by strategy and result (done or failed).",
+    MetricName.HANDOVER_BYTES: "Bytes of keyed state the rescales of a checkpointed job moved "
+    "with hand-over from checkpoints, by kind (preloaded: read from the checkpoint by the new "
+    "owners before the switch; switch: moved between the instances at switch time).",
+    MetricName.HANDOVER_FALLBACKS: "Rescales of a checkpointed job that moved state directly "
+    "instead of (or, for some groups, besides) handing it over from a checkpoint, by cause "
+    "(preload: a checkpoint missing, corrupt or unreadable; changes: an old owner did not know "
+    "the changes since the checkpoint; none: no checkpoint had completed).",
     MetricName.AUTOSCALER_PARALLELISM: "Instances of each stage when the autoscaler last looked.",
     MetricName.AUTOSCALER_RECOMMENDED: "Instances the autoscaler's policy recommends per stage.",
     MetricName.AUTOSCALER_DECISIONS: "Autoscaler decisions by stage and action (scale_up, "
@@ -248,6 +257,12 @@ MIGRATION_KINDS: dict[str, tuple[MetricName, str]] = {
     "groups_in": (MetricName.MIGRATION_KEY_GROUPS, "in"),
     "groups_out": (MetricName.MIGRATION_KEY_GROUPS, "out"),
     "groups_pushed": (MetricName.MIGRATION_KEY_GROUPS, "pushed"),
+    # A hand-over from checkpoints: groups pushed as their changes since the checkpoint, or
+    # whole (the old owner did not know their changes); keys and bytes a new owner preloaded.
+    "groups_changes": (MetricName.MIGRATION_KEY_GROUPS, "changes"),
+    "groups_whole": (MetricName.MIGRATION_KEY_GROUPS, "whole"),
+    "keys_preloaded": (MetricName.MIGRATION_KEYS, "preloaded"),
+    "bytes_preloaded": (MetricName.MIGRATION_BYTES, "preloaded"),
     "keys_in": (MetricName.MIGRATION_KEYS, "in"),
     "keys_out": (MetricName.MIGRATION_KEYS, "out"),
     "keys_fetched": (MetricName.MIGRATION_KEYS, "fetched"),
@@ -369,6 +384,10 @@ def quantile_from_buckets(counts: Sequence[int], q: float) -> float | None:
 PHASES = ("starting", "running", "draining", "finished", "stopping", "failed", "recovering")
 
 
+# Why a rescale's hand-over from checkpoints fell back to a direct transfer (the metric's label).
+HandoverCause = Literal["preload", "changes", "none"]
+
+
 class CheckpointOutcomeLike(Protocol):
     ok: bool
     seconds: float
@@ -390,6 +409,12 @@ class CoordinatorMetrics:
         )
         self._rescales = counter(
             MetricName.RESCALES, (JOB_LABEL, "stage", "strategy", "result"), self.registry
+        )
+        self._handover_bytes = counter(
+            MetricName.HANDOVER_BYTES, (JOB_LABEL, "stage", "kind"), self.registry
+        )
+        self._handover_fallbacks = counter(
+            MetricName.HANDOVER_FALLBACKS, (JOB_LABEL, "stage", "cause"), self.registry
         )
         self._checkpoints = counter(MetricName.CHECKPOINTS, (JOB_LABEL, "result"), self.registry)
         self._checkpoint_seconds = gauge(MetricName.CHECKPOINT_SECONDS, (JOB_LABEL,), self.registry)
@@ -413,6 +438,15 @@ class CoordinatorMetrics:
     def rescale_finished(self, stage: str, strategy: str, result: str) -> None:
         self._rescale_running.labels(self.job, stage).set(0)
         self._rescales.labels(self.job, stage, strategy, result).inc()
+
+    def handover_finished(
+        self, stage: str, preloaded: int, switch: int, fallback: HandoverCause | None
+    ) -> None:
+        """A rescale with hand-over from checkpoints ended: its bytes, and why it fell back."""
+        self._handover_bytes.labels(self.job, stage, "preloaded").inc(preloaded)
+        self._handover_bytes.labels(self.job, stage, "switch").inc(switch)
+        if fallback is not None:
+            self._handover_fallbacks.labels(self.job, stage, fallback).inc()
 
     def checkpoint_ended(self, outcome: CheckpointOutcomeLike) -> None:
         self._checkpoints.labels(self.job, "completed" if outcome.ok else "failed").inc()

@@ -9,8 +9,12 @@ parked per key, until that key's state is here (pushed or fetched) and the old o
 forwarded everything routed to it by the old epoch; forwarded records go before direct ones.
 Parked records are indexed by group, so what arrives for some groups (a chunk, a fetch reply,
 an old owner's last forward) looks at those groups' parked records only.
-Keys that are not moving never wait. See `keyshift.runtime.rescale` for the coordinator's side.
-Used by `keyshift.runtime.keyed_stage`.
+Keys that are not moving never wait. In a hand-over from checkpoints (`MigrateOut.handover`)
+the new owner preloaded the groups from that checkpoint (`keyshift.runtime.handover`): the old
+owner pushes only each group's changes since it, or the whole group where it does not know them
+(its change marks start at another checkpoint, or the group came to it by a migration since),
+saying why; fetches and forwarding work as without. See `keyshift.runtime.rescale` for the
+coordinator's side. Used by `keyshift.runtime.keyed_stage`.
 """
 
 from __future__ import annotations
@@ -40,7 +44,7 @@ from keyshift.runtime.records import GROUP, encode, pack, unpack
 from keyshift.runtime.stage_context import MIGRATE_SERVICE, FetchRequest, InstanceContext
 from keyshift.runtime.state import KEY_COL, KeyedState
 from keyshift.runtime.state_integrity import StateSeal
-from keyshift.runtime.state_transfer import export_chunk, import_chunk
+from keyshift.runtime.state_transfer import Chunk, export_changes, export_chunk, import_chunk
 from keyshift.runtime.transport import (
     FORWARD,
     FORWARD_DONE,
@@ -71,7 +75,10 @@ class MoveOut:
         command: MigrateOut,
         seal: StateSeal,
         left_at: int | None,
+        marks_since: int | None,
     ) -> None:
+        """`marks_since`: the checkpoint since which the state's change marks run (None: not
+        known); a hand-over from another checkpoint pushes whole groups."""
         self.ctx = ctx
         self.state = state
         self.seal = seal
@@ -100,6 +107,31 @@ class MoveOut:
         self.pushed_keys_budget = 0.0
         self.started = self.last_push = time.monotonic()
         self.stats["groups_out"] += len(moving_groups)
+        self.changes_only = np.zeros(groups, dtype=bool)  # groups pushed as their changes
+        self.fallback = self._handover(command.handover, marks_since, moving_groups)
+
+    def _handover(
+        self, checkpoint: int | None, marks_since: int | None, moving: np.ndarray
+    ) -> str | None:
+        """Which moving groups go as their changes since `checkpoint`; why others go whole."""
+        if checkpoint is None:
+            return None
+        me = f"{self.ctx.stage}/{self.ctx.index}"
+        if marks_since != checkpoint:
+            since = "no checkpoint" if marks_since is None else f"checkpoint {marks_since}"
+            return (
+                f"{me} knows its changes since {since}, not since checkpoint {checkpoint}: "
+                f"its {len(moving)} key groups went whole"
+            )
+        self.changes_only[moving] = True
+        came = sorted(self.state.changes(()).restored & set(moving.tolist()))
+        if not came:
+            return None
+        self.changes_only[came] = False
+        return (
+            f"{len(came)} key groups came to {me} by a migration after checkpoint {checkpoint}: "
+            "they went whole"
+        )
 
     def leaving(self, groups: np.ndarray) -> np.ndarray:
         """A mask of the records whose group is frozen here."""
@@ -195,16 +227,26 @@ class MoveOut:
         for group in chunk:
             by_dst.setdefault(int(self.target[group]), []).append(group)
         for dst, groups in by_dst.items():
-            payload, sent = export_chunk(self.state, groups, bulk=self.seal.authenticated)
-            self._send(dst, STATE, self.seal.seal(payload))
-            self.stats["keys_out"] += sent.keys
-            self.stats["bytes_out"] += sent.nbytes
-            self.pushed_keys_budget -= sent.keys
+            changes = [g for g in groups if self.changes_only[g]]
+            whole = [g for g in groups if not self.changes_only[g]]
+            if changes:
+                self._push(dst, *export_changes(self.state, changes))
+                self.stats["groups_changes"] += len(changes)
+            if whole:
+                self._push(dst, *export_chunk(self.state, whole, bulk=self.seal.authenticated))
+                if self.fallback is not None:
+                    self.stats["groups_whole"] += len(whole)
         self.state.drop_groups(chunk)
         if not self.push_order:
             self.stats["ms_out"] = round((time.monotonic() - self.started) * 1000)
         self.stats["groups_pushed"] += len(chunk)
         return True
+
+    def _push(self, dst: int, payload: bytes, sent: Chunk) -> None:
+        self._send(dst, STATE, self.seal.seal(payload))
+        self.stats["keys_out"] += sent.keys
+        self.stats["bytes_out"] += sent.nbytes
+        self.pushed_keys_budget -= sent.keys
 
     def push_for(self, seconds: float) -> None:
         """Push chunks while the streams take them (their credits keep several in flight), for
@@ -242,9 +284,13 @@ class MoveIn:
         command: MigrateIn,
         apply: Callable[[pa.RecordBatch], None],
         seal: StateSeal,
+        preloaded: bool = False,
     ) -> None:
+        """`preloaded`: the incoming groups are here as `command.handover`'s checkpoint had
+        them; the old owners' chunks and fetch replies replace that state."""
         self.ctx = ctx
         self.state = state
+        self.preloaded = preloaded
         self.apply = apply
         self.seal = seal
         self.stats = ctx.metrics.migration_stats()
@@ -383,8 +429,14 @@ class MoveIn:
             header = parse(FetchReplyHeader, body)
             got: list[Any] = []
             if snapshot is not None and snapshot.num_rows:
-                self.state.restore(snapshot)
                 got = key_list(snapshot.column(KEY_COL))
+            if self.preloaded:
+                # The old owner's state of these keys now (none for the absent ones) replaces
+                # what the checkpoint had.
+                self.state.drop_keys([*got, *header.absent])
+            if got:
+                assert snapshot is not None
+                self.state.restore(snapshot)
                 self.stats["keys_fetched"] += snapshot.num_rows
                 self.stats["bytes_in"] += snapshot.nbytes
             self.arrived.update(got, header.absent)
@@ -418,7 +470,9 @@ class MoveIn:
 
     def state_chunk(self, body: bytes, sender: str) -> None:
         opened = self.seal.open(body, f"state chunk from {sender}")
-        chunk = import_chunk(self.state, opened, sender)
+        # A fetched key's reply holds newer state than any chunk of its group (the old owner
+        # dropped it when it served the fetch, but its deletion may still be in the changes).
+        chunk = import_chunk(self.state, opened, sender, self.arrived if self.preloaded else None)
         self.stats["keys_in"] += chunk.keys
         self.stats["bytes_in"] += chunk.nbytes
         # The group is complete: its keys need no entry in `arrived` (a key fetched meanwhile

@@ -5,11 +5,11 @@ Three families travel as JSON over the control calls of `keyshift.runtime.transp
 
 - commands, coordinator -> instance on the `Watch` stream (`Command`: `Topology`, `Drain`,
   `Stop`, `Checkpoint`, `CheckpointComplete`, `Reroute`, `Pause`, `Resume`, `MigrateIn`,
-  `MigrateOut`, `Abort`, `Retire`, `MovePartitions`, `OpenPartitions`, `Rescaling`), told
-  apart by their `type`;
+  `MigrateOut`, `Preload`, `Abort`, `Retire`, `MovePartitions`, `OpenPartitions`,
+  `Rescaling`), told apart by their `type`;
 - events, instance -> coordinator inside a `Report` (`Event`: `Ack` of a protocol step,
-  `OutDone`, `InDone`, and the checkpoint acks `SourceCheckpointAck`, `KeyedCheckpointAck`,
-  `SinkCheckpointAck`);
+  `OutDone`, `InDone`, `Preloaded`, and the checkpoint acks `SourceCheckpointAck`,
+  `KeyedCheckpointAck`, `SinkCheckpointAck`);
 - the bodies of the unary calls: `RegisterRequest`/`RegisterReply`, `InstanceCall` (Watch),
   `ReportRequest`, `RescaleRequest` (stage, parallelism, strategy, options) and its reply
   `RescaleReport`, `StatusReply`, `DrainReply`;
@@ -123,13 +123,26 @@ class Resume(Message):
     epoch: int
 
 
+class Preload(Message):
+    """A new owner, before a rescale's first step (hand-over from checkpoints): load `groups`,
+    which will come to you, from completed checkpoint `checkpoint` in the background, and report
+    `Preloaded`. The state stays unowned until a `MigrateIn` names the checkpoint."""
+
+    type: Literal["preload"] = "preload"
+    checkpoint: int
+    groups: list[int]
+
+
 class MigrateIn(Message):
-    """A new owner: these groups (by old owner) come to you in `epoch`; park their records."""
+    """A new owner: these groups (by old owner) come to you in `epoch`; park their records.
+    `handover`: the checkpoint you preloaded them from (only the changes since come); None:
+    their whole state comes, and any preloaded state of them is dropped first."""
 
     type: Literal["migrate_in"] = "migrate_in"
     epoch: int
     groups: dict[str, list[int]]
     peers: dict[str, str]
+    handover: int | None = None
 
 
 class PushOptions(Message):
@@ -148,6 +161,9 @@ class MigrateOut(Message):
     peers: dict[str, str]
     sources: int  # senders upstream of the stage: the epoch markers to wait for
     push: PushOptions = PushOptions()
+    # The checkpoint the new owners preloaded the groups from: push only the changes since it
+    # where this instance knows them (the whole group where it does not, saying why).
+    handover: int | None = None
 
 
 class Abort(Message):
@@ -207,7 +223,8 @@ Command = Annotated[
     | Retire
     | MovePartitions
     | OpenPartitions
-    | Rescaling,
+    | Rescaling
+    | Preload,
     Field(discriminator="type"),
 ]
 
@@ -229,11 +246,13 @@ class Ack(Message):
 
 class OutDone(Message):
     """An old owner has forwarded and pushed everything of `epoch`'s move (a sink instance: it
-    has closed the partitions it hands over)."""
+    has closed the partitions it hands over). `fallback`: why some groups of a hand-over went
+    whole instead of as changes since the preloaded checkpoint."""
 
     type: Literal["out_done"] = "out_done"
     epoch: int
     stats: dict[str, float]
+    fallback: str | None = None
 
 
 class InDone(Message):
@@ -243,6 +262,19 @@ class InDone(Message):
     type: Literal["in_done"] = "in_done"
     epoch: int
     stats: dict[str, float]
+
+
+class Preloaded(Message):
+    """A new owner loaded a `Preload`'s groups from `checkpoint` (keys, and bytes read from
+    the checkpoint store), or could not (`error`: the checkpoint is missing, corrupt or
+    unreadable; nothing of it stays loaded)."""
+
+    type: Literal["preloaded"] = "preloaded"
+    checkpoint: int
+    keys: int = 0
+    bytes: int = 0
+    seconds: float = 0.0
+    error: str | None = None
 
 
 class PeerUnreachable(Message):
@@ -302,6 +334,7 @@ Event = Annotated[
     Ack
     | OutDone
     | InDone
+    | Preloaded
     | PeerUnreachable
     | SourceCheckpointAck
     | KeyedCheckpointAck
@@ -399,6 +432,22 @@ class RescaleRequest(Message):
     options: dict[str, float] = {}
 
 
+class HandoverReport(Message):
+    """A rescale's hand-over from checkpoints: the checkpoint the new owners preloaded (None:
+    none was), what they read of it, the bytes the switch itself moved (chunks of changes,
+    whole groups that fell back, fetches), and why it fell back to a direct transfer (of
+    everything, or of some groups), if it did."""
+
+    checkpoint: int | None
+    preloaded_keys: int = 0
+    preloaded_bytes: int = 0
+    preload_seconds: float = 0.0
+    switch_bytes: int = 0
+    delta_groups: int = 0
+    whole_groups: int = 0
+    fallback: str | None = None
+
+
 class RescaleReport(Message):
     """A rescale as the coordinator reports it: in Rescale's reply and in Status. Its `phase`
     is `queued` while it waits for another stage's rescale to end (then `started` is when it
@@ -426,6 +475,7 @@ class RescaleReport(Message):
     # MB/s of state at each end of the moves (out, in); None until that end finished one.
     mb_per_s: dict[str, float | None] = Field(default_factory=dict)
     replaced: int | None = None  # the id of the queued request of its stage it replaced
+    handover: HandoverReport | None = None
 
 
 class InstanceStatus(Message):

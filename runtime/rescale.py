@@ -16,6 +16,16 @@ batch of groups for `batched`) the coordinator:
 4. MOVING: waits until every old owner reports `out_done` (all forwarded and pushed) and every
    new owner `in_done` (all state in, nothing parked).
 
+With checkpoints on, `hot-first`, `batched` and `all-at-once` hand state over from the latest
+completed checkpoint (Rhino) unless the rescale's `handover` option is 0: before the first step
+(and before `all-at-once` pauses anything), PRELOADING tells each new owner to load its future
+groups from that checkpoint (`preload`) while the old owners go on processing them, and waits
+for each `preloaded`; every step's `migrate_in` and `migrate_out` then name the checkpoint, and
+the old owners push only what changed since (whole groups where they do not know it, saying
+why in `out_done`). No checkpoint starts while a rescale runs, so none completes during the
+preload. A preload that failed (the checkpoint missing, corrupt or unreadable) makes every
+step a direct transfer; the status says why (`handover.fallback`).
+
 `all-at-once` pauses the senders before the first step and resumes them after the last;
 `lazy` pushes state at a slow trickle so nearly everything moves by on-demand fetches. A
 scale-out starts the new instances first (the host sees the desired parallelism in the status);
@@ -35,17 +45,21 @@ import numpy as np
 
 from keyshift.runtime.assignment_planner import moves, plan
 from keyshift.runtime.keyspace import Assignment
+from keyshift.runtime.metrics import HandoverCause
 from keyshift.runtime.protocol import (
     STRATEGIES,
     Abort,
     Ack,
     AckStep,
     Command,
+    HandoverReport,
     InDone,
     MigrateIn,
     MigrateOut,
     OutDone,
     Pause,
+    Preload,
+    Preloaded,
     PushOptions,
     Reported,
     Reroute,
@@ -66,6 +80,10 @@ DEFAULT_OPTIONS: dict[str, dict[str, float]] = {
 # These keep records flowing, so they may also cap their push (trickle_keys_per_s, unlimited
 # unless given): moving a large state then leaves an old owner CPU for its records.
 CAPPABLE = ("hot-first", "batched")
+# These push whole groups in the background, so a preload can spare the switch most of it
+# (`lazy` moves nearly everything by fetches, which a preload does not spare).
+HANDOVER = ("hot-first", "all-at-once", "batched")
+HANDOVER_OPTION = "handover"  # 1 (the default): hand over from checkpoints; 0: move directly
 STEP_TIMEOUT = 30.0
 MOVE_TIMEOUT = 600.0
 
@@ -101,6 +119,45 @@ class RescaleHost(Protocol):
 
     def lost_keyed(self) -> set[int]: ...
 
+    def latest_checkpoint(self) -> int | None:
+        """The latest completed checkpoint (None: none has completed)."""
+        ...
+
+    @property
+    def checkpointed(self) -> bool:
+        """Whether the job takes checkpoints."""
+        ...
+
+
+@dataclass
+class HandoverStatus:
+    """A rescale's hand-over from checkpoints as it goes (HandoverReport is its report)."""
+
+    checkpoint: int | None
+    preloaded_keys: int = 0
+    preloaded_bytes: int = 0
+    preload_seconds: float = 0.0
+    fallback: str | None = None
+    cause: HandoverCause | None = None  # of the fallback, for the metric
+
+    def fell_back(self, reason: str, cause: HandoverCause) -> None:
+        self.fallback = reason if self.fallback is None else f"{self.fallback}; {reason}"
+        self.cause = self.cause or cause
+
+    def report(self, progress: dict[str, float]) -> HandoverReport:
+        """`progress`: the rescale's counters; what the new owners took in at switch time is
+        the bytes the switch moved (chunks, whole groups, fetch replies)."""
+        return HandoverReport(
+            checkpoint=self.checkpoint,
+            preloaded_keys=self.preloaded_keys,
+            preloaded_bytes=self.preloaded_bytes,
+            preload_seconds=self.preload_seconds,
+            switch_bytes=int(progress.get("bytes_in", 0)),
+            delta_groups=int(progress.get("groups_changes", 0)),
+            whole_groups=int(progress.get("groups_whole", 0)),
+            fallback=self.fallback,
+        )
+
 
 @dataclass
 class RescaleStatus:
@@ -123,6 +180,7 @@ class RescaleStatus:
     steps: int = 0
     progress: dict[str, float] = field(default_factory=dict)
     replaced: int | None = None  # the queued request of the same stage this one replaced
+    handover: HandoverStatus | None = None
 
     def report(self) -> RescaleReport:
         return RescaleReport(
@@ -145,6 +203,7 @@ class RescaleStatus:
             progress=dict(self.progress),
             mb_per_s=transfer_rates(self.progress),
             replaced=self.replaced,
+            handover=self.handover.report(self.progress) if self.handover else None,
         )
 
 
@@ -164,11 +223,24 @@ def options_for(strategy: str, given: dict[str, Any] | None) -> dict[str, float]
     if strategy not in STRATEGIES:
         raise RescaleError(f"unknown strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}")
     options = dict(DEFAULT_OPTIONS[strategy])
-    takes = sorted({*options, *(["trickle_keys_per_s"] if strategy in CAPPABLE else [])})
+    takes = sorted(
+        {
+            *options,
+            *(["trickle_keys_per_s"] if strategy in CAPPABLE else []),
+            *([HANDOVER_OPTION] if strategy in HANDOVER else []),
+        }
+    )
     for name, value in (given or {}).items():
         if name not in takes:
             raise RescaleError(f"option {name!r} does not apply to {strategy}; it takes {takes}")
-        if not isinstance(value, int | float) or isinstance(value, bool) or value <= 0:
+        number = isinstance(value, int | float) and not isinstance(value, bool)
+        if name == HANDOVER_OPTION:
+            if not number or value not in (0, 1):
+                raise RescaleError(
+                    f"option {name!r} must be 1 (hand over from checkpoints, the default) or 0 "
+                    f"(move state directly), got {value!r}"
+                )
+        elif not number or value <= 0:
             raise RescaleError(f"option {name!r} must be a positive number, got {value!r}")
         options[name] = float(value)
     return options
@@ -265,6 +337,7 @@ class RescaleDriver:
             steps = [moving[i : i + size] for i in range(0, len(moving), size)] or [moving]
         else:
             steps = [moving]
+        handover = self._preload(target, moving)
         paused = status.strategy == "all-at-once"
         if paused:
             self._broadcast_senders(Pause(epoch=self.current.epoch))
@@ -272,7 +345,7 @@ class RescaleDriver:
             for groups in steps:
                 owners = self.current.owners.copy()
                 owners[groups] = target[groups]
-                self._step(Assignment(self.current.epoch + 1, owners))
+                self._step(Assignment(self.current.epoch + 1, owners), handover)
         finally:
             if paused:
                 self._phase("resuming")
@@ -283,6 +356,52 @@ class RescaleDriver:
             # retired one again in the moment after it left.
             self.host.set_desired(self.keyed, new_p)
             self.host.retire(self.keyed, list(range(new_p, old_p)))
+
+    def _preload(self, target: np.ndarray, moving: np.ndarray) -> int | None:
+        """Have the new owners load their future groups from the latest completed checkpoint;
+        the checkpoint the steps hand over from, or None (a direct transfer)."""
+        status = self.status
+        wanted = status.options.get(HANDOVER_OPTION, 1.0) == 1.0
+        if not self.host.checkpointed or status.strategy not in HANDOVER or not wanted:
+            return None
+        checkpoint = self.host.latest_checkpoint()
+        status.handover = report = HandoverStatus(checkpoint)
+        if checkpoint is None:
+            report.fell_back("no checkpoint had completed: the state moved directly", "none")
+            return None
+        if not len(moving):
+            return None
+        by_owner: dict[int, list[int]] = {}
+        for group in moving.tolist():
+            by_owner.setdefault(int(target[group]), []).append(group)
+        self._phase("preloading")
+        for owner, groups in by_owner.items():
+            self.host.send(self.keyed, owner, Preload(checkpoint=checkpoint, groups=sorted(groups)))
+        got: dict[int, Preloaded] = {}
+
+        def preloaded(events: list[Reported]) -> bool:
+            for r in events:
+                event = r.event
+                if isinstance(event, Preloaded) and event.checkpoint == checkpoint:
+                    got[r.index] = event
+            return set(got) >= set(by_owner)
+
+        self.host.wait_for(
+            preloaded, MOVE_TIMEOUT, f"new owners to preload checkpoint {checkpoint}"
+        )
+        report.preloaded_keys = sum(e.keys for e in got.values())
+        report.preloaded_bytes = sum(e.bytes for e in got.values())
+        report.preload_seconds = max(e.seconds for e in got.values())
+        failed = sorted((i, e.error) for i, e in got.items() if e.error is not None)
+        if failed:
+            index, error = failed[0]
+            report.fell_back(
+                f"the preload from checkpoint {checkpoint} failed at {self.keyed}/{index}: "
+                f"{error}; the state moved directly",
+                "preload",
+            )
+            return None
+        return checkpoint
 
     def _broadcast_senders(self, command: Pause | Resume | Reroute) -> None:
         """Send a command to the senders and wait for their acks; a sender that has ended
@@ -366,7 +485,7 @@ class RescaleDriver:
             f"state with instance(s) {sorted(lost)}, the rest stay where their state is"
         )
 
-    def _step(self, new: Assignment) -> None:
+    def _step(self, new: Assignment, handover: int | None) -> None:
         status = self.status
         epoch = new.epoch
         status.epoch = epoch
@@ -383,7 +502,8 @@ class RescaleDriver:
         self._phase("preparing")
         for dst, by_src in incoming.items():
             groups_in = {str(k): v for k, v in by_src.items()}
-            self.host.send(self.keyed, dst, MigrateIn(epoch=epoch, groups=groups_in, peers=peers))
+            command_in = MigrateIn(epoch=epoch, groups=groups_in, peers=peers, handover=handover)
+            self.host.send(self.keyed, dst, command_in)
         self.host.wait_for(
             step_acked("migrate_in", epoch, {(self.keyed, d) for d in incoming}),
             STEP_TIMEOUT,
@@ -401,6 +521,7 @@ class RescaleDriver:
                 peers=peers,
                 sources=sum(self.host.sender_count(stage) for stage in self.senders),
                 push=push,
+                handover=handover,
             )
             self.host.send(self.keyed, src, command)
         self.host.wait_for(
@@ -417,14 +538,20 @@ class RescaleDriver:
         )
         self._broadcast_senders(reroute)
         self._phase("moving")
-        self.host.wait_for(
-            lambda events: (
-                moves_reported(OutDone, epoch, set(outgoing))(events)
-                and moves_reported(InDone, epoch, set(incoming))(events)
-            ),
-            MOVE_TIMEOUT,
-            "state to move",
-        )
+        fallbacks: dict[int, str] = {}  # why old owners pushed groups whole in a hand-over
+
+        def moved(events: list[Reported]) -> bool:
+            for r in events:
+                if isinstance(r.event, OutDone) and r.event.epoch == epoch and r.event.fallback:
+                    fallbacks[r.index] = r.event.fallback
+            return moves_reported(OutDone, epoch, set(outgoing))(events) and moves_reported(
+                InDone, epoch, set(incoming)
+            )(events)
+
+        self.host.wait_for(moved, MOVE_TIMEOUT, "state to move")
+        for _, reason in sorted(fallbacks.items()):
+            assert status.handover is not None
+            status.handover.fell_back(reason, "changes")
         self.current = new
         self.step = None
         self.host.commit(self.keyed, new)

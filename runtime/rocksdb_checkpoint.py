@@ -20,6 +20,7 @@ import logging
 import shutil
 from collections.abc import Mapping
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 from keyshift.runtime.checkpoint_store import (
@@ -109,40 +110,48 @@ def restore_databases(
     checksum or HMAC is CheckpointCorrupt."""
     restored = 0
     for writer, groups in sorted(held.items()):
-        files = meta.databases.get(writer)
-        if files is None:
-            raise CheckpointCorrupt(
-                f"checkpoint {meta.id} names groups held by {writer}'s database but not its files"
-            )
-        local = state.directory / f"restore-{meta.id}-{writer}"
-        shutil.rmtree(local, ignore_errors=True)
-        try:
-            _download(store, meta.id, writer, files, local)
-            restored += state.copy_groups(local, groups)
-        finally:
-            shutil.rmtree(local, ignore_errors=True)
+        local = download_database(store, meta, writer, state.directory, patient=True)
+        restored += copy_database(state, local, groups)
         log.info(
             "restored %d groups from %s's database of checkpoint %d", len(groups), writer, meta.id
         )
     return restored
 
 
-def _download(
-    store: CheckpointStore,
-    checkpoint: int,
-    writer: str,
-    files: Mapping[str, ShardFile],
-    local: Path,
-) -> None:
+def download_database(
+    store: CheckpointStore, meta: CheckpointMeta, writer: str, beside: Path, patient: bool
+) -> Path:
+    """Download `writer`'s database of `meta` into a directory in `beside`. `patient`: storage
+    that fails is waited for (a recovery cannot go on without it); else its error is raised
+    (a hand-over falls back to a direct transfer instead)."""
+    files = meta.databases.get(writer)
+    if files is None:
+        raise CheckpointCorrupt(
+            f"checkpoint {meta.id} names groups held by {writer}'s database but not its files"
+        )
+    local = beside / f"restore-{meta.id}-{writer}"
+    shutil.rmtree(local, ignore_errors=True)
     try:
         local.mkdir(parents=True)
         for name, stored in sorted(files.items()):
-            data = retrying(
-                lambda stored=stored: store.read_database_file(stored),  # type: ignore[misc]
-                f"restoring {writer}'s database from checkpoint {checkpoint}",
-            )
-            (local / name).write_bytes(data)
+            read = partial(store.read_database_file, stored)
+            what = f"restoring {writer}'s database from checkpoint {meta.id}"
+            (local / name).write_bytes(retrying(read, what) if patient else read())
     except OSError as exc:
+        shutil.rmtree(local, ignore_errors=True)
         raise RocksStateError(
-            f"cannot download {writer}'s database of checkpoint {checkpoint} into {local}: {exc}"
+            f"cannot download {writer}'s database of checkpoint {meta.id} into {local}: {exc}"
         ) from exc
+    except BaseException:
+        shutil.rmtree(local, ignore_errors=True)
+        raise
+    return local
+
+
+def copy_database(state: RocksStore, local: Path, groups: list[int]) -> int:
+    """Copy `groups` from a database `download_database` fetched into `state`, and delete the
+    download; the keys copied."""
+    try:
+        return state.copy_groups(local, groups)
+    finally:
+        shutil.rmtree(local, ignore_errors=True)

@@ -404,6 +404,15 @@ class RocksStore(ABC):
 
     def drop_keys(self, keys: Sequence[Any]) -> int:
         """Keys leaving one at a time (fetched by a new owner): no tombstones, they moved."""
+        return self._remove(keys, expired=False)
+
+    def expire_keys(self, keys: Sequence[Any]) -> int:
+        """Delete keys whose state is done with (a window that fired). Its checkpoints are
+        native database snapshots, which a deletion reaches as it is; the change marks record
+        it for a hand-over from a checkpoint, whose new owner preloaded the key."""
+        return self._remove(keys, expired=True)
+
+    def _remove(self, keys: Sequence[Any], expired: bool) -> int:
         present, values = self._present(self._encode_keys(keys)) if keys else ([], [])
         if not present:
             return 0
@@ -411,15 +420,12 @@ class RocksStore(ABC):
         self._write((), present)
         for group, key in zip(groups.tolist(), present, strict=True):
             self._changed.get(group, set()).discard(key)
+        if expired:
+            self._note(self._deleted, groups, present)
         self._key_count -= len(present)
         np.subtract.at(self._group_keys, groups, 1)
         np.subtract.at(self._group_hits, groups, _hits(values))
         return len(present)
-
-    def expire_keys(self, keys: Sequence[Any]) -> int:
-        """Delete keys whose state is done with (a window that fired): its checkpoints are
-        native database snapshots, which a deletion reaches as it is."""
-        return self.drop_keys(keys)
 
     def changes(self, groups: Iterable[int]) -> StateChanges:
         wanted = [int(g) for g in groups]

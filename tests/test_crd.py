@@ -502,8 +502,10 @@ REFUSED = {
         _set("spec.job.source.config.profile.kind", "wave"),
         "spec.job.source.config.profile.kind",
     ),
-    "a strategy option of zero": (
-        _set("spec.migration.options.chunk_keys", 0),
+    # Zero passes the schema (handover: 0 turns the hand-over off); the operator's model
+    # refuses a zero chunk_keys (options_for).
+    "a negative strategy option": (
+        _set("spec.migration.options.chunk_keys", -1),
         "spec.migration.options.chunk_keys",
     ),
     "a cpu that is no quantity": (

@@ -238,8 +238,10 @@ def test_the_restart_strategy_gives_up_after_its_attempts(tmp_path: Path) -> Non
 def test_a_kill_during_a_hot_first_migration_recovers(tmp_path: Path, backend: str) -> None:
     def crash(run: Run) -> None:
         # A slow trickle: the push of the ~700 moving keys lasts seconds, however busy the
-        # machine, so the kill lands in the middle of it.
-        slow = {"chunk_keys": 8, "trickle_keys_per_s": 200}
+        # machine, so the kill lands in the middle of it. Moved directly: a hand-over from
+        # the checkpoint would push only the last half second's changes, over in a moment
+        # (tests/test_handover.py kills one mid-switch).
+        slow = {"chunk_keys": 8, "trickle_keys_per_s": 200, "handover": 0}
         run.client.call("Rescale", {"stage": "track", "parallelism": 3, "strategy": "hot-first",
                                     "options": slow})  # fmt: skip
 

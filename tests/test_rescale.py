@@ -333,7 +333,11 @@ def test_bad_rescale_requests_are_refused_and_change_nothing(tmp_path: Path) -> 
                     "strategy": "all-at-once",
                     "options": {"trickle_keys_per_s": 100},
                 },
-                "does not apply to all-at-once; it takes ['chunk_keys']",
+                "does not apply to all-at-once; it takes ['chunk_keys', 'handover']",
+            ),
+            (
+                {"stage": "track", "parallelism": 2, "options": {"handover": 2}},
+                "option 'handover' must be 1 (hand over from checkpoints, the default) or 0",
             ),
         ]
         for body, message in cases:

@@ -15,7 +15,8 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from keyshift.runtime.records import pack_raw
+from keyshift.runtime.keyspace import key_groups
+from keyshift.runtime.records import pack_raw, unpack_raw
 from keyshift.runtime.rocksdb_state import (
     RocksAggregateState,
     RocksProcessState,
@@ -23,12 +24,13 @@ from keyshift.runtime.rocksdb_state import (
     open_database,
     prepare_directory,
 )
-from keyshift.runtime.state import AggregateState
+from keyshift.runtime.state import AggregateState, ProcessState
 from keyshift.runtime.state_integrity import StateIntegrityError, StateSeal
 from keyshift.runtime.state_transfer import (
     ARROW,
     SST,
     StateTransferError,
+    export_changes,
     export_chunk,
     import_chunk,
 )
@@ -194,3 +196,55 @@ def test_a_group_whose_keys_do_not_match_its_count_is_never_shipped(tmp_path: Pa
     _, sent = export_chunk(state, [group], bulk=True)
     assert sent.keys == state.group_sizes()[group] > 0
     assert not list((tmp_path / "keyed-0" / "transfer").glob("*"))
+
+
+def delete_on_negative(state: Any, record: dict[str, Any]) -> tuple[Any, None]:
+    """A process function: counts a key's records, and a negative value deletes its state."""
+    return (None, None) if record["value"] < 0 else ((state or 0) + 1, None)
+
+
+@pytest.mark.parametrize("backend", ["memory", "rocksdb"])
+def test_changes_since_a_checkpoint_bring_a_preloaded_copy_up_to_date(
+    tmp_path: Path, backend: str
+) -> None:
+    """A hand-over's switch: the new owner holds the groups as a checkpoint had them; the old
+    owner's changes since (updates, new keys, deletions) make it equal to the old owner's
+    state, and a key the new owner fetched meanwhile (and went on updating) is left alone."""
+    codec = ValueCodec(allow_pickle=False)
+
+    def store(owner: str) -> Any:
+        if backend == "memory":
+            return ProcessState(delete_on_negative, G, pa.int64(), codec)
+        db = open_database(prepare_directory(tmp_path / owner, owner), 8, 1)
+        return RocksProcessState(delete_on_negative, G, pa.int64(), db, codec, True)
+
+    rng = random.Random(5)
+    old, new = store("keyed-0"), store("keyed-1")
+    old.apply(make_batch([rng.randrange(3000) for _ in range(6000)], [1.0] * 6000), "key")
+    moving = list(range(0, G, 2))
+    checkpoint = old.snapshot_groups(moving)  # the state at the checkpoint's barrier
+    old.clear_changes()
+    keys = [rng.randrange(4000) for _ in range(3000)]  # updates, new keys, deletions
+    old.apply(make_batch(keys, [-1.0 if k % 7 == 0 else 1.0 for k in keys]), "key")
+    new.restore(checkpoint)  # the preload
+    in_moving = {k for k in keys if k % 7 == 0 and group_of(k) in moving}
+    fetched = sorted(in_moving)[0] if in_moving else None
+    keep: set[Any] = set()
+    if fetched is not None:  # fetched on demand: deleted at the old owner, absent there
+        keep.add(fetched)
+        new.drop_keys([fetched])
+        new.apply(make_batch([fetched], [1.0]), "key")
+    payload, sent = export_changes(old, moving)
+    assert unpack_raw(payload)[0]["deleted"], "no deletion since the checkpoint: proves less"
+    with pytest.raises(StateTransferError, match="did not preload them"):
+        import_chunk(store("keyed-2"), payload, "keyed/0")
+    got = import_chunk(new, payload, "keyed/0", keep)
+    assert got.groups == moving and got.keys == sent.keys > 0
+    expected = {k: v for k, v in old.items().items() if group_of(k) in moving}
+    if fetched is not None:
+        expected[fetched] = 1
+    assert new.items() == expected
+
+
+def group_of(key: int) -> int:
+    return int(key_groups(pa.array([key], pa.int64()), G)[0])

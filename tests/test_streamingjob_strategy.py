@@ -51,3 +51,24 @@ def test_a_strategy_set_apart_in_the_two_places_is_refused() -> None:
         "migration": {"options": {"batch_groups": 64}},
     })  # fmt: skip
     assert "'batch_groups' does not apply to lazy" in aliased.problems()[0]
+
+
+@pytest.mark.parametrize(
+    ("options", "problem"),
+    [
+        ({"handover": 0}, None),  # hand-over from checkpoints off
+        ({"handover": 1, "batch_groups": 64}, None),
+        ({"handover": 0.5}, "option 'handover' must be 1"),
+        ({"chunk_keys": 0}, "option 'chunk_keys' must be a positive number"),
+    ],
+)
+def test_spec_migration_options_take_the_handover_switch(
+    options: dict[str, float], problem: str | None
+) -> None:
+    spec = StreamingJobSpec.model_validate({
+        "image": "x",
+        "job": {"name": "clicks"},
+        "migration": {"strategy": "batched", "options": options},
+    })  # fmt: skip
+    problems = spec.problems()
+    assert problems == [] if problem is None else problem in problems[0], problems
