@@ -148,6 +148,15 @@ class MigrateOut(Message):
     push: PushOptions = PushOptions()
 
 
+class PushRate(Message):
+    """An old owner: push `epoch`'s state at `keys_per_s` from now on (a rescale paced to a
+    latency objective)."""
+
+    type: Literal["push_rate"] = "push_rate"
+    epoch: int
+    keys_per_s: float = Field(gt=0)
+
+
 class Abort(Message):
     """Keyed instances: abandon `epoch`'s moves to and from `lost`; take up `adopt`'s groups."""
 
@@ -201,6 +210,7 @@ Command = Annotated[
     | Resume
     | MigrateIn
     | MigrateOut
+    | PushRate
     | Abort
     | Retire
     | MovePartitions
@@ -397,6 +407,17 @@ class RescaleRequest(Message):
     options: dict[str, float] = {}
 
 
+class PacingReport(Message):
+    """A rescale paced to `max_latency_ms`: the worst sink p99 seen while state moved (None: no
+    record reached a sink), whether it stayed within the objective, and the push rates used
+    (keys/s per old owner, in order)."""
+
+    objective_ms: float
+    worst_p99_ms: float | None
+    met: bool | None
+    keys_per_s: list[float]
+
+
 class RescaleReport(Message):
     """A rescale as the coordinator reports it: in Rescale's reply and in Status."""
 
@@ -420,6 +441,7 @@ class RescaleReport(Message):
     progress: dict[str, float]
     # MB/s of state at each end of the moves (out, in); None until that end finished one.
     mb_per_s: dict[str, float | None] = Field(default_factory=dict)
+    pacing: PacingReport | None = None
 
 
 class InstanceStatus(Message):
