@@ -455,6 +455,15 @@ class Coordinator:
                 grpc.StatusCode.UNAUTHENTICATED,
             )
 
+    def sink_latencies(self) -> list[tuple[float, float]]:
+        """The sink instances' recent (emitted at, worst latency) samples, from their reports."""
+        with self._lock:
+            return [
+                (float(at), float(latency))
+                for record in self.members[self.spec.sink.name].values()
+                for at, latency in record.stats.get("latency_recent", [])
+            ]
+
     def lost_keyed(self) -> set[int]:
         with self._lock:
             return set(self._lost_keyed)

@@ -50,6 +50,7 @@ from keyshift.runtime.protocol import (
     MigrateOut,
     OutDone,
     Preload,
+    PushRate,
     Reroute,
     Rescaling,
     Retire,
@@ -568,6 +569,10 @@ class KeyedStage:
             self.owned &= move.target < 0
             self.forward_queued(move)
             self.ctx.emit(Ack(step="migrate_out", epoch=move.epoch))
+        elif isinstance(command, PushRate):
+            # A rate for a move that has finished here already changes nothing.
+            if self.move_out is not None and self.move_out.epoch == command.epoch:
+                self.move_out.pace(command.keys_per_s)
         elif isinstance(command, Abort):
             lost = set(command.lost)
             if self.move_out is not None:

@@ -202,6 +202,10 @@ class MoveOut:
         self.stats["keys_fetched_out"] += len(found)
         self.stats["bytes_out"] += snapshot.nbytes
 
+    def pace(self, keys_per_s: float) -> None:
+        """A new push rate from the coordinator pacing this move to a latency objective."""
+        self.trickle = keys_per_s
+
     def push_some(self) -> bool:
         """Push the next chunk of state, if any is left and the strategy's rate allows."""
         if not self.push_order or any(self.outbox.values()):

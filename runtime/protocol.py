@@ -166,6 +166,15 @@ class MigrateOut(Message):
     handover: int | None = None
 
 
+class PushRate(Message):
+    """An old owner: push `epoch`'s state at `keys_per_s` from now on (a rescale paced to a
+    latency objective)."""
+
+    type: Literal["push_rate"] = "push_rate"
+    epoch: int
+    keys_per_s: float = Field(gt=0)
+
+
 class Abort(Message):
     """Keyed instances: abandon `epoch`'s moves to and from `lost`; take up `adopt`'s groups."""
 
@@ -219,6 +228,7 @@ Command = Annotated[
     | Resume
     | MigrateIn
     | MigrateOut
+    | PushRate
     | Abort
     | Retire
     | MovePartitions
@@ -448,6 +458,17 @@ class HandoverReport(Message):
     fallback: str | None = None
 
 
+class PacingReport(Message):
+    """A rescale paced to `max_latency_ms`: the worst sink p99 seen while state moved (None: no
+    record reached a sink), whether it stayed within the objective, and the push rates used
+    (keys/s per old owner, in order)."""
+
+    objective_ms: float
+    worst_p99_ms: float | None
+    met: bool | None
+    keys_per_s: list[float]
+
+
 class RescaleReport(Message):
     """A rescale as the coordinator reports it: in Rescale's reply and in Status. Its `phase`
     is `queued` while it waits for another stage's rescale to end (then `started` is when it
@@ -476,6 +497,7 @@ class RescaleReport(Message):
     mb_per_s: dict[str, float | None] = Field(default_factory=dict)
     replaced: int | None = None  # the id of the queued request of its stage it replaced
     handover: HandoverReport | None = None
+    pacing: PacingReport | None = None
 
 
 class InstanceStatus(Message):

@@ -46,6 +46,7 @@ import numpy as np
 from keyshift.runtime.assignment_planner import moves, plan
 from keyshift.runtime.keyspace import Assignment
 from keyshift.runtime.metrics import HandoverCause
+from keyshift.runtime.pacing import PushPacer
 from keyshift.runtime.protocol import (
     STRATEGIES,
     Abort,
@@ -57,10 +58,12 @@ from keyshift.runtime.protocol import (
     MigrateIn,
     MigrateOut,
     OutDone,
+    PacingReport,
     Pause,
     Preload,
     Preloaded,
     PushOptions,
+    PushRate,
     Reported,
     Reroute,
     RescaleReport,
@@ -78,12 +81,14 @@ DEFAULT_OPTIONS: dict[str, dict[str, float]] = {
     "lazy": {"chunk_keys": 4096, "trickle_keys_per_s": 20000},
 }
 # These keep records flowing, so they may also cap their push (trickle_keys_per_s, unlimited
-# unless given): moving a large state then leaves an old owner CPU for its records.
+# unless given): moving a large state then leaves an old owner CPU for its records. Or pace it
+# to a latency objective (max_latency_ms), which sets the push rate itself.
 CAPPABLE = ("hot-first", "batched")
 # These push whole groups in the background, so a preload can spare the switch most of it
 # (`lazy` moves nearly everything by fetches, which a preload does not spare).
 HANDOVER = ("hot-first", "all-at-once", "batched")
 HANDOVER_OPTION = "handover"  # 1 (the default): hand over from checkpoints; 0: move directly
+CAPS = ("trickle_keys_per_s", "max_latency_ms")
 STEP_TIMEOUT = 30.0
 MOVE_TIMEOUT = 600.0
 
@@ -127,6 +132,8 @@ class RescaleHost(Protocol):
     def checkpointed(self) -> bool:
         """Whether the job takes checkpoints."""
         ...
+
+    def sink_latencies(self) -> list[tuple[float, float]]: ...
 
 
 @dataclass
@@ -181,6 +188,7 @@ class RescaleStatus:
     progress: dict[str, float] = field(default_factory=dict)
     replaced: int | None = None  # the queued request of the same stage this one replaced
     handover: HandoverStatus | None = None
+    pacer: PushPacer | None = None
 
     def report(self) -> RescaleReport:
         return RescaleReport(
@@ -204,7 +212,18 @@ class RescaleStatus:
             mb_per_s=transfer_rates(self.progress),
             replaced=self.replaced,
             handover=self.handover.report(self.progress) if self.handover else None,
+            pacing=None if self.pacer is None else pacing_report(self.pacer),
         )
+
+
+def pacing_report(pacer: PushPacer) -> PacingReport:
+    worst = pacer.worst_p99_s
+    return PacingReport(
+        objective_ms=pacer.objective_s * 1000,
+        worst_p99_ms=None if worst is None else round(worst * 1000, 1),
+        met=pacer.met(),
+        keys_per_s=list(pacer.rates),
+    )
 
 
 def transfer_rates(progress: dict[str, float]) -> dict[str, float | None]:
@@ -226,7 +245,7 @@ def options_for(strategy: str, given: dict[str, Any] | None) -> dict[str, float]
     takes = sorted(
         {
             *options,
-            *(["trickle_keys_per_s"] if strategy in CAPPABLE else []),
+            *(CAPS if strategy in CAPPABLE else []),
             *([HANDOVER_OPTION] if strategy in HANDOVER else []),
         }
     )
@@ -243,6 +262,11 @@ def options_for(strategy: str, given: dict[str, Any] | None) -> dict[str, float]
         elif not number or value <= 0:
             raise RescaleError(f"option {name!r} must be a positive number, got {value!r}")
         options[name] = float(value)
+    if all(cap in options for cap in CAPS):
+        raise RescaleError(
+            "options 'max_latency_ms' and 'trickle_keys_per_s' exclude each other: a rescale "
+            "paced to a latency objective sets its push rate itself"
+        )
     return options
 
 
@@ -289,6 +313,9 @@ class RescaleDriver:
         self.current = current
         self.group_load = group_load
         self.step: tuple[Assignment, set[int], set[int]] | None = None  # target, from, to
+        objective = status.options.get("max_latency_ms")
+        if objective is not None:
+            status.pacer = PushPacer(objective / 1000, status.options["chunk_keys"])
 
     def run(self) -> None:
         status = self.status
@@ -485,6 +512,26 @@ class RescaleDriver:
             f"state with instance(s) {sorted(lost)}, the rest stay where their state is"
         )
 
+    def _paced(
+        self, moved: Callable[[list[Reported]], bool], pacer: PushPacer, epoch: int, old: set[int]
+    ) -> Callable[[list[Reported]], bool]:
+        """`moved`, checked while the old owners' push rate follows the sinks' p99: the wait
+        checks it on every report and at least twice a second."""
+        pacer.start(time.time())
+
+        def check(events: list[Reported]) -> bool:
+            samples = self.host.sink_latencies()
+            if moved(events):
+                pacer.finish(samples)
+                return True
+            rate = pacer.decide(time.time(), samples)
+            if rate is not None:
+                for src in old & set(self.host.addresses(self.keyed)):  # a lost one takes none
+                    self.host.send(self.keyed, src, PushRate(epoch=epoch, keys_per_s=rate))
+            return False
+
+        return check
+
     def _step(self, new: Assignment, handover: int | None) -> None:
         status = self.status
         epoch = new.epoch
@@ -510,9 +557,12 @@ class RescaleDriver:
             "new owners to prepare",
         )
         self._phase("freezing")
+        pacer = status.pacer
         push = PushOptions(
             chunk_keys=int(status.options["chunk_keys"]),
-            trickle_keys_per_s=status.options.get("trickle_keys_per_s"),
+            trickle_keys_per_s=(
+                status.options.get("trickle_keys_per_s") if pacer is None else pacer.rate_keys_per_s
+            ),
         )
         for src, by_dst in outgoing.items():
             command = MigrateOut(
@@ -548,7 +598,11 @@ class RescaleDriver:
                 InDone, epoch, set(incoming)
             )(events)
 
-        self.host.wait_for(moved, MOVE_TIMEOUT, "state to move")
+        self.host.wait_for(
+            moved if pacer is None else self._paced(moved, pacer, epoch, set(outgoing)),
+            MOVE_TIMEOUT,
+            "state to move",
+        )
         for _, reason in sorted(fallbacks.items()):
             assert status.handover is not None
             status.handover.fell_back(reason, "changes")

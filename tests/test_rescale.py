@@ -21,6 +21,7 @@ from keyshift.runtime.job import GeneratorSource
 from keyshift.runtime.keyspace import key_groups
 from keyshift.runtime.metrics import JOB_LABEL, MetricName
 from keyshift.runtime.output_log import OutputLogReader
+from keyshift.runtime.pacing import FLOOR_KEYS_PER_S
 from keyshift.runtime.protocol import STRATEGIES
 from keyshift.runtime.transport import JsonClient, TransportError
 from tests.conftest import (
@@ -122,19 +123,23 @@ def run_with_rescales(
     job: dict[str, Any] | None = None,
     after: Callable[[LocalJob], None] = lambda local: None,
     options: Mapping[str, float] | None = None,
+    options_per_step: list[Mapping[str, float]] | None = None,
 ) -> list[dict[str, Any]]:
+    """Rescale a running job by `steps` (with `options`, or each step's own), drain it and
+    check its output; the rescales' results."""
     out = tmp_path / "out"
     results = []
     job = job or tracked_job(out, source, start)
     with running_job(tmp_path, job) as local:
         client = JsonClient(local.address, SERVICE)
         wait_for(lambda: local.status()["phase"] == "running", 30, "the job to run")
-        for parallelism, strategy in steps:
+        for step, (parallelism, strategy) in enumerate(steps):
             # Let records flow between rescales.
             flowed = sum_out(local)
             # mypy cannot type a lambda's default argument, which binds the loop's value.
             wait_for(lambda f=flowed: sum_out(local) > f + 5000, 30, "records to flow")  # type: ignore[misc]
-            results.append(rescale_via(local, client, parallelism, strategy, options=options))
+            given = options_per_step[step] if options_per_step else options
+            results.append(rescale_via(local, client, parallelism, strategy, options=given))
         after(local)
         local.drain()
         final = wait_for(
@@ -291,6 +296,28 @@ def test_rescales_taking_standbys_keep_the_invariants(tmp_path: Path) -> None:
     assert taken == ["track-standby-2.log"], taken
 
 
+def test_a_rescale_paced_to_a_latency_objective_reports_whether_it_held(tmp_path: Path) -> None:
+    """A generous objective is met; an impossible one (1 ms: a batch takes longer than that
+    from ingest to sink) is not, and its move still completes, at the floor rate. Small chunks
+    make the first rate the floor (1,000 keys/s), so each move of ~1.5k keys lasts ~1.5 s and
+    the sinks report latencies meanwhile."""
+    source = {"kind": "generator", "keys": 3000, "seed": 5, "profile": {"rate": 5000}}
+    generous = {"chunk_keys": 100, "max_latency_ms": 60_000}
+    impossible = {"chunk_keys": 100, "max_latency_ms": 1}
+    met, missed = run_with_rescales(
+        tmp_path, source, 1, [(2, "hot-first"), (1, "batched")],
+        options_per_step=[generous, impossible],
+    )  # fmt: skip
+    assert met["pacing"]["met"] is True, met["pacing"]
+    assert met["pacing"]["objective_ms"] == 60_000
+    assert 0 < met["pacing"]["worst_p99_ms"] <= 60_000
+    assert met["pacing"]["keys_per_s"][0] == FLOOR_KEYS_PER_S
+    assert missed["pacing"]["met"] is False, missed["pacing"]
+    assert missed["pacing"]["worst_p99_ms"] > 1
+    assert missed["pacing"]["keys_per_s"] == [FLOOR_KEYS_PER_S]
+    assert missed["groups_moved"] == missed["groups_to_move"] > 0
+
+
 def test_bad_rescale_requests_are_refused_and_change_nothing(tmp_path: Path) -> None:
     source = {"kind": "generator", "keys": 100, "profile": {"rate": 2000}}
     with running_job(tmp_path, tracked_job(tmp_path / "out", source, 2)) as local:
@@ -338,6 +365,19 @@ def test_bad_rescale_requests_are_refused_and_change_nothing(tmp_path: Path) -> 
             (
                 {"stage": "track", "parallelism": 2, "options": {"handover": 2}},
                 "option 'handover' must be 1 (hand over from checkpoints, the default) or 0",
+            ),
+            (
+                {"stage": "track", "parallelism": 2, "options": {"max_latency_ms": 0}},
+                "option 'max_latency_ms' must be a positive number, got 0",
+            ),
+            (
+                {
+                    "stage": "track",
+                    "parallelism": 2,
+                    "strategy": "lazy",
+                    "options": {"max_latency_ms": 100},
+                },
+                "option 'max_latency_ms' does not apply to lazy",
             ),
         ]
         for body, message in cases:
