@@ -456,11 +456,13 @@ class Coordinator:
             )
 
     def sink_latencies(self) -> list[tuple[float, float]]:
-        """The sink instances' recent (emitted at, worst latency) samples, from their reports."""
+        """Every sink's instances' recent (emitted at, worst latency) samples, from their
+        reports."""
         with self._lock:
             return [
                 (float(at), float(latency))
-                for record in self.members[self.spec.sink.name].values()
+                for sink in self.partitions
+                for record in self.members[sink].values()
                 for at, latency in record.stats.get("latency_recent", [])
             ]
 
