@@ -253,6 +253,15 @@ MAY_BE_EMPTY = {
         "keyshift_storage_failures_total{use} has a series only once storage failed; the run "
         "here has healthy storage (tests/test_storage_outage.py checks it with failing storage)"
     ),
+    ("keyshift-migration", "panel 'Hand-over from checkpoints' A"): (
+        "keyshift_rescale_handover_bytes_total exists only once a checkpointed job rescaled "
+        "with a strategy that hands over from checkpoints; the run here rescales with lazy "
+        "(tests/test_handover.py checks the hand-over's numbers)"
+    ),
+    ("keyshift-migration", "panel 'Hand-over from checkpoints' B"): (
+        "keyshift_rescale_handover_fallbacks_total{cause} has a series only once a hand-over "
+        "fell back to a direct transfer; the run here hands nothing over"
+    ),
     ("keyshift-operator", "panel 'Autoscaler errors by reason' A"): (
         "keyshift_autoscaler_errors_total{reason} counts ticks without metrics and failed "
         "rescales; a run may have neither"
