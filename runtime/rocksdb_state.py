@@ -65,6 +65,10 @@ TRANSFER = "transfer"
 # Keys per write batch when a checkpoint's ranges are copied in: a batch is held whole in memory,
 # 4 MiB of 4 KiB values (65,536 keys of such values were 256 MiB).
 COPY_CHUNK = 1024
+# The change marks live in memory, and RocksDB state is there to outgrow it: past this many
+# keys marked since the last checkpoint, marking stops until the next one, and a hand-over
+# then pushes every group whole (its changes are no longer known).
+MAX_MARKED_KEYS = 65_536
 SST_FILE_MB = 8  # the size compaction cuts its output files at
 
 
@@ -184,10 +188,11 @@ class RocksStore(ABC):
         self._group_keys = np.zeros(max_key_groups, dtype=np.int64)
         self._group_hits = np.zeros(max_key_groups, dtype=np.int64)
         # Without checkpoints nobody asks for changes: keeping them would grow with the keys.
-        self._track = track_changes
+        self._tracked = self._track = track_changes
         self._changed: dict[int, set[bytes]] = {}
         self._deleted: dict[int, set[bytes]] = {}
         self._restored: set[int] = set()
+        self._marked = 0  # keys marked since the last clear (a key marked twice counts twice)
 
     # -- keys as bytes ------------------------------------------------------------------------
 
@@ -294,9 +299,23 @@ class RocksStore(ABC):
             raise RocksStateError(f"cannot write RocksDB state at {self.directory}: {exc}") from exc
 
     def _note(self, table: dict[int, set[bytes]], groups: np.ndarray, keys: list[bytes]) -> None:
-        if self._track:
+        if self._marking():
             for group, key in zip(groups.tolist(), keys, strict=True):
-                table.setdefault(group, set()).add(key)
+                self._mark(table, group, key)
+
+    def _marking(self) -> bool:
+        """Whether changes are marked now: tracked, and within MAX_MARKED_KEYS."""
+        if self._track and self._marked > MAX_MARKED_KEYS:
+            self._changed.clear()
+            self._deleted.clear()
+            self._track = False  # till the next clear_changes
+        return self._track
+
+    def _mark(self, table: dict[int, set[bytes]], group: int, key: bytes) -> None:
+        marks = table.setdefault(group, set())
+        before = len(marks)
+        marks.add(key)
+        self._marked += len(marks) - before
 
     def _restore_rows(self, snapshot: pa.RecordBatch, values: list[bytes]) -> None:
         """Write a snapshot's keys with their encoded values; a key already here is an
@@ -435,12 +454,16 @@ class RocksStore(ABC):
             for g in wanted
             if self._deleted.get(g)
         }
-        return StateChanges(self._rows(*self._present(changed)), deleted, set(self._restored))
+        # Marks given up on (too many): every group is as if it came after the checkpoint.
+        whole = set(self._restored) if self._marking() else set(range(len(self._group_keys)))
+        return StateChanges(self._rows(*self._present(changed)), deleted, whole)
 
     def clear_changes(self) -> None:
         self._changed.clear()
         self._deleted.clear()
         self._restored.clear()
+        self._track = self._tracked
+        self._marked = 0
 
     def close(self) -> None:
         self._db.close()
@@ -678,13 +701,13 @@ class RocksProcessState(RocksStore):
         before = np.array([existed[k] for k in keys], dtype=bool)
         self._key_count += int(now.sum()) - int(before.sum())
         np.add.at(self._group_keys, groups, now.astype(np.int64) - before.astype(np.int64))
-        if self._track:
+        if self._marking():
             for group, key, dbkey in zip(groups.tolist(), keys, dbkeys, strict=True):
                 if current[key][0] is not None:
-                    self._changed.setdefault(group, set()).add(dbkey)
+                    self._mark(self._changed, group, dbkey)
                     self._deleted.get(group, set()).discard(dbkey)
                 elif key in deleted:
-                    self._deleted.setdefault(group, set()).add(dbkey)
+                    self._mark(self._deleted, group, dbkey)
                     self._changed.get(group, set()).discard(dbkey)
         return outputs, batch.num_rows
 

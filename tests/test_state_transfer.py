@@ -15,6 +15,7 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
+from keyshift.runtime import rocksdb_state
 from keyshift.runtime.keyspace import key_groups
 from keyshift.runtime.records import pack_raw, unpack_raw
 from keyshift.runtime.rocksdb_state import (
@@ -248,3 +249,25 @@ def test_changes_since_a_checkpoint_bring_a_preloaded_copy_up_to_date(
 
 def group_of(key: int) -> int:
     return int(key_groups(pa.array([key], pa.int64()), G)[0])
+
+
+def test_past_the_marked_keys_budget_rocksdb_state_asks_for_every_group_whole(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """RocksDB state outgrows memory, its change marks must not: past MAX_MARKED_KEYS keys
+    marked since the last checkpoint it stops marking and says every group has no delta (a
+    hand-over then pushes them whole), until the next checkpoint clears the marks."""
+    monkeypatch.setattr(rocksdb_state, "MAX_MARKED_KEYS", 50)
+    codec = ValueCodec(allow_pickle=False)
+    db = open_database(prepare_directory(tmp_path / "keyed-0", "keyed-0"), 8, 1)
+    state = RocksProcessState(delete_on_negative, G, pa.int64(), db, codec, True)
+    state.apply(make_batch(list(range(40)), [1.0] * 40), "key")
+    assert state.changes(range(G)).restored == set()  # within the budget: deltas known
+    state.apply(make_batch(list(range(40, 100)), [1.0] * 60), "key")
+    state.apply(make_batch([1], [1.0]), "key")
+    changes = state.changes(range(G))
+    assert changes.restored == set(range(G)) and changes.upserts.num_rows == 0
+    state.clear_changes()  # a checkpoint's barrier
+    state.apply(make_batch([7], [1.0]), "key")
+    changes = state.changes(range(G))
+    assert changes.restored == set() and changes.upserts.num_rows == 1
