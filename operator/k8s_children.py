@@ -13,7 +13,11 @@ What a job becomes, in creation order:
   on that file, and a ClusterIP Service `<job>-coordinator` (grpc 7000, metrics 9100);
 - per stage (every source, keyed stage and the sink): a headless Service `<job>-<stage>` and a
   StatefulSet of the same name whose pods run `keyshift.runtime.instance --index hostname` (the
-  pod ordinal is the instance index) and register their pod IP with the coordinator;
+  pod ordinal is the instance index) and register their pod IP with the coordinator. A keyed
+  stage with `standby: N` has N pods more than its parallelism (`stage_replicas`), and all its
+  pods run with `--standby` too: each offers itself to the coordinator for its ordinal only, and
+  takes it at once when the stage wants it, so the top N ordinals wait warm until a scale-out
+  reaches them; the StatefulSet then grows by as much, which starts the next standbys;
 - per entry of `spec.sources` and `spec.sinks`: a Deployment `<job>-<source|sink>-<app>` (one
   replica, Recreate) running the PySpark script with `spark-submit --master local[*]`. The app
   finds the job through its environment and the job file (mounted at JOB_MOUNT/JOB_FILE, as in
@@ -770,6 +774,13 @@ def _keyed_stage(job: JobSpec, stage: str) -> KeyedStage | None:
     return next((s.stage for s in job.keyed_stages() if s.stage.name == stage), None)
 
 
+def stage_replicas(job: JobSpec, stage: str, parallelism: int) -> int:
+    """The replicas of a stage's StatefulSet at `parallelism`: a keyed stage's standbys run
+    above its instances, except once it has no instances (a finished job)."""
+    keyed = _keyed_stage(job, stage)
+    return parallelism + keyed.standby if keyed is not None and parallelism else parallelism
+
+
 def _state_volume(job: JobSpec, stage: str) -> tuple[Manifest, Manifest] | None:
     """The local disk of a keyed stage on RocksDB (its `state.path`; the root filesystem is
     read-only): an emptyDir, since the database is rebuilt from checkpoints or a migration at
@@ -834,6 +845,7 @@ def stage_stateful_set(
             stage,
             "--index",
             "hostname",
+            *(["--standby"] if keyed is not None and keyed.standby else []),
             "--host",
             "$(POD_IP)",
             "--port",
@@ -996,9 +1008,9 @@ def children(
     options: ChildOptions | None = None,
 ) -> list[Manifest]:
     """Every child of the StreamingJob `name`, in creation order. `job` is `spec.job_spec()`.
-    A stage's StatefulSet starts at the job's parallelism; the stages in `existing` (their
-    StatefulSet exists) get none, so that applying them never undoes a rescale. `options` are
-    the operator's (`ChildOptions`)."""
+    A stage's StatefulSet starts at the job's parallelism (and standbys); the stages in
+    `existing` (their StatefulSet exists) get none, so that applying them never undoes a
+    rescale. `options` are the operator's (`ChildOptions`)."""
     settings = options or ChildOptions()
     if not spec.image:
         spec = spec.model_copy(update={"image": settings.job_image})
@@ -1011,7 +1023,9 @@ def children(
         # Before the pods: none of them is ever reachable from outside its rules.
         out.insert(0, network_policy(name, namespace, job, settings.network_policy))
     for stage in job.stages():
-        count = None if stage.name in existing else stage.parallelism
+        count = (
+            None if stage.name in existing else stage_replicas(job, stage.name, stage.parallelism)
+        )
         out.append(stage_service(name, namespace, job, stage.name))
         out.append(stage_stateful_set(name, namespace, spec, job, stage.name, count))
         if settings.pod_disruption_budget is not None:

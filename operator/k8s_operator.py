@@ -51,6 +51,7 @@ from keyshift.operator.k8s_children import (
     job_secret,
     job_secret_name,
     sink_rescale_problem,
+    stage_replicas,
     stage_selector,
     stage_set_name,
 )
@@ -202,7 +203,8 @@ def build_registry(config: OperatorConfig) -> kopf.OperatorRegistry:
                 for created in job.stages():
                     if created.name not in sets:  # the scaler takes the replicas over
                         set_name = stage_set_name(name, created.name)
-                        await apply_replicas(api, set_name, namespace, created.parallelism)
+                        replicas = stage_replicas(job, created.name, created.parallelism)
+                        await apply_replicas(api, set_name, namespace, replicas)
             except ApiException:
                 config.metrics.reconciled(namespace, name, "error")
                 raise  # kopf retries with back-off
@@ -471,7 +473,9 @@ def _write_status(
             "name": s["name"],
             "current": int(s["parallelism"]),
             "target": int(s["desired"]),
-            "ready": ready.get(s["name"], 0),
+            # A stage's standbys are pods of its StatefulSet too, ready or not.
+            "ready": min(ready.get(s["name"], 0), int(s["desired"])),
+            "standbys": sum(1 for w in s.get("standbys", []) if w["index"] is None),
             "lastDecision": decision.reason if (decision := latest.get(s["name"])) else "",
             "pending": queued.get(s["name"]),
         }

@@ -22,7 +22,7 @@ from pydantic import ValidationError
 from keyshift.operator.autoscaled_job import AutoscaledJob
 from keyshift.operator.autoscaler import AutoscalingLoop
 from keyshift.operator.k8s_apply import apply_replicas
-from keyshift.operator.k8s_children import stage_set_name
+from keyshift.operator.k8s_children import stage_replicas, stage_set_name
 from keyshift.operator.k8s_restarts import Restarts
 from keyshift.operator.local_scaling import WallClock
 from keyshift.operator.rescale_executor import (
@@ -39,6 +39,7 @@ from keyshift.policies import make_policy
 from keyshift.policies.guards import GuardState
 from keyshift.policies.model import Decision
 from keyshift.runtime.auth import Security
+from keyshift.runtime.job import JobSpec
 from keyshift.runtime.metrics import AutoscalerMetrics
 from keyshift.runtime.transport import JsonClient
 
@@ -51,11 +52,13 @@ def timestamp(at: float) -> str:
 
 class StatefulSetPool:
     """Replica changes the loop asked for (from its thread), applied by the operator's event
-    loop at the end of each tick (`flush`)."""
+    loop at the end of each tick (`flush`); a keyed stage's standbys run above its instances
+    (`stage_replicas`)."""
 
-    def __init__(self, name: str, namespace: str) -> None:
+    def __init__(self, name: str, namespace: str, job: JobSpec) -> None:
         self.name = name
         self.namespace = namespace
+        self.job = job
         self._wanted: dict[str, int] = {}
         self._lock = threading.Lock()
 
@@ -71,11 +74,16 @@ class StatefulSetPool:
         self.shrink(stage, parallelism)
 
     async def flush(self, api: k8s.ApiClient) -> list[tuple[str, int]]:
+        """Apply what was asked; each stage changed and its StatefulSet's replicas."""
         with self._lock:
             wanted, self._wanted = self._wanted, {}
-        for stage, replicas in wanted.items():
+        applied = {
+            stage: stage_replicas(self.job, stage, parallelism)
+            for stage, parallelism in wanted.items()
+        }
+        for stage, replicas in applied.items():
             await apply_replicas(api, stage_set_name(self.name, stage), self.namespace, replicas)
-        return sorted(wanted.items())
+        return sorted(applied.items())
 
 
 @dataclass
@@ -226,7 +234,7 @@ def kube_job(
     the autoscaler leaves that sink alone)."""
     client = JsonClient(coordinator, "keyshift.Coordinator", security)
     latest = LatestStatus()
-    pool = StatefulSetPool(name, namespace)
+    pool = StatefulSetPool(name, namespace, job)
     scalable = scalable_stages(job, sink_problem)
     executor = CoordinatorExecutor(
         client, pool, latest, scalable, plan, memory.handled, memory.pending

@@ -258,13 +258,6 @@ class StreamingJobSpec(_Model):
                 "put them in a Secret named by spec.storageCredentials"
                 for path in _credential_paths(spec.checkpoints.storage_options)
             )
-        if spec is not None:
-            found.extend(
-                f"keyed stage {step.stage.name}: standby is not yet supported on Kubernetes "
-                "(the local host keeps standbys; here a scale-out starts pods)"
-                for step in spec.keyed_stages()
-                if step.stage.standby
-            )
         names = {app.name for app in [*self.sources, *self.sinks]}
         if len(names) != len(self.sources) + len(self.sinks):
             found.append("spec.sources and spec.sinks need distinct names")
@@ -300,7 +293,13 @@ class StageStatus(_Model):
     name: str
     current: int = Field(description="instances registered with the coordinator")
     target: int = Field(description="instances the job should have")
-    ready: int = Field(description="pods ready")
+    ready: int = Field(
+        description="instances' pods ready (of a stage keeping standbys: at most `target`, "
+        "since its StatefulSet also runs the standbys)"
+    )
+    standbys: int = Field(
+        default=0, description="warm standbys waiting for a scale-out (a keyed stage's `standby`)"
+    )
     last_decision: str = Field(
         default="",
         alias="lastDecision",

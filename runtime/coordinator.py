@@ -405,7 +405,9 @@ class Coordinator:
                     f"stage {request.stage!r} of job {self.spec.name} keeps no standbys",
                     grpc.StatusCode.NOT_FOUND,
                 )
-            standby = self.standbys.offer(request.stage, request.pid)
+            standby = self.standbys.offer(
+                request.stage, request.pid, request.index, self.desired[request.stage]
+            )
             log.info("standby of %s waiting (pid %d)", request.stage, request.pid)
             while (
                 standby.index is None

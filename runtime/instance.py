@@ -28,6 +28,7 @@ from keyshift.runtime.checkpointing import open_store
 from keyshift.runtime.identity import Identity, Issuer
 from keyshift.runtime.job import MAX_PARALLELISM, parse_job
 from keyshift.runtime.lifecycle import allow_user_code, die_with_parent
+from keyshift.runtime.metrics import serve_idle
 from keyshift.runtime.protocol import (
     FetchBody,
     ProtocolError,
@@ -119,10 +120,12 @@ def _index(text: str) -> int:
     return value
 
 
-def wait_as_standby(control: JsonClient, stage: str) -> int | None:
-    """Wait, started and connected, until a scale-out gives this process an index (None: the
-    job stopped first). TransportError when the coordinator goes away."""
-    for body in control.stream("Standby", StandbyRequest(stage=stage, pid=os.getpid()).wire()):
+def wait_as_standby(control: JsonClient, stage: str, pinned: int | None) -> int | None:
+    """Wait, started and connected, until a scale-out gives this process an index (`pinned`,
+    if set: the only one it may take); None: the job stopped first. TransportError when the
+    coordinator goes away."""
+    request = StandbyRequest(stage=stage, pid=os.getpid(), index=pinned)
+    for body in control.stream("Standby", request.wire()):
         return parse(StandbyAssignment, body).index
     return None
 
@@ -131,22 +134,24 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="keyshift-instance")
     parser.add_argument("--coordinator", required=True, help="host:port of the job's coordinator")
     parser.add_argument("--stage", required=True)
-    role = parser.add_mutually_exclusive_group(required=True)
-    role.add_argument(
+    parser.add_argument(
         "--index",
         type=_index,
         help="this instance's index, or 'hostname' for a StatefulSet pod's ordinal (name-N)",
     )
-    role.add_argument(
+    parser.add_argument(
         "--standby",
         action="store_true",
-        help="start as a standby of the stage: wait for a scale-out to give it an index",
+        help="start as a standby of the stage: wait for a scale-out to give it an index (with "
+        "--index, only that one: at once if the stage wants it already)",
     )
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
     parser.add_argument("--port", type=int, default=0, help="data port (0: any free port)")
     parser.add_argument("--metrics-port", type=int, default=0)
     parser.add_argument("--connect-timeout", type=float, default=15.0)
     args = parser.parse_args(argv)
+    if args.index is None and not args.standby:
+        parser.error("one of --index or --standby is required")
     die_with_parent()
     allow_user_code()
     name = f"{args.stage}/{'standby' if args.standby else args.index}"
@@ -175,7 +180,13 @@ def main(argv: list[str] | None = None) -> int:
             security=security,
         )
         if args.standby:
-            args.index = wait_as_standby(control, args.stage)
+            # A fixed metrics port is a pod's, whose probes must find it alive while it waits.
+            idle = serve_idle(args.host, args.metrics_port) if args.metrics_port else None
+            try:
+                args.index = wait_as_standby(control, args.stage, args.index)
+            finally:
+                if idle is not None:
+                    idle()  # the instance's own metrics take the port
             if args.index is None:
                 return 0  # the job stopped before a scale-out needed this standby
             name = f"{args.stage}/{args.index}"

@@ -18,7 +18,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from enum import StrEnum
 from typing import Any, Literal, Protocol
 
@@ -240,6 +240,18 @@ def serve_registry(registry: CollectorRegistry, host: str, port: int) -> int:
     """Serve a registry's /metrics on a thread; return the bound port (0 picks a free one)."""
     server, _thread = start_http_server(port, addr=host, registry=registry)
     return int(server.server_port)
+
+
+def serve_idle(host: str, port: int) -> Callable[[], None]:
+    """An empty /metrics on `port` for a process that has no metrics yet (a standby waiting
+    in a pod, whose probes ask there); the function returned closes it and frees the port."""
+    server, _thread = start_http_server(port, addr=host, registry=CollectorRegistry())
+
+    def close() -> None:
+        server.shutdown()
+        server.server_close()
+
+    return close
 
 
 def counter(name: MetricName, labels: Sequence[str], registry: CollectorRegistry) -> Any:

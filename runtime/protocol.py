@@ -385,10 +385,13 @@ class RegisterRequest(Message):
 
 class StandbyRequest(Message):
     """A pre-started instance of a keyed stage offering itself (the `Standby` stream): it waits,
-    owning nothing and counted nowhere, until a scale-out gives it an index."""
+    owning nothing and counted nowhere, until a scale-out gives it an index. A pinned one (a
+    StatefulSet pod, whose ordinal is its identity) takes only `index`: at once when the stage
+    wants that index already, else when a scale-out reaches it."""
 
     stage: str
     pid: int = 0
+    index: int | None = Field(default=None, ge=0)
 
 
 class StandbyAssignment(Message):

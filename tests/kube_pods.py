@@ -86,6 +86,12 @@ class PodRunner:
                 headers={"Content-Type": "application/merge-patch+json"},
             )
 
+    def delete(self, pod: str) -> None:
+        """`kubectl delete pod`: its process stops, and its workload's controller makes a new
+        pod at the next sync, at once (a new pod, not a container restarted after a back-off)."""
+        self.pods.pop(pod).stop(grace=3.0)
+        self._exited.pop(pod, None)
+
     def _restart_due(self, pod: str, child: Child) -> bool:
         """Like the kubelet, restart an exited container, after a back-off (a retired instance
         exits before its StatefulSet shrinks, and must not be restarted at once)."""

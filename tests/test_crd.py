@@ -491,6 +491,10 @@ REFUSED = {
         _set("spec.job.keyed.parallelism", "two"),
         "spec.job.keyed.parallelism: 'two' is not of type 'integer'",
     ),
+    "standbys out of range": (
+        _set("spec.job.keyed.standby", 9),
+        "spec.job.keyed.standby: 9 is greater than the maximum of 8",
+    ),
     "max_key_groups out of range": (
         _set("spec.job.max_key_groups", 1 << 20),
         "spec.job.max_key_groups",
@@ -571,10 +575,6 @@ PROBLEMS = {
     "allowed lateness on a stage that fires no windows": (
         _set("spec.job.keyed.operator", {"kind": "aggregate", "allowed_lateness_ms": 5}),
         "allowed_lateness_ms is a window's setting: the 'aggregate' operator fires no windows",
-    ),
-    "standbys, which the operator does not keep yet": (
-        _set("spec.job.keyed.standby", 1),
-        "keyed stage enrich: standby is not yet supported on Kubernetes",
     ),
     "the same name for a source and a sink": (
         _set(

@@ -46,6 +46,7 @@ from keyshift.operator.k8s_children import (
     coordinator_service_name,
     deep_merge,
     sink_rescale_problem,
+    stage_replicas,
     stage_selector,
     stage_set_name,
 )
@@ -221,6 +222,29 @@ def test_replicas_follow_the_job_and_are_left_out_once_the_scaler_owns_them() ->
     sets = by_kind(manifests, "StatefulSet")
     assert "replicas" not in sets["clicks-counts"]["spec"]
     assert sets["clicks-source"]["spec"]["replicas"] == 1
+
+
+def test_a_keyed_stage_with_standbys_runs_them_above_its_instances_as_pinned_standbys() -> None:
+    """`standby: N`: N more pods in the stage's StatefulSet, every one of them started as a
+    standby for its own ordinal; the other stages, and a stage at zero, run none."""
+    job = spec_data()["job"]
+    job["keyed"]["standby"] = 2
+    spec, manifests = build(job=job)
+    sets = by_kind(manifests, "StatefulSet")
+    assert {n: s["spec"]["replicas"] for n, s in sets.items()} == {
+        "clicks-source": 1,
+        "clicks-counts": 4,
+        "clicks-sink": 1,
+    }
+    for name, sts in sets.items():
+        kubernetes_validate.validate(sts, "1.30", strict=True)
+        args = sts["spec"]["template"]["spec"]["containers"][0]["args"]
+        assert ("--standby" in args) == (name == "clicks-counts"), name
+        assert args[args.index("--index") + 1] == "hostname"
+    job_spec = spec.job_spec()
+    assert stage_replicas(job_spec, "counts", 3) == 5
+    assert stage_replicas(job_spec, "counts", 0) == 0  # a finished job keeps no standbys
+    assert stage_replicas(job_spec, "sink", 2) == 2
 
 
 def test_the_config_map_holds_the_same_job() -> None:

@@ -97,8 +97,9 @@ async def running_operator(
         await operator.stop()
 
 
-async def scale_to(emu: Emulator, replicas: int) -> None:
-    """`kubectl scale sj clicks --replicas N`, and wait until it is done."""
+async def scale_to(emu: Emulator, replicas: int, standby: int = 0) -> None:
+    """`kubectl scale sj clicks --replicas N`, and wait until it is done (the StatefulSet
+    runs `standby` pods more)."""
     reply = await emu.patch(f"{CR_API}/namespaces/{NS}/streamingjobs/clicks/scale",
                             json={"spec": {"replicas": replicas}}, headers=MERGE)  # fmt: skip
     assert reply.status == 200, await reply.text()
@@ -111,7 +112,7 @@ async def scale_to(emu: Emulator, replicas: int) -> None:
             status.get("parallelism") == replicas
             and rescales[-1].get("to") == replicas
             and rescales[-1].get("phase") == "done"
-            and sts.get("spec", {}).get("replicas") == replicas
+            and sts.get("spec", {}).get("replicas") == replicas + standby
         )
 
     await eventually(done, 60, f"the keyed stage at {replicas}")
@@ -379,6 +380,8 @@ async def test_what_the_schema_cannot_express_degrades_without_children(
         {"job": {"name": "clicks", "max_key_groups": 0}},
         {"image": 7, "job": {"name": "clicks"}},
         {"job": "not a mapping"},
+        {"job": {"name": "clicks", "keyed": {"standby": 9}}},
+        {"job": {"name": "clicks", "keyed": {"standby": -1}}},
     ],
 )
 async def test_the_schema_refuses_invalid_jobs(emu: Emulator, spec: dict[str, Any]) -> None:
@@ -485,6 +488,50 @@ async def test_kubectl_scale_rescales_live_and_a_dead_prometheus_is_only_a_reaso
         await eventually(lambda: status_writes(emu) >= writes + 3, 30, "three status updates")
         sts = stored(emu, "apps/v1/statefulsets", NS, "clicks-counts") or {}
         assert sts["spec"]["replicas"] == 3
+
+
+async def test_standby_pods_wait_warm_a_scale_out_takes_one_and_a_deleted_one_comes_back(
+    emu: Emulator, tmp_path: Path
+) -> None:
+    """`standby: 1`: the keyed StatefulSet runs one pod more than the parallelism; a scale-out
+    makes that pod, already running, its new instance, and the grown StatefulSet starts the
+    next standby; a standby pod deleted is made again and the job never notices."""
+    body = streaming_job(job={
+        "name": "clicks",
+        "source": {"config": {"kind": "generator", "keys": 500, "profile": {"rate": 500}}},
+        "keyed": {"name": "counts", "parallelism": 1, "standby": 1},
+        "sink": {"config": {"kind": "log", "path": str(tmp_path / "out"), "format": "none"}},
+    })  # fmt: skip
+    logs = tmp_path / "logs"
+
+    def counts() -> dict[str, Any]:
+        stages = job_object(emu).get("status", {}).get("stages", [])
+        return next((s for s in stages if s["name"] == "counts"), {})
+
+    def waiting(pod: str) -> bool:
+        """The coordinator holds pod's process as a standby."""
+        pid = runner.pods[pod].pid if pod in runner.pods else None
+        text = (logs / "clicks-coordinator-0.log").read_text()
+        return f"standby of counts waiting (pid {pid})" in text and counts().get("standbys") == 1
+
+    async with job_running_in_cluster(emu, tmp_path, body) as runner:
+        await eventually(lambda: waiting("clicks-counts-1"), 60, "pod 1 to wait as a standby")
+        standby = runner.pods["clicks-counts-1"]
+        await scale_to(emu, 2, standby=1)
+        assert runner.pods["clicks-counts-1"] is standby and standby.exit_code() is None
+        assert "standby taken as counts/1" in (logs / "clicks-counts-1.log").read_text()
+        await eventually(lambda: waiting("clicks-counts-2"), 60, "pod 2, the next standby")
+
+        deleted = runner.pods["clicks-counts-2"]
+        runner.delete("clicks-counts-2")
+        await eventually(
+            lambda: runner.pods.get("clicks-counts-2") not in (None, deleted)
+            and waiting("clicks-counts-2"),
+            60, "a new pod 2 waiting",
+        )  # fmt: skip
+        status = job_object(emu)["status"]
+        assert status["phase"] == "Running" and status["parallelism"] == 2, status
+        assert counts()["ready"] == 2 and status["recoveries"]["total"] == 0, status
 
 
 def test_failing_checkpoints_make_the_job_degraded_and_a_failure_wins() -> None:

@@ -1,20 +1,26 @@
 """Warm standbys (`standby: N` on a keyed stage, `keyshift.runtime.standbys`): refused when out
-of bounds; on the local host pre-started beside the job, apart from its parallelism, taken by a
-scale-out as its new instance (the same process), and replaced when taken or killed."""
+of bounds (by the job file and the operator); pinned to one index (Kubernetes' standbys); on the
+local host pre-started beside the job, apart from its parallelism, taken by a scale-out as its
+new instance (the same process), and replaced when taken or killed. Kubernetes' standbys run
+against the API emulator in tests/test_k8s_operator.py."""
 
 from __future__ import annotations
 
 import os
 import signal
+import urllib.request
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from keyshift.operator.streamingjob import StreamingJobSpec
 from keyshift.runtime.job import MAX_STANDBY, JobError, parse_job
+from keyshift.runtime.metrics import serve_idle
 from keyshift.runtime.pipeline import Dataflow, source
 from keyshift.runtime.standbys import StandbyPool
 from tests.conftest import count_job, running_job, wait_for
+from tests.prometheus_server import free_port
 
 
 @pytest.mark.parametrize(
@@ -50,6 +56,40 @@ def test_a_scale_out_takes_standbys_in_order_for_its_new_indexes_only() -> None:
     assert pool.status("counts") == []
     with pytest.raises(KeyError):
         pool.offer("other", 13)
+
+
+def test_a_pinned_standby_takes_only_its_own_index_at_once_when_wanted_or_at_a_scale_out() -> None:
+    """Kubernetes' standbys: StatefulSet pods that may only ever be their ordinal."""
+    pool = StandbyPool(["counts"])
+    wanted = pool.offer("counts", 10, pinned=0, wanted=1)  # the job starts: instance 0 is due
+    assert wanted.index == 0
+    third, second = pool.offer("counts", 12, pinned=2, wanted=1), pool.offer("counts", 11, 1, 1)
+    unpinned = pool.offer("counts", 13)
+    pool.take("counts", range(1, 2))
+    assert (second.index, third.index, unpinned.index) == (1, None, None)
+    pool.take("counts", range(2, 4))  # index 3 has no pod yet: an unpinned standby takes it
+    assert (third.index, unpinned.index) == (2, 3)
+
+
+def test_the_operator_refuses_a_standby_count_out_of_bounds_naming_the_field() -> None:
+    spec = StreamingJobSpec.model_validate(
+        {"image": "x", "job": {"name": "c", "keyed": {"standby": MAX_STANDBY + 1}}}
+    )
+    (problem,) = spec.problems()
+    assert "keyed.standby: Input should be less than or equal to 8" in problem, problem
+
+
+def test_a_waiting_pod_answers_its_probes_and_frees_the_port_for_its_metrics() -> None:
+    """A standby pod serves an empty /metrics (the pods' probes ask there) until it is taken;
+    then the port is free for the instance's own metrics."""
+    port = free_port()
+    close = serve_idle("127.0.0.1", port)
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as reply:
+            assert reply.status == 200
+    finally:
+        close()
+    serve_idle("127.0.0.1", port)()  # bound again at once (the instance's metrics would)
 
 
 def stage_status(local: Any) -> dict[str, Any]:
