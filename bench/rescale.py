@@ -40,6 +40,12 @@ measured apart, as an A/B in this invocation: bench/throughput.py's pipeline (65
 batches, full speed) on the code just before live rescaling (commit 3bf0566, read with
 `git archive`) and on this tree, alternated `--throughput-rounds` times; medians compared.
 
+Two narrower comparisons replace the strategy runs when asked for (both need `--rate`):
+`--standby-rounds N` times a hot-first 1 -> 2 with and without a standby; `--pacing-rounds N`
+runs a hot-first 1 -> 2 (with a standby, so the window is the move) unpaced and paced to
+`--max-latency-ms`, alternated, and reports the sink's steady p99, its p99 and max in the
+rescale's window, the move's duration and the pacer's report (met, worst p99, rates chosen).
+
 Run: `.venv/bin/python bench/rescale.py` (about 5 minutes). Writes bench/reports/rescale.json
 (all numbers and raw series) and bench/reports/rescale.png (latency over time per strategy,
 t = 0 at each run's first rescale, rescale windows shaded).
@@ -87,6 +93,7 @@ RESCALE_POLL = 0.1
 WINDOW_TAIL = 1.0  # a rescale's latency window is [start, end + this]
 RECOVERY_HOLD = 2.0  # recovered: latency under 2x the steady p99 for this long
 RESCALE_TIMEOUT = 300.0
+START_TIMEOUT = 120.0
 DRAIN_TIMEOUT = 120.0
 TRUTH_CHUNK = 4_000_000
 TOP_BIN = 0.25  # seconds per point in the chart's combined panel (max of the bin)
@@ -146,7 +153,14 @@ def job(
 def start_job(spec_data: dict[str, Any], work: Path) -> LocalJob:
     path = work / "job.yaml"
     path.write_text(yaml.safe_dump(spec_data))
-    return LocalJob(parse_job(spec_data), path, log_dir=work / "logs")
+    # The shared machine may be loaded enough that processes take more than the default 30 s.
+    return LocalJob(
+        parse_job(spec_data),
+        path,
+        log_dir=work / "logs",
+        start_timeout=START_TIMEOUT,
+        register_timeout=START_TIMEOUT,
+    )
 
 
 def stage(status: dict[str, Any], name: str) -> dict[str, Any]:
@@ -600,32 +614,54 @@ def run_strategy(
     return report
 
 
+def scale_out_once(
+    spec: dict[str, Any],
+    work: Path,
+    args: argparse.Namespace,
+    options: dict[str, float] | None = None,
+    steady: float = 0.0,
+) -> tuple[Probe, dict[str, Any], tuple[float, float]]:
+    """A fresh job of `spec`: warm-up, `steady` seconds of steady window, the standbys waiting
+    (if it keeps any), then a hot-first 1 -> 2 with `options`, and WINDOW_TAIL s after it (the
+    records the move delayed reach the sink). The probe, the rescale, the steady window."""
+    with start_job(spec, work) as local:
+        probe = Probe(local, time.time())
+        local.start()
+        wait_flowing(probe)
+        probe.run_for(args.warmup)
+        steady_from = time.time()
+        probe.run_for(steady)
+        window = (steady_from, time.time())
+        if spec["keyed"].get("standby"):
+            probe.until(lambda s: stage(s, KEYED)["standbys"] or None, 60, "the standby")
+        client = JsonClient(local.address, COORDINATOR_SERVICE, local.security)
+        try:
+            result = rescale(probe, client, 2, "hot-first", options)
+        finally:
+            client.close()
+        probe.run_for(WINDOW_TAIL)
+    return probe, result, window
+
+
+def moved_at(result: dict[str, Any]) -> float:
+    """When the rescale's state began to move (its instances had started), relative time."""
+    starting = ("requested", "starting-instances")
+    return float(next((t for t, p in result["phases"] if p not in starting), result["end"]))
+
+
 def run_standby(standby: int, args: argparse.Namespace, rate: float, root: Path) -> dict[str, Any]:
     """One job with `standby` standbys of the keyed stage: warm-up, then a hot-first 1 -> 2;
     its time from the request to complete, and how much of it went to starting instances."""
     work = Path(tempfile.mkdtemp(prefix=f"standby-{standby}-", dir=root))
     spec = job(args.keys, rate, None, args.distribution)
     spec["keyed"]["standby"] = standby
-    with start_job(spec, work) as local:
-        probe = Probe(local, time.time())
-        local.start()
-        wait_flowing(probe)
-        probe.run_for(args.warmup)
-        if standby:
-            probe.until(lambda s: stage(s, KEYED)["standbys"] or None, 60, "the standby")
-        client = JsonClient(local.address, COORDINATOR_SERVICE, local.security)
-        try:
-            result = rescale(probe, client, 2, "hot-first")
-        finally:
-            client.close()
-    starting = ("requested", "starting-instances")
-    moved_at = next((t for t, p in result["phases"] if p not in starting), result["end"])
+    _probe, result, _steady = scale_out_once(spec, work, args)
     row = {
         "standby": standby,
         "phase": result["phase"],
         "state_keys_at_start": result["state_keys_at_start"],
         "duration_s": result["duration_s"],
-        "starting_instances_s": round(moved_at - result["start"], 3),
+        "starting_instances_s": round(moved_at(result) - result["start"], 3),
     }
     shutil.rmtree(work, ignore_errors=True)
     return row
@@ -654,6 +690,76 @@ def standby_compare(args: argparse.Namespace, rate: float, root: Path) -> int:
               "target": target("rescale 1->2 complete <= 1 s from the request with a standby",
                                met, f"with a standby: {with_standby} s")}  # fmt: skip
     path = args.out_dir / "rescale-standby.json"
+    path.write_text(json.dumps(result, indent=1) + "\n")
+    print(json.dumps(result, indent=2))
+    return 0 if all(r["phase"] == "done" for r in rows) else 1
+
+
+def run_paced(
+    objective_ms: float | None, args: argparse.Namespace, rate: float, root: Path
+) -> dict[str, Any]:
+    """One job with a standby: warm-up, a steady window, then a hot-first 1 -> 2 paced to
+    `objective_ms` (None: unpaced); the sink's latency in the steady window and in the
+    rescale's window (the request to its end + WINDOW_TAIL), the move's duration and what the
+    pacer reported."""
+    work = Path(tempfile.mkdtemp(prefix="paced-" if objective_ms else "unpaced-", dir=root))
+    spec = job(args.keys, rate, None, args.distribution)
+    # A standby takes the new process's start out of the rescale: its window is the move.
+    spec["keyed"]["standby"] = 1
+    options = {} if objective_ms is None else {"max_latency_ms": objective_ms}
+    load = os.getloadavg()[0]
+    probe, result, (steady_from, steady_to) = scale_out_once(spec, work, args, options, args.steady)
+    steady = [v for _, v in probe.samples(steady_from, steady_to)]
+    start, end = probe.began + result["start"], probe.began + result["end"] + WINDOW_TAIL
+    during = [v for _, v in probe.samples(start, end)]
+    pacing = result["result"].get("pacing") or {}
+    shutil.rmtree(work, ignore_errors=True)
+    return {
+        "max_latency_ms": objective_ms,
+        "load_average_at_start": round(load, 2),
+        "phase": result["phase"],
+        "state_keys_at_start": result["state_keys_at_start"],
+        "mb_moved": result["mb_moved"],
+        "keys_moved": result["keys_moved"],
+        "duration_s": result["duration_s"],
+        "move_s": round(result["end"] - moved_at(result), 3),
+        "steady_p99_ms": percentile_ms(steady, 99),
+        "rescale_p99_ms": percentile_ms(during, 99),
+        "rescale_max_ms": max_ms(during),
+        "latency_samples": len(during),
+        "pacing_met": pacing.get("met"),
+        "pacing_worst_p99_ms": pacing.get("worst_p99_ms"),
+        "pacing_keys_per_s": pacing.get("keys_per_s"),
+    }
+
+
+def pacing_compare(args: argparse.Namespace, rate: float, root: Path) -> int:
+    """1 -> 2 unpaced and paced to `--max-latency-ms`, alternated `--pacing-rounds` times in
+    this run; the target: the paced runs' sink p99 during the rescale within the objective."""
+    rows = []
+    for _ in range(args.pacing_rounds):
+        for objective in (None, args.max_latency_ms):
+            row = run_paced(objective, args, rate, root)
+            say(f"max_latency_ms {objective}: {row}")
+            rows.append(row)
+    paced = [r for r in rows if r["max_latency_ms"] is not None]
+    met = all(r["phase"] == "done" and r["pacing_met"] for r in paced) and all(
+        (r["rescale_p99_ms"] or 0.0) <= args.max_latency_ms for r in paced
+    )
+    detail = (
+        f"paced p99 {[r['rescale_p99_ms'] for r in paced]} ms, pacing.met "
+        f"{[r['pacing_met'] for r in paced]}; unpaced p99 "
+        f"{[r['rescale_p99_ms'] for r in rows if r['max_latency_ms'] is None]} ms"
+    )
+    result = {
+        "rate": rate,
+        "keys": args.keys,
+        "distribution": args.distribution,
+        "objective_ms": args.max_latency_ms,
+        "runs": rows,
+        "target": target("sink p99 during a paced 1->2 <= max_latency_ms", met, detail),
+    }
+    path = args.out_dir / "rescale-pacing.json"
     path.write_text(json.dumps(result, indent=1) + "\n")
     print(json.dumps(result, indent=2))
     return 0 if all(r["phase"] == "done" for r in rows) else 1
@@ -1003,13 +1109,27 @@ def main() -> int:
         default=0,
         help="only compare 1->2 with and without a standby, this many rounds (needs --rate)",
     )
+    parser.add_argument(
+        "--pacing-rounds",
+        type=int,
+        default=0,
+        help="only compare a hot-first 1->2 unpaced and paced to --max-latency-ms, this many "
+        "rounds of each, alternated (needs --rate)",
+    )
+    parser.add_argument(
+        "--max-latency-ms", type=float, default=150.0, help="the paced runs' objective"
+    )
     args = parser.parse_args()
-    if args.standby_rounds > 0:
-        if args.rate is None:
-            parser.error("--standby-rounds needs --rate")
-        args.out_dir.mkdir(parents=True, exist_ok=True)
-        root = Path(tempfile.mkdtemp(prefix="keyshift-bench-standby-"))
-        return standby_compare(args, args.rate, root)
+    comparisons = (("pacing", args.pacing_rounds, pacing_compare),
+                   ("standby", args.standby_rounds, standby_compare))  # fmt: skip
+    for name, rounds, compare in comparisons:
+        if rounds > 0:
+            if args.rate is None:
+                parser.error(f"--{name}-rounds needs --rate")
+            args.out_dir.mkdir(parents=True, exist_ok=True)
+            return compare(
+                args, args.rate, Path(tempfile.mkdtemp(prefix=f"keyshift-bench-{name}-"))
+            )
     strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]
     unknown = [s for s in strategies if s not in STRATEGIES]
     if unknown or not strategies:
