@@ -8,7 +8,8 @@ pod's hostname is set for `--index hostname`, a Deployment's pod is replaced whe
 changes (a rollout, as `kubectl rollout restart` makes one), ConfigMap volumes are written to a
 directory, and variables from Secrets (`secretKeyRef`: the job's secret) are read from the
 stored Secrets.
-Spark source/sink Deployments are not run (they need the PySpark issue). Every process it starts
+Spark source/sink Deployments are not run (they need the PySpark issue). `delete` removes a pod
+as `kubectl delete pod` does (its workload makes it again at once). Every process it starts
 is stopped by `stop`. Used by tests/test_k8s_operator.py.
 """
 
