@@ -2,8 +2,12 @@
 
 (Requests for other stages wait meanwhile in keyshift.runtime.rescale_queue.)
 
-A rescale is a small explicit protocol with named phases. For each step (the whole move, or each
-batch of groups for `batched`) the coordinator:
+A rescale is a small explicit protocol with named phases. The move is divided into subscales
+(`keyshift.runtime.subscales`, DRRS): for `hot-first` and `batched`, each moves groups between one
+old owner and one new owner (`batched`: `batch_groups` at a time), and those with disjoint
+instances run side by side, each with its own epoch, each committed as soon as it is done; with
+the option `subscales: 0`, and for the other strategies, a subscale is one global step (every
+pair), one after another. For each subscale the coordinator:
 
 1. PREPARING: tells each new owner which groups it will receive and from whom (`migrate_in`);
    it parks records of those groups until their state arrives.
@@ -12,7 +16,9 @@ batch of groups for `batched`) the coordinator:
    on-demand fetches, and pushes the rest of their state, hottest groups first.
 3. REROUTING: tells every sender (each instance of the stage upstream: a source, or the keyed
    stage before) the new assignment (`reroute`); each sends an epoch MARKER on its data streams
-   to the stage, so an old owner knows when nothing routed by the old epoch can still come.
+   to the stage, so an old owner knows when nothing routed by the old epoch can still come. An
+   old owner takes a marker of a later epoch for the end of its own too, so reroutes go out in
+   epoch order: one of epoch E once every subscale up to E is frozen, carrying them all.
 4. MOVING: waits until every old owner reports `out_done` (all forwarded and pushed) and every
    new owner `in_done` (all state in, nothing parked).
 
@@ -198,7 +204,7 @@ class SubscaleRun:
         self.phase = phase
         self.deadline = time.monotonic() + seconds
 
-    def report(self) -> SubscaleReport:
+    def report(self, since: float) -> SubscaleReport:
         return SubscaleReport(
             sources=sorted(self.subscale.sources),
             destinations=sorted(self.subscale.destinations),
@@ -206,12 +212,14 @@ class SubscaleRun:
             groups=len(self.subscale.groups),
             phase=self.phase,
             bytes=self.bytes,
+            started=round(self.started - since, 3),
             seconds=round((self.finished or time.time()) - self.started, 3),
         )
 
 
-def subscales_report(runs: list[SubscaleRun], count: int) -> SubscalesReport:
-    """Bounded: the running subscales, then the latest done, SUBSCALES_SHOWN at most."""
+def subscales_report(runs: list[SubscaleRun], count: int, since: float) -> SubscalesReport:
+    """`since`: when the rescale started. Bounded: the running subscales, then the latest
+    done, SUBSCALES_SHOWN at most."""
     running = [r for r in runs if r.finished is None]
     done = [r for r in runs if r.finished is not None]
     shown = (running + done[::-1])[:SUBSCALES_SHOWN]
@@ -219,7 +227,7 @@ def subscales_report(runs: list[SubscaleRun], count: int) -> SubscalesReport:
         count=count,
         done=len(done),
         running=len(running),
-        shown=[r.report() for r in sorted(shown, key=lambda r: r.epoch)],
+        shown=[r.report(since) for r in sorted(shown, key=lambda r: r.epoch)],
     )
 
 
@@ -272,7 +280,11 @@ class RescaleStatus:
             replaced=self.replaced,
             handover=self.handover.report(self.progress) if self.handover else None,
             pacing=None if self.pacer is None else pacing_report(self.pacer),
-            subscales=subscales_report(self.runs, self.subscales) if self.subscales else None,
+            subscales=(
+                subscales_report(self.runs, self.subscales, self.started)
+                if self.subscales
+                else None
+            ),
         )
 
 

@@ -3,6 +3,7 @@ truth computed independently; exactly-once and per-key order by (source, sequenc
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
 from collections import Counter
@@ -203,6 +204,16 @@ def test_scale_out_and_in_under_load_keeps_exactly_once_and_order(
         assert result["groups_moved"] == result["groups_to_move"] > 0
         moved = result["progress"].get("keys_in", 0) + result["progress"].get("keys_fetched", 0)
         assert moved > 0, result
+    if strategy in ("hot-first", "batched"):
+        # 1 -> 3 in subscales (concurrent subscales are on by default), each between instance 0
+        # and one new owner; both leave instance 0, so one completes before the next starts.
+        subscales = results[0]["subscales"]
+        assert subscales["count"] == subscales["done"] == results[0]["steps"], subscales
+        shown = subscales["shown"]
+        assert all(s["sources"] == [0] and len(s["destinations"]) == 1 for s in shown)
+        assert {s["destinations"][0] for s in shown} == {1, 2}
+        for before, after in itertools.pairwise(sorted(shown, key=lambda s: s["started"])):
+            assert before["started"] + before["seconds"] <= after["started"], shown
 
 
 def test_hot_keys_move_while_hot(tmp_path: Path) -> None:
@@ -250,6 +261,14 @@ def test_count_aggregate_through_rescales_equals_truth(tmp_path: Path, backend: 
     )
     for result in results:  # both ends of every move report how fast state went
         assert result["mb_per_s"]["out"] > 0 and result["mb_per_s"]["in"] > 0, result
+    # 2 -> 4: subscales with disjoint instances (0 -> 2 beside 1 -> 3, say) ran side by side,
+    # each done on its own.
+    shown = results[0]["subscales"]["shown"]
+    assert len(shown) >= 2 and all(s["phase"] == "done" for s in shown), shown
+    assert any(
+        a["started"] < b["started"] + b["seconds"] and b["started"] < a["started"] + a["seconds"]
+        for a, b in itertools.combinations(shown, 2)
+    ), shown
 
 
 @settings(
