@@ -197,6 +197,7 @@ class SubscaleRun:
     deadline: float = 0.0  # of its phase's wait, monotonic
     frozen: bool = False  # its old owners acked `migrate_out`: it may be rerouted
     out_sent: bool = False
+    told: set[int] = field(default_factory=set)  # the old owners sent its `migrate_out`
     finished: float | None = None
     bytes: int = 0  # what its new owners took in, once done
 
@@ -600,7 +601,7 @@ class RescaleDriver:
         self._broadcast_senders(reroute)
         self.host.wait_for(
             lambda events: all(
-                moves_reported(OutDone, r.epoch, r.subscale.sources - lost)(events)
+                moves_reported(OutDone, r.epoch, r.told - lost)(events)
                 and moves_reported(InDone, r.epoch, r.subscale.destinations - lost)(events)
                 for r in runs
             ),
@@ -669,7 +670,8 @@ class RescaleDriver:
 
     def _freeze(self, run: SubscaleRun, lost: Collection[int] = ()) -> None:
         """FREEZING: each old owner stops applying the leaving groups' records, forwards them
-        and pushes their state (`lost`: old owners not to tell, they are gone)."""
+        and pushes their state (`lost`: instances gone; in a recovery, the pairs they are in
+        are not started: their groups stay with, or go back to, their old owners)."""
         status, pacer = self.status, self.status.pacer
         push = PushOptions(
             chunk_keys=int(status.options["chunk_keys"]),
@@ -679,10 +681,10 @@ class RescaleDriver:
         )
         outgoing: dict[int, dict[str, list[int]]] = {}
         for (src, dst), groups in run.subscale.pairs.items():
-            outgoing.setdefault(src, {})[str(dst)] = sorted(groups.tolist())
+            if src not in lost and dst not in lost:
+                outgoing.setdefault(src, {})[str(dst)] = sorted(groups.tolist())
         for src, groups_out in outgoing.items():
-            if src in lost:
-                continue
+            run.told.add(src)
             command = MigrateOut(
                 epoch=run.epoch,
                 groups=groups_out,

@@ -458,17 +458,17 @@ def test_new_owner_dying_mid_move_fails_the_rescale_and_the_stage_goes_on(
     all state not yet handed over, and the job keeps running correctly for every key except
     those whose state had already moved to the dead instance."""
     out = tmp_path / "out"
-    # Many keys, each seldom hit: few are fetched on demand before the kill, and lazy's
-    # trickle pushes the rest for a minute, so the move is still running when the new owner
-    # dies. (With few keys every one is soon fetched, the groups left are empty, and their
-    # push costs the trickle nothing: the move could end before the kill.)
+    # Many keys, each seldom hit: few are fetched on demand before the kill, and a trickle
+    # pushes the rest for a minute, so the move (a hot-first subscale) is still running when
+    # the new owner dies. (With few keys every one is soon fetched, the groups left are empty,
+    # and their push costs the trickle nothing: the move could end before the kill.)
     source = {"kind": "generator", "keys": 200_000, "seed": 2, "profile": {"rate": 10_000}}
     job = tracked_job(out, source, 1, state=state_settings(backend, tmp_path))
     with running_job(tmp_path, job) as local:
         client = JsonClient(local.address, SERVICE)
         wait_for(lambda: local.status()["phase"] == "running", 30, "the job to run")
         wait_for(lambda: sum_out(local) > 20_000, 30, "records to flow")
-        client.call("Rescale", {"stage": "track", "parallelism": 2, "strategy": "lazy",
+        client.call("Rescale", {"stage": "track", "parallelism": 2, "strategy": "hot-first",
                                 "options": {"trickle_keys_per_s": 200}})  # fmt: skip
 
         def moving() -> bool:
