@@ -386,6 +386,10 @@ def test_bad_rescale_requests_are_refused_and_change_nothing(tmp_path: Path) -> 
                 "option 'handover' must be 1 (hand over from checkpoints, the default) or 0",
             ),
             (
+                {"stage": "track", "parallelism": 2, "options": {"subscales": 2}},
+                "option 'subscales' must be 1 (concurrent subscales, the default) or 0",
+            ),
+            (
                 {"stage": "track", "parallelism": 2, "options": {"max_latency_ms": 0}},
                 "option 'max_latency_ms' must be a positive number, got 0",
             ),

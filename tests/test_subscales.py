@@ -4,12 +4,15 @@ driver's recovery with concurrent subscales in tests/test_rescale_recovery.py.""
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from keyshift.runtime.assignment_planner import moves, plan
+from keyshift.runtime.rescale import RescaleError, options_for
 from keyshift.runtime.subscales import Subscale, divide, startable
 
 GROUPS = 256
@@ -116,3 +119,16 @@ def test_division_and_schedule_properties(
         running.pop(0)  # the oldest completes
         rounds += 1
     assert rounds <= len(subscales)
+
+
+def test_the_subscales_option_is_0_or_1_and_only_for_hot_first_and_batched() -> None:
+    assert "subscales" not in options_for("hot-first", {})  # on unless given
+    assert options_for("batched", {"subscales": 0})["subscales"] == 0.0
+    for value in (2, -1, 0.5, "1", True, None):
+        with pytest.raises(
+            RescaleError, match=re.escape("option 'subscales' must be 1 (concurrent sub")
+        ):
+            options_for("hot-first", {"subscales": value})
+    for strategy in ("all-at-once", "lazy"):
+        with pytest.raises(RescaleError, match=f"'subscales' does not apply to {strategy}"):
+            options_for(strategy, {"subscales": 1})
