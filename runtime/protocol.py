@@ -471,7 +471,8 @@ class PacingReport(Message):
 
 class SubscaleReport(Message):
     """One subscale of a rescale: its old and new owners, epoch, groups, phase, the bytes its
-    new owners took in (once done) and how long it ran (seconds since it started)."""
+    new owners took in (once done), when it started (seconds after the rescale did) and how
+    long it ran (or has run so far)."""
 
     sources: list[int]
     destinations: list[int]
@@ -479,6 +480,7 @@ class SubscaleReport(Message):
     groups: int
     phase: str
     bytes: int = 0
+    started: float = 0.0
     seconds: float = 0.0
 
 
