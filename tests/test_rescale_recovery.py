@@ -233,12 +233,12 @@ def test_concurrent_subscales_complete_on_their_own_and_a_loss_in_one_spares_the
         coordinator, client, source, old, new, ins = (
             move.coordinator, move.client, move.source, move.old, move.new, move.ins
         )  # fmt: skip
-        for n, m in zip(new, ins, strict=True):
-            n.report(Ack(step="migrate_in", epoch=m.epoch))
+        for n, migrate_in in zip(new, ins, strict=True):
+            n.report(Ack(step="migrate_in", epoch=migrate_in.epoch))
         outs = [o.expect(MigrateOut) for o in old]
-        assert [list(m.groups) for m in outs] == [["2"], ["3"]]
-        for o, m in zip(old, outs, strict=True):
-            o.report(Ack(step="migrate_out", epoch=m.epoch))
+        assert [list(out.groups) for out in outs] == [["2"], ["3"]]
+        for o, out in zip(old, outs, strict=True):
+            o.report(Ack(step="migrate_out", epoch=out.epoch))
         rerouted = 0
         while rerouted < max(m.epoch for m in ins):
             rerouted = source.expect(Reroute).epoch

@@ -107,7 +107,8 @@ def test_division_and_schedule_properties(
     assert all(len(s.pairs) == 1 for s in subscales)
     if batch is not None:
         assert all(len(s.groups) <= batch for s in subscales)
-    waiting, running, rounds = list(subscales), [], 0
+    waiting, rounds = list(subscales), 0
+    running: list[Subscale] = []
     while waiting:
         chosen = startable(waiting, running, concurrent=True)
         running += [waiting[i] for i in chosen]
