@@ -46,6 +46,11 @@ runs a hot-first 1 -> 2 (with a standby, so the window is the move) unpaced and 
 `--max-latency-ms`, alternated, and reports the sink's steady p99, its p99 and max in the
 rescale's window, the move's duration and the pacer's report (met, worst p99, rates chosen).
 
+`--to N` scales 1 -> N -> 1 instead (N >= 3 is where concurrent subscales differ from one
+step: the new owners' subscales); `--option NAME=VALUE` passes a strategy option to every
+rescale (`subscales=0`: the older global steps, for an A/B in one tree). The targets keep
+their 1->2 names.
+
 Run: `.venv/bin/python bench/rescale.py` (about 5 minutes). Writes bench/reports/rescale.json
 (all numbers and raw series) and bench/reports/rescale.png (latency over time per strategy,
 t = 0 at each run's first rescale, rescale windows shaded).
@@ -538,10 +543,10 @@ def run_strategy(
             rescales = []
             with_client = JsonClient(local.address, COORDINATOR_SERVICE, local.security)
             try:
-                first = rescale(probe, with_client, 2, strategy)
+                first = rescale(probe, with_client, args.to, strategy, args.options)
                 rescales.append(first)
                 say(
-                    f"{strategy}: 1->2 {first['phase']} in {first['duration_s']:.2f} s, "
+                    f"{strategy}: 1->{args.to} {first['phase']} in {first['duration_s']:.2f} s, "
                     f"{first['mb_moved']} MB, {first['keys_moved']:,.0f} keys"
                 )
                 if first["phase"] == "done":
@@ -552,12 +557,15 @@ def run_strategy(
                         keyed_rate(before_out, keyed_stats(probe.status))
                     )
                     report["scaled_out_usage"] = usage(before_all, all_stats(probe.status))
-                    say(f"{strategy}: at parallelism 2: {brief(report['scaled_out_usage'])}")
-                    second = rescale(probe, with_client, 1, strategy)
+                    say(
+                        f"{strategy}: at parallelism {args.to}: {brief(report['scaled_out_usage'])}"
+                    )
+                    second = rescale(probe, with_client, 1, strategy, args.options)
                     rescales.append(second)
                     say(
-                        f"{strategy}: 2->1 {second['phase']} in {second['duration_s']:.2f} s, "
-                        f"{second['mb_moved']} MB, {second['keys_moved']:,.0f} keys"
+                        f"{strategy}: {args.to}->1 {second['phase']} in "
+                        f"{second['duration_s']:.2f} s, {second['mb_moved']} MB, "
+                        f"{second['keys_moved']:,.0f} keys"
                     )
                     probe.run_for(args.steady / 2)
             finally:
@@ -1087,6 +1095,16 @@ def main() -> int:
         help="key distribution (with uniform keys a rescale moves about a third of the state)",
     )
     parser.add_argument("--strategies", default=",".join(STRATEGIES), help="comma list")
+    parser.add_argument(
+        "--to", type=int, default=2, help="the scale-out's parallelism (1 -> TO -> 1)"
+    )
+    parser.add_argument(
+        "--option",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="a strategy option for every rescale (e.g. subscales=0); repeatable",
+    )
     parser.add_argument("--out-dir", type=Path, default=Path(__file__).parent / "reports")
     parser.add_argument(
         "--sink-format",
@@ -1120,6 +1138,12 @@ def main() -> int:
         "--max-latency-ms", type=float, default=150.0, help="the paced runs' objective"
     )
     args = parser.parse_args()
+    try:
+        args.options = {k: float(v) for k, v in (o.split("=", 1) for o in args.option)}
+    except ValueError:
+        parser.error(f"--option takes NAME=NUMBER, got {args.option}")
+    if args.to < 2:
+        parser.error(f"--to must be at least 2, got {args.to}")
     comparisons = (("pacing", args.pacing_rounds, pacing_compare),
                    ("standby", args.standby_rounds, standby_compare))  # fmt: skip
     for name, rounds, compare in comparisons:
@@ -1193,6 +1217,8 @@ def main() -> int:
             "steady_s": args.steady,
             "sink_format": args.sink_format,
             "strategies": strategies,
+            "scale_out_to": args.to,
+            "options": args.options,
             "rescale_window_tail_s": WINDOW_TAIL,
         },
         "calibration": calibration,

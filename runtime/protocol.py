@@ -472,6 +472,31 @@ class PacingReport(Message):
     keys_per_s: list[float]
 
 
+class SubscaleReport(Message):
+    """One subscale of a rescale: its old and new owners, epoch, groups, phase, the bytes its
+    new owners took in (once done), when it started (seconds after the rescale did) and how
+    long it ran (or has run so far)."""
+
+    sources: list[int]
+    destinations: list[int]
+    epoch: int
+    groups: int
+    phase: str
+    bytes: int = 0
+    started: float = 0.0
+    seconds: float = 0.0
+
+
+class SubscalesReport(Message):
+    """A rescale's subscales: how many, how many done and running, and some of them (the
+    running ones, then the latest done; at most `keyshift.runtime.rescale.SUBSCALES_SHOWN`)."""
+
+    count: int
+    done: int
+    running: int
+    shown: list[SubscaleReport]
+
+
 class RescaleReport(Message):
     """A rescale as the coordinator reports it: in Rescale's reply and in Status. Its `phase`
     is `queued` while it waits for another stage's rescale to end (then `started` is when it
@@ -501,6 +526,7 @@ class RescaleReport(Message):
     replaced: int | None = None  # the id of the queued request of its stage it replaced
     handover: HandoverReport | None = None
     pacing: PacingReport | None = None
+    subscales: SubscalesReport | None = None
 
 
 class InstanceStatus(Message):

@@ -2,8 +2,12 @@
 
 (Requests for other stages wait meanwhile in keyshift.runtime.rescale_queue.)
 
-A rescale is a small explicit protocol with named phases. For each step (the whole move, or each
-batch of groups for `batched`) the coordinator:
+A rescale is a small explicit protocol with named phases. The move is divided into subscales
+(`keyshift.runtime.subscales`, DRRS): for `hot-first` and `batched`, each moves groups between one
+old owner and one new owner (`batched`: `batch_groups` at a time), and those with disjoint
+instances run side by side, each with its own epoch, each committed as soon as it is done; with
+the option `subscales: 0`, and for the other strategies, a subscale is one global step (every
+pair), one after another. For each subscale the coordinator:
 
 1. PREPARING: tells each new owner which groups it will receive and from whom (`migrate_in`);
    it parks records of those groups until their state arrives.
@@ -12,7 +16,9 @@ batch of groups for `batched`) the coordinator:
    on-demand fetches, and pushes the rest of their state, hottest groups first.
 3. REROUTING: tells every sender (each instance of the stage upstream: a source, or the keyed
    stage before) the new assignment (`reroute`); each sends an epoch MARKER on its data streams
-   to the stage, so an old owner knows when nothing routed by the old epoch can still come.
+   to the stage, so an old owner knows when nothing routed by the old epoch can still come. An
+   old owner takes a marker of a later epoch for the end of its own too, so reroutes go out in
+   epoch order: one of epoch E once every subscale up to E is frozen, carrying them all.
 4. MOVING: waits until every old owner reports `out_done` (all forwarded and pushed) and every
    new owner `in_done` (all state in, nothing parked).
 
@@ -37,13 +43,13 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import numpy as np
 
-from keyshift.runtime.assignment_planner import moves, plan
+from keyshift.runtime.assignment_planner import plan
 from keyshift.runtime.keyspace import Assignment
 from keyshift.runtime.metrics import HandoverCause
 from keyshift.runtime.pacing import PushPacer
@@ -70,7 +76,10 @@ from keyshift.runtime.protocol import (
     Rescaling,
     Resume,
     Strategy,
+    SubscaleReport,
+    SubscalesReport,
 )
+from keyshift.runtime.subscales import Subscale, divide, startable
 
 log = logging.getLogger("keyshift.rescale")
 
@@ -88,6 +97,15 @@ CAPPABLE = ("hot-first", "batched")
 # (`lazy` moves nearly everything by fetches, which a preload does not spare).
 HANDOVER = ("hot-first", "all-at-once", "batched")
 HANDOVER_OPTION = "handover"  # 1 (the default): hand over from checkpoints; 0: move directly
+# These divide the move into concurrent subscales (DRRS) unless the option is 0.
+SUBSCALED = ("hot-first", "batched")
+SUBSCALES_OPTION = "subscales"
+# Options that are 1 (on, the default) or 0 (off): what each means on and off.
+SWITCHES = {
+    HANDOVER_OPTION: ("hand over from checkpoints", "move state directly"),
+    SUBSCALES_OPTION: ("concurrent subscales", "one step of every pair after another"),
+}
+SUBSCALES_SHOWN = 16  # subscales a rescale's status lists (running first, then the latest done)
 CAPS = ("trickle_keys_per_s", "max_latency_ms")
 STEP_TIMEOUT = 30.0
 MOVE_TIMEOUT = 600.0
@@ -167,6 +185,54 @@ class HandoverStatus:
 
 
 @dataclass
+class SubscaleRun:
+    """A subscale as it runs: its epoch, phase, the wait it is in and the addresses its
+    commands name (kept: a lost instance leaves the coordinator's)."""
+
+    subscale: Subscale
+    epoch: int
+    peers: dict[str, str]
+    phase: str = "preparing"
+    started: float = field(default_factory=time.time)
+    deadline: float = 0.0  # of its phase's wait, monotonic
+    frozen: bool = False  # its old owners acked `migrate_out`: it may be rerouted
+    out_sent: bool = False
+    told: set[int] = field(default_factory=set)  # the old owners sent its `migrate_out`
+    finished: float | None = None
+    bytes: int = 0  # what its new owners took in, once done
+
+    def wait(self, phase: str, seconds: float) -> None:
+        self.phase = phase
+        self.deadline = time.monotonic() + seconds
+
+    def report(self, since: float) -> SubscaleReport:
+        return SubscaleReport(
+            sources=sorted(self.subscale.sources),
+            destinations=sorted(self.subscale.destinations),
+            epoch=self.epoch,
+            groups=len(self.subscale.groups),
+            phase=self.phase,
+            bytes=self.bytes,
+            started=round(self.started - since, 3),
+            seconds=round((self.finished or time.time()) - self.started, 3),
+        )
+
+
+def subscales_report(runs: list[SubscaleRun], count: int, since: float) -> SubscalesReport:
+    """`since`: when the rescale started. Bounded: the running subscales, then the latest
+    done, SUBSCALES_SHOWN at most."""
+    running = [r for r in runs if r.finished is None]
+    done = [r for r in runs if r.finished is not None]
+    shown = (running + done[::-1])[:SUBSCALES_SHOWN]
+    return SubscalesReport(
+        count=count,
+        done=len(done),
+        running=len(running),
+        shown=[r.report(since) for r in sorted(shown, key=lambda r: r.epoch)],
+    )
+
+
+@dataclass
 class RescaleStatus:
     # (incarnation, id) names a rescale across coordinator restarts: ids start at 1 again in
     # every coordinator process, and a host must not take a new rescale for one it has seen.
@@ -189,6 +255,8 @@ class RescaleStatus:
     replaced: int | None = None  # the queued request of the same stage this one replaced
     handover: HandoverStatus | None = None
     pacer: PushPacer | None = None
+    subscales: int = 0  # how many the move is divided into
+    runs: list[SubscaleRun] = field(default_factory=list)  # those started, in order
 
     def report(self) -> RescaleReport:
         return RescaleReport(
@@ -213,6 +281,11 @@ class RescaleStatus:
             replaced=self.replaced,
             handover=self.handover.report(self.progress) if self.handover else None,
             pacing=None if self.pacer is None else pacing_report(self.pacer),
+            subscales=(
+                subscales_report(self.runs, self.subscales, self.started)
+                if self.subscales
+                else None
+            ),
         )
 
 
@@ -247,17 +320,18 @@ def options_for(strategy: str, given: dict[str, Any] | None) -> dict[str, float]
             *options,
             *(CAPS if strategy in CAPPABLE else []),
             *([HANDOVER_OPTION] if strategy in HANDOVER else []),
+            *([SUBSCALES_OPTION] if strategy in SUBSCALED else []),
         }
     )
     for name, value in (given or {}).items():
         if name not in takes:
             raise RescaleError(f"option {name!r} does not apply to {strategy}; it takes {takes}")
         number = isinstance(value, int | float) and not isinstance(value, bool)
-        if name == HANDOVER_OPTION:
+        if name in SWITCHES:
             if not number or value not in (0, 1):
+                on, off = SWITCHES[name]
                 raise RescaleError(
-                    f"option {name!r} must be 1 (hand over from checkpoints, the default) or 0 "
-                    f"(move state directly), got {value!r}"
+                    f"option {name!r} must be 1 ({on}, the default) or 0 ({off}), got {value!r}"
                 )
         elif not number or value <= 0:
             raise RescaleError(f"option {name!r} must be a positive number, got {value!r}")
@@ -270,12 +344,16 @@ def options_for(strategy: str, given: dict[str, Any] | None) -> dict[str, float]
     return options
 
 
-def step_acked(step: AckStep, epoch: int, expected: set[tuple[str, int]]) -> Callable[..., bool]:
+def step_acked(
+    step: AckStep, epoch: int, expected: set[tuple[str, int]], at_least: bool = False
+) -> Callable[..., bool]:
     def check(events: list[Reported]) -> bool:
         got = {
             (r.stage, r.index)
             for r in events
-            if isinstance(r.event, Ack) and r.event.step == step and r.event.epoch == epoch
+            if isinstance(r.event, Ack)
+            and r.event.step == step
+            and (r.event.epoch >= epoch if at_least else r.event.epoch == epoch)
         }
         return expected <= got
 
@@ -312,7 +390,10 @@ class RescaleDriver:
         self.senders = upstream
         self.current = current
         self.group_load = group_load
-        self.step: tuple[Assignment, set[int], set[int]] | None = None  # target, from, to
+        self.target = current.owners  # every group's owner once the rescale is done (planned)
+        self.epoch = current.epoch  # the latest a subscale was given
+        self.rerouted = current.epoch  # the latest the senders were sent
+        self.handover: int | None = None  # the checkpoint the subscales hand over from
         objective = status.options.get("max_latency_ms")
         if objective is not None:
             status.pacer = PushPacer(objective / 1000, status.options["chunk_keys"])
@@ -354,25 +435,24 @@ class RescaleDriver:
                 self.host.register_timeout,
                 f"new instances {self.keyed}/{old_p}..{new_p - 1} to register",
             )
-        target = plan(self.current.owners, new_p, self.group_load)
+        self.target = target = plan(self.current.owners, new_p, self.group_load)
         moving = np.flatnonzero(target != self.current.owners)
         status.groups_to_move = len(moving)
-        # Hot groups first: each step, and each old owner's push, go in order of load.
-        moving = moving[np.argsort(-self.group_load[moving], kind="stable")]
-        if status.strategy == "batched":
-            size = int(status.options["batch_groups"])
-            steps = [moving[i : i + size] for i in range(0, len(moving), size)] or [moving]
-        else:
-            steps = [moving]
+        # Hot groups first: each subscale, and each old owner's push, go in order of load.
+        subscales = divide(
+            self.current.owners,
+            target,
+            self.group_load,
+            int(status.options["batch_groups"]) if status.strategy == "batched" else None,
+            per_pair=status.strategy in SUBSCALED
+            and status.options.get(SUBSCALES_OPTION, 1.0) == 1.0,
+        )
         handover = self._preload(target, moving)
         paused = status.strategy == "all-at-once"
         if paused:
             self._broadcast_senders(Pause(epoch=self.current.epoch))
         try:
-            for groups in steps:
-                owners = self.current.owners.copy()
-                owners[groups] = target[groups]
-                self._step(Assignment(self.current.epoch + 1, owners), handover)
+            self._move(subscales, handover)
         finally:
             if paused:
                 self._phase("resuming")
@@ -433,28 +513,48 @@ class RescaleDriver:
     def _broadcast_senders(self, command: Pause | Resume | Reroute) -> None:
         """Send a command to the senders and wait for their acks; a sender that has ended
         sends nothing more, so it needs no command (its END also ends the old epoch)."""
-        step, epoch = command.type, command.epoch
-        expected = {(s, i) for s in self.senders for i in range(self.host.sender_count(s))}
-        for stage, index in expected:
+        for stage, index in self._sender_set():
             self.host.send(stage, index, command)
-        acked = step_acked(step, epoch, expected)
+        self.host.wait_for(
+            self._senders_acked(command.type, command.epoch),
+            STEP_TIMEOUT,
+            f"senders {list(self.senders)} to {command.type}",
+        )
+
+    def _sender_set(self) -> set[tuple[str, int]]:
+        return {(s, i) for s in self.senders for i in range(self.host.sender_count(s))}
+
+    def _senders_acked(
+        self, step: AckStep, epoch: int, at_least: bool = False
+    ) -> Callable[[list[Reported]], bool]:
+        """Whether every sender that has not ended acked `step` of `epoch` (`at_least`: of
+        `epoch` or a later one)."""
 
         def done(events: list[Reported]) -> bool:
-            ended = self._finished_senders()
-            return step_acked(step, epoch, expected - ended)(events) or acked(events)
+            expected = self._sender_set() - self._finished_senders()
+            return step_acked(step, epoch, expected, at_least)(events)
 
-        self.host.wait_for(done, STEP_TIMEOUT, f"senders {list(self.senders)} to {step}")
+        return done
 
     def _finished_senders(self) -> set[tuple[str, int]]:
         return {(stage, i) for stage in self.senders for i in self.host.finished(stage)}
 
     def _recover(self, lost: set[int]) -> str:
         """After an instance died mid-move: keep every group whose state survives where it is,
-        or give it back to its old owner; groups whose state died move to survivors empty."""
+        or give it back to its old owner; groups whose state died move to survivors empty.
+        Every subscale that started goes on: those whose old owners were not told to freeze
+        yet are told now (their new owners' moves in wait for them), and the abort takes the
+        lost instance out of all of them."""
         self._phase("recovering")
         current = self.current.owners
-        target, senders, receivers = self.step or (self.current, set(), set())
-        owners = target.owners.copy()
+        runs = [r for r in self.status.runs if r.finished is None]
+        owners = current.copy()
+        for run in runs:
+            groups = run.subscale.groups
+            owners[groups] = self.target[groups]
+        for run in runs:
+            if not run.out_sent:
+                self._freeze(run, lost)
         died = np.isin(owners, list(lost))
         owners[died] = current[died]  # back to the old owner, with what it has not handed over
         gone = np.isin(owners, list(lost))
@@ -480,11 +580,14 @@ class RescaleDriver:
         adopt = {
             str(i): g.tolist() for i in alive if len(g := np.flatnonzero(died & (owners == i)))
         }
-        recovered = Assignment(max(target.epoch, self.current.epoch) + 1, owners)
+        epoch = max(self.epoch, self.current.epoch)
+        recovered = Assignment(epoch + 1, owners)
+        senders = set().union(*(r.subscale.sources for r in runs))
+        receivers = set().union(*(r.subscale.destinations for r in runs))
         participants = (senders | receivers | {int(i) for i in adopt}) - lost
-        self.host.broadcast(self.keyed, Abort(epoch=target.epoch, lost=sorted(lost), adopt=adopt))
+        self.host.broadcast(self.keyed, Abort(epoch=epoch, lost=sorted(lost), adopt=adopt))
         self.host.wait_for(
-            step_acked("abort", target.epoch, {(self.keyed, i) for i in participants}),
+            step_acked("abort", epoch, {(self.keyed, i) for i in participants}),
             STEP_TIMEOUT,
             "survivors to abandon the moves to and from the lost instance",
         )
@@ -497,9 +600,10 @@ class RescaleDriver:
         )
         self._broadcast_senders(reroute)
         self.host.wait_for(
-            lambda events: (
-                moves_reported(OutDone, target.epoch, senders - lost)(events)
-                and moves_reported(InDone, target.epoch, receivers - lost)(events)
+            lambda events: all(
+                moves_reported(OutDone, r.epoch, r.told - lost)(events)
+                and moves_reported(InDone, r.epoch, r.subscale.destinations - lost)(events)
+                for r in runs
             ),
             MOVE_TIMEOUT,
             "the survivors' moves to finish",
@@ -512,101 +616,193 @@ class RescaleDriver:
             f"state with instance(s) {sorted(lost)}, the rest stay where their state is"
         )
 
-    def _paced(
-        self, moved: Callable[[list[Reported]], bool], pacer: PushPacer, epoch: int, old: set[int]
-    ) -> Callable[[list[Reported]], bool]:
-        """`moved`, checked while the old owners' push rate follows the sinks' p99: the wait
-        checks it on every report and at least twice a second."""
-        pacer.start(time.time())
+    # -- the subscales -------------------------------------------------------------------
 
-        def check(events: list[Reported]) -> bool:
-            samples = self.host.sink_latencies()
-            if moved(events):
-                pacer.finish(samples)
-                return True
-            rate = pacer.decide(time.time(), samples)
-            if rate is not None:
-                for src in old & set(self.host.addresses(self.keyed)):  # a lost one takes none
-                    self.host.send(self.keyed, src, PushRate(epoch=epoch, keys_per_s=rate))
-            return False
-
-        return check
-
-    def _step(self, new: Assignment, handover: int | None) -> None:
+    def _move(self, subscales: list[Subscale], handover: int | None) -> None:
+        """Run the subscales, those with free instances side by side (`startable`), each
+        through its phases on its own; each one's groups are committed when it is done."""
         status = self.status
-        epoch = new.epoch
-        status.epoch = epoch
-        status.steps += 1
-        pairs = moves(self.current.owners, new.owners)
-        addresses = self.host.addresses(self.keyed)
-        incoming: dict[int, dict[int, list[int]]] = {}
-        outgoing: dict[int, dict[int, list[int]]] = {}
-        for (src, dst), groups in pairs.items():
-            incoming.setdefault(dst, {})[src] = groups.tolist()
-            outgoing.setdefault(src, {})[dst] = groups.tolist()
-        peers = {str(i): a for i, a in addresses.items()}
-        self.step = (new, set(outgoing), set(incoming))
-        self._phase("preparing")
-        for dst, by_src in incoming.items():
-            groups_in = {str(k): v for k, v in by_src.items()}
-            command_in = MigrateIn(epoch=epoch, groups=groups_in, peers=peers, handover=handover)
-            self.host.send(self.keyed, dst, command_in)
-        self.host.wait_for(
-            step_acked("migrate_in", epoch, {(self.keyed, d) for d in incoming}),
-            STEP_TIMEOUT,
-            "new owners to prepare",
+        concurrent = (
+            status.strategy in SUBSCALED and status.options.get(SUBSCALES_OPTION, 1.0) == 1.0
         )
-        self._phase("freezing")
-        pacer = status.pacer
+        status.subscales = len(subscales)
+        waiting = list(subscales)
+        self.handover = handover
+        if status.pacer is not None:
+            status.pacer.start(time.time())
+        while waiting or self._running():
+            chosen = startable(waiting, [r.subscale for r in self._running()], concurrent)
+            for i in chosen:
+                self._start(waiting[i])
+            waiting = [sub for i, sub in enumerate(waiting) if i not in chosen]
+            first = min(self._running(), key=lambda r: r.deadline)
+            self.host.wait_for(
+                self._progressed,
+                max(0.0, first.deadline - time.monotonic()),
+                f"subscale {self._name(first)} ({first.phase})",
+            )
+
+    def _running(self) -> list[SubscaleRun]:
+        return [r for r in self.status.runs if r.finished is None]
+
+    def _name(self, run: SubscaleRun) -> str:
+        pairs = ", ".join(f"{s}->{d}" for s, d in run.subscale.pairs)
+        return f"{self.keyed} {pairs} of epoch {run.epoch}"
+
+    def _start(self, subscale: Subscale) -> None:
+        """PREPARING: each new owner parks records of its coming groups until they are in."""
+        self.epoch += 1
+        self.status.epoch = self.epoch
+        self.status.steps += 1
+        peers = {str(i): a for i, a in self.host.addresses(self.keyed).items()}
+        run = SubscaleRun(subscale, self.epoch, peers)
+        run.wait("preparing", STEP_TIMEOUT)
+        self.status.runs.append(run)
+        incoming: dict[int, dict[str, list[int]]] = {}
+        for (src, dst), groups in subscale.pairs.items():
+            incoming.setdefault(dst, {})[str(src)] = sorted(groups.tolist())
+        for dst, groups_in in incoming.items():
+            command = MigrateIn(
+                epoch=run.epoch, groups=groups_in, peers=peers, handover=self.handover
+            )
+            self.host.send(self.keyed, dst, command)
+        self._phase("preparing")
+
+    def _freeze(self, run: SubscaleRun, lost: Collection[int] = ()) -> None:
+        """FREEZING: each old owner stops applying the leaving groups' records, forwards them
+        and pushes their state (`lost`: instances gone; in a recovery, the pairs they are in
+        are not started: their groups stay with, or go back to, their old owners)."""
+        status, pacer = self.status, self.status.pacer
         push = PushOptions(
             chunk_keys=int(status.options["chunk_keys"]),
             trickle_keys_per_s=(
                 status.options.get("trickle_keys_per_s") if pacer is None else pacer.rate_keys_per_s
             ),
         )
-        for src, by_dst in outgoing.items():
+        outgoing: dict[int, dict[str, list[int]]] = {}
+        for (src, dst), groups in run.subscale.pairs.items():
+            if src not in lost and dst not in lost:
+                outgoing.setdefault(src, {})[str(dst)] = sorted(groups.tolist())
+        for src, groups_out in outgoing.items():
+            run.told.add(src)
             command = MigrateOut(
-                epoch=epoch,
-                groups={str(k): v for k, v in by_dst.items()},
-                peers=peers,
+                epoch=run.epoch,
+                groups=groups_out,
+                peers=run.peers,
                 sources=sum(self.host.sender_count(stage) for stage in self.senders),
                 push=push,
-                handover=handover,
+                handover=self.handover,
             )
             self.host.send(self.keyed, src, command)
-        self.host.wait_for(
-            step_acked("migrate_out", epoch, {(self.keyed, s) for s in outgoing}),
-            STEP_TIMEOUT,
-            "old owners to freeze the moving groups",
-        )
-        self._phase("rerouting")
+        run.out_sent = True
+        run.wait("freezing", STEP_TIMEOUT)
+
+    def _progressed(self, events: list[Reported]) -> bool:
+        """Take every running subscale as far as the events allow; whether any moved on (the
+        driver then starts what may start, and waits on the new deadlines)."""
+        changed = False
+        for run in self._running():
+            changed |= self._advance(run, events)
+        changed |= self._reroute()
+        self._pace()
+        running = self._running()
+        if running:
+            self.status.phase = running[0].phase
+        return changed
+
+    def _advance(self, run: SubscaleRun, events: list[Reported]) -> bool:
+        epoch, keyed = run.epoch, self.keyed
+        if run.phase == "preparing":
+            if not step_acked("migrate_in", epoch, {(keyed, d) for d in run.subscale.destinations})(
+                events
+            ):
+                return False
+            self._freeze(run)
+            return True
+        if run.phase == "freezing":
+            if run.frozen or not step_acked(
+                "migrate_out", epoch, {(keyed, s) for s in run.subscale.sources}
+            )(events):
+                return False
+            run.frozen = True
+            return True
+        if run.phase == "rerouting":
+            if not self._senders_acked("reroute", epoch, at_least=True)(events):
+                return False
+            run.wait("moving", MOVE_TIMEOUT)
+            return True
+        if not (
+            moves_reported(OutDone, epoch, run.subscale.sources)(events)
+            and moves_reported(InDone, epoch, run.subscale.destinations)(events)
+        ):
+            return False
+        self._done(run, events)
+        return True
+
+    def _reroute(self) -> bool:
+        """REROUTING: every sender gets the assignment with the frozen subscales' groups at
+        their new owners. Epochs go up in the order subscales start, so a subscale waits for
+        every one started before it to be frozen: an old owner takes a sender's marker of its
+        epoch or a later one as the end of the old routing, which must then include it."""
+        upto = self.rerouted
+        for run in sorted(self._running(), key=lambda r: r.epoch):
+            if run.epoch <= self.rerouted:
+                continue
+            if not run.frozen:
+                break
+            upto = run.epoch
+        if upto == self.rerouted:
+            return False
+        owners = self.current.owners.copy()
+        for run in self._running():
+            if run.epoch <= upto:
+                groups = run.subscale.groups
+                owners[groups] = self.target[groups]
+        self.rerouted = upto
         reroute = Reroute(
             stage=self.keyed,
-            epoch=epoch,
-            assignment=new.to_json(),
-            keyed={str(i): a for i, a in addresses.items()},
+            epoch=upto,
+            assignment=Assignment(upto, owners).to_json(),
+            keyed={str(i): a for i, a in self.host.addresses(self.keyed).items()},
         )
-        self._broadcast_senders(reroute)
-        self._phase("moving")
-        fallbacks: dict[int, str] = {}  # why old owners pushed groups whole in a hand-over
+        for stage, index in self._sender_set():
+            self.host.send(stage, index, reroute)
+        for run in self._running():
+            if run.phase == "freezing" and run.epoch <= upto:
+                run.wait("rerouting", STEP_TIMEOUT)
+        return True
 
-        def moved(events: list[Reported]) -> bool:
-            for r in events:
-                if isinstance(r.event, OutDone) and r.event.epoch == epoch and r.event.fallback:
-                    fallbacks[r.index] = r.event.fallback
-            return moves_reported(OutDone, epoch, set(outgoing))(events) and moves_reported(
-                InDone, epoch, set(incoming)
-            )(events)
+    def _done(self, run: SubscaleRun, events: list[Reported]) -> None:
+        """MOVING is over for this subscale: its groups are committed at their new owners."""
+        status = self.status
+        groups = run.subscale.groups
+        owners = self.current.owners.copy()
+        owners[groups] = self.target[groups]
+        self.current = Assignment(max(self.current.epoch, run.epoch), owners)
+        self.host.commit(self.keyed, self.current)
+        status.groups_moved += len(groups)
+        run.phase = "done"
+        run.finished = time.time()
+        for r in events:
+            event = r.event
+            if isinstance(event, InDone) and event.epoch == run.epoch:
+                run.bytes += int(event.stats.get("bytes_in", 0))
+            if isinstance(event, OutDone) and event.epoch == run.epoch and event.fallback:
+                assert status.handover is not None  # a fallback names the hand-over's
+                status.handover.fell_back(event.fallback, "changes")
+        if status.pacer is not None:
+            status.pacer.finish(self.host.sink_latencies())
 
-        self.host.wait_for(
-            moved if pacer is None else self._paced(moved, pacer, epoch, set(outgoing)),
-            MOVE_TIMEOUT,
-            "state to move",
-        )
-        for _, reason in sorted(fallbacks.items()):
-            assert status.handover is not None
-            status.handover.fell_back(reason, "changes")
-        self.current = new
-        self.step = None
-        self.host.commit(self.keyed, new)
-        status.groups_moved += sum(len(g) for g in pairs.values())
+    def _pace(self) -> None:
+        """With a latency objective, the old owners' push rate follows the sinks' p99."""
+        pacer = self.status.pacer
+        if pacer is None:
+            return
+        rate = pacer.decide(time.time(), self.host.sink_latencies())
+        if rate is None:
+            return
+        alive = set(self.host.addresses(self.keyed))  # a lost one takes none
+        for run in self._running():
+            if run.out_sent:
+                for src in run.subscale.sources & alive:
+                    self.host.send(self.keyed, src, PushRate(epoch=run.epoch, keys_per_s=rate))

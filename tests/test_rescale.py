@@ -3,6 +3,7 @@ truth computed independently; exactly-once and per-key order by (source, sequenc
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
 from collections import Counter
@@ -203,6 +204,16 @@ def test_scale_out_and_in_under_load_keeps_exactly_once_and_order(
         assert result["groups_moved"] == result["groups_to_move"] > 0
         moved = result["progress"].get("keys_in", 0) + result["progress"].get("keys_fetched", 0)
         assert moved > 0, result
+    if strategy in ("hot-first", "batched"):
+        # 1 -> 3 in subscales (concurrent subscales are on by default), each between instance 0
+        # and one new owner; both leave instance 0, so one completes before the next starts.
+        subscales = results[0]["subscales"]
+        assert subscales["count"] == subscales["done"] == results[0]["steps"], subscales
+        shown = subscales["shown"]
+        assert all(s["sources"] == [0] and len(s["destinations"]) == 1 for s in shown)
+        assert {s["destinations"][0] for s in shown} == {1, 2}
+        for before, after in itertools.pairwise(sorted(shown, key=lambda s: s["started"])):
+            assert before["started"] + before["seconds"] <= after["started"], shown
 
 
 def test_hot_keys_move_while_hot(tmp_path: Path) -> None:
@@ -250,6 +261,14 @@ def test_count_aggregate_through_rescales_equals_truth(tmp_path: Path, backend: 
     )
     for result in results:  # both ends of every move report how fast state went
         assert result["mb_per_s"]["out"] > 0 and result["mb_per_s"]["in"] > 0, result
+    # 2 -> 4: subscales with disjoint instances (0 -> 2 beside 1 -> 3, say) ran side by side,
+    # each done on its own.
+    shown = results[0]["subscales"]["shown"]
+    assert len(shown) >= 2 and all(s["phase"] == "done" for s in shown), shown
+    assert any(
+        a["started"] < b["started"] + b["seconds"] and b["started"] < a["started"] + a["seconds"]
+        for a, b in itertools.combinations(shown, 2)
+    ), shown
 
 
 @settings(
@@ -367,6 +386,10 @@ def test_bad_rescale_requests_are_refused_and_change_nothing(tmp_path: Path) -> 
                 "option 'handover' must be 1 (hand over from checkpoints, the default) or 0",
             ),
             (
+                {"stage": "track", "parallelism": 2, "options": {"subscales": 2}},
+                "option 'subscales' must be 1 (concurrent subscales, the default) or 0",
+            ),
+            (
                 {"stage": "track", "parallelism": 2, "options": {"max_latency_ms": 0}},
                 "option 'max_latency_ms' must be a positive number, got 0",
             ),
@@ -439,17 +462,17 @@ def test_new_owner_dying_mid_move_fails_the_rescale_and_the_stage_goes_on(
     all state not yet handed over, and the job keeps running correctly for every key except
     those whose state had already moved to the dead instance."""
     out = tmp_path / "out"
-    # Many keys, each seldom hit: few are fetched on demand before the kill, and lazy's
-    # trickle pushes the rest for a minute, so the move is still running when the new owner
-    # dies. (With few keys every one is soon fetched, the groups left are empty, and their
-    # push costs the trickle nothing: the move could end before the kill.)
+    # Many keys, each seldom hit: few are fetched on demand before the kill, and a trickle
+    # pushes the rest for a minute, so the move (a hot-first subscale) is still running when
+    # the new owner dies. (With few keys every one is soon fetched, the groups left are empty,
+    # and their push costs the trickle nothing: the move could end before the kill.)
     source = {"kind": "generator", "keys": 200_000, "seed": 2, "profile": {"rate": 10_000}}
     job = tracked_job(out, source, 1, state=state_settings(backend, tmp_path))
     with running_job(tmp_path, job) as local:
         client = JsonClient(local.address, SERVICE)
         wait_for(lambda: local.status()["phase"] == "running", 30, "the job to run")
         wait_for(lambda: sum_out(local) > 20_000, 30, "records to flow")
-        client.call("Rescale", {"stage": "track", "parallelism": 2, "strategy": "lazy",
+        client.call("Rescale", {"stage": "track", "parallelism": 2, "strategy": "hot-first",
                                 "options": {"trickle_keys_per_s": 200}})  # fmt: skip
 
         def moving() -> bool:

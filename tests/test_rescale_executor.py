@@ -199,9 +199,13 @@ def test_the_plan_travels_with_every_rescale_to_the_coordinator(tmp_path: Path) 
         assert done["phase"] == "done", done["error"]
         assert done["strategy"] == "batched"
         assert done["options"] == {"batch_groups": 64.0, "chunk_keys": 1000.0}
-        # The options change what the driver does: one step per 64 moving groups.
+        # The options change what the driver does: subscales of at most 64 moving groups,
+        # each between one old and one new owner (two old owners: one part-filled batch more).
         assert done["groups_to_move"] > 256
-        assert done["steps"] == math.ceil(done["groups_to_move"] / 64), done
+        batches = math.ceil(done["groups_to_move"] / 64)
+        assert batches <= done["steps"] <= batches + 1, done
+        assert done["subscales"]["count"] == done["steps"] == done["subscales"]["done"]
+        assert all(s["groups"] <= 64 for s in done["subscales"]["shown"]), done
         refused = CoordinatorExecutor(
             local.client, local, latest, {"counts": 256},
             MigrationPlan("lazy", {"batch_groups": 64}),

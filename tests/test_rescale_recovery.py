@@ -22,6 +22,7 @@ from typing import Any, TypeVar
 import numpy as np
 
 from keyshift.runtime.coordinator import SERVICE, Coordinator
+from keyshift.runtime.job import parse_job
 from keyshift.runtime.protocol import (
     Abort,
     Ack,
@@ -40,7 +41,7 @@ from keyshift.runtime.protocol import (
     parse_command,
 )
 from keyshift.runtime.transport import JsonClient, TransportError
-from tests.conftest import wait_for
+from tests.conftest import count_job, served, wait_for
 
 C = TypeVar("C", bound=Command)
 
@@ -184,3 +185,116 @@ def test_an_old_owner_a_new_owner_cannot_reach_mid_move_is_lost_and_recovered_fr
         assert coordinator.phase == "running" and coordinator.lost == ["counts/0"]
         (error,) = coordinator.errors
         assert error.startswith("instance counts/0") and "counts/1 could not reach it" in error
+
+
+@dataclass
+class TwoSubscales:
+    """A 2 -> 4 scale-out of `counts` whose two subscales (0 -> 2, 1 -> 3) have started: the
+    new owners got their `migrate_in`s."""
+
+    coordinator: Coordinator
+    client: JsonClient
+    source: PlayedInstance
+    old: list[PlayedInstance]
+    new: list[PlayedInstance]
+    ins: list[MigrateIn]
+
+
+@contextmanager
+def scale_out_2_to_4() -> Iterator[TwoSubscales]:
+    spec = parse_job(count_job(keyed={"parallelism": 2}, sink={"parallelism": 1}))
+    coordinator = Coordinator(spec, 30.0)
+    with served(coordinator) as address:
+        source, sink = join(address, "source", 0), join(address, "sink", 0)
+        old = [join(address, "counts", i) for i in range(2)]
+        wait_for(lambda: coordinator.phase == "running", 10, "the job to run")
+        for instance in old:
+            instance.report(hits={str(g): 1 for g in range(spec.max_key_groups)})
+        client = JsonClient(address, SERVICE)
+        client.call("Rescale", RescaleRequest(stage="counts", parallelism=4).wire())
+        wait_for(lambda: coordinator.desired["counts"] == 4, 10, "the scale-out to start")
+        new = [join(address, "counts", i) for i in (2, 3)]
+        try:
+            ins = [n.expect(MigrateIn) for n in new]
+            assert [list(m.groups) for m in ins] == [["0"], ["1"]]
+            assert ins[0].epoch != ins[1].epoch  # each subscale its own epoch
+            yield TwoSubscales(coordinator, client, source, old, new, ins)
+        finally:
+            client.close()
+            for instance in (source, sink, *old, *new):
+                instance.client.close()
+
+
+def test_concurrent_subscales_complete_on_their_own_and_a_loss_in_one_spares_the_other() -> None:
+    """A 2 -> 4 scale-out is two subscales, 0 -> 2 and 1 -> 3, running side by side: the first
+    is committed as soon as its own ends report done, while the second still moves; then the
+    second's new owner dies, and only its groups go back (to instance 1)."""
+    with scale_out_2_to_4() as move:
+        coordinator, client, source, old, new, ins = (
+            move.coordinator, move.client, move.source, move.old, move.new, move.ins
+        )  # fmt: skip
+        for n, migrate_in in zip(new, ins, strict=True):
+            n.report(Ack(step="migrate_in", epoch=migrate_in.epoch))
+        outs = [o.expect(MigrateOut) for o in old]
+        assert [list(out.groups) for out in outs] == [["2"], ["3"]]
+        for o, out in zip(old, outs, strict=True):
+            o.report(Ack(step="migrate_out", epoch=out.epoch))
+        rerouted = 0
+        while rerouted < max(m.epoch for m in ins):
+            rerouted = source.expect(Reroute).epoch
+            source.report(Ack(step="reroute", epoch=rerouted))
+        wait_for(lambda: client.call("Status")["rescale"]["phase"] == "moving", 10, "the moves")
+        # The first subscale's ends are done: it is committed, the second still moves.
+        old[0].report(OutDone(epoch=outs[0].epoch, stats={"bytes_out": 10}))
+        new[0].report(InDone(epoch=ins[0].epoch, stats={"bytes_in": 10}))
+        first = np.asarray(ins[0].groups["0"])
+        second = np.asarray(ins[1].groups["1"])
+        wait_for(lambda: (coordinator.assignment.owners[first] == 2).all(), 10, "the commit")
+        assert (coordinator.assignment.owners[second] == 1).all()
+        report = client.call("Status")["rescale"]["subscales"]
+        assert (report["count"], report["done"], report["running"]) == (2, 1, 1), report
+        phases = {s["destinations"][0]: (s["phase"], s["bytes"]) for s in report["shown"]}
+        assert phases == {2: ("done", 10), 3: ("moving", 0)}, report
+        # The second's new owner dies: its groups go back to instance 1, the first's stay.
+        new[1].client.close()
+        abort = old[1].expect(Abort)
+        assert abort.lost == [3] and sorted(abort.adopt.get("1", [])) == sorted(second)
+        old[1].report(Ack(step="abort", epoch=abort.epoch))
+        recovered = source.expect(Reroute)
+        owners = np.asarray(recovered.assignment["owners"])
+        assert (owners[first] == 2).all() and (owners[second] == 1).all()
+        source.report(Ack(step="reroute", epoch=recovered.epoch))
+        old[1].report(OutDone(epoch=outs[1].epoch, stats={}))
+        wait_for(lambda: coordinator.rescale_history, 10, "the rescale to end")
+        (result,) = coordinator.rescale_history
+        assert result.phase == "failed" and "recovered at parallelism 3" in str(result.error)
+        assert coordinator.assignment.epoch == recovered.epoch
+
+
+def test_a_subscale_whose_new_owner_dies_before_it_froze_is_dropped_and_the_other_goes_on() -> None:
+    """The new owner of subscale 1 -> 3 dies before it acked its `migrate_in`: instance 1 was
+    never told to freeze and is not now (its groups stay with it); subscale 0 -> 2, also still
+    preparing, is told to freeze by the recovery and finishes."""
+    with scale_out_2_to_4() as move:
+        old, new, ins, source = move.old, move.new, move.ins, move.source
+        new[1].client.close()
+        # The recovery freezes the surviving subscale before the abort.
+        out = old[0].expect(MigrateOut)
+        assert out.epoch == ins[0].epoch and list(out.groups) == ["2"]
+        abort = old[0].expect(Abort)
+        assert abort.lost == [3]
+        second = np.asarray(ins[1].groups["1"])
+        assert sorted(abort.adopt.get("1", [])) == sorted(second)
+        for instance in (old[0], old[1], new[0]):
+            instance.report(Ack(step="abort", epoch=abort.epoch))
+        recovered = source.expect(Reroute)
+        owners = np.asarray(recovered.assignment["owners"])
+        first = np.asarray(ins[0].groups["0"])
+        assert (owners[first] == 2).all() and (owners[second] == 1).all()
+        source.report(Ack(step="reroute", epoch=recovered.epoch))
+        old[0].report(OutDone(epoch=out.epoch, stats={}))
+        new[0].report(InDone(epoch=ins[0].epoch, stats={}))
+        wait_for(lambda: move.coordinator.rescale_history, 10, "the rescale to end")
+        (result,) = move.coordinator.rescale_history
+        assert result.phase == "failed" and "recovered at parallelism 3" in str(result.error)
+        assert not any(isinstance(c, MigrateOut) for c in list(old[1].commands.queue))
