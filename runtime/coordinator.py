@@ -248,6 +248,7 @@ class Coordinator:
             # strategy): the recovery is then recorded with this reason and timed from now.
             self._note_failure(message)
         self.phase = "failed"
+        self._local = None  # a local recovery under way ends with the job
         self._drop_queued(f"the job failed: {message}")
         for record in self._records():
             record.commands.put(Stop(reason=message))
@@ -654,6 +655,8 @@ class Coordinator:
             self._local = None
             self.phase = "running"
             self._broadcast_topology()
+            if self._drain_requested:
+                self._start_draining()
             self._changed.notify_all()
         self._record_recovery(checkpoint, recovery.failed_at, "local")
 
@@ -712,9 +715,10 @@ class Coordinator:
         with self._lock:
             if self.phase == "running" and self.rescale_status is None:
                 self._start_draining()
-            elif self.phase in ("starting", "running"):
-                # Honoured once every instance is registered and the running rescale has
-                # finished; the ones waiting behind it would only delay the end.
+            elif self.phase in ("starting", "running") or self._local is not None:
+                # Honoured once every instance is registered, the running rescale has
+                # finished and a local recovery has ended; the rescales waiting behind it
+                # would only delay the end.
                 self._drain_requested = True
                 self._drop_queued("the job was asked to drain")
             return DrainReply(phase=self.phase)

@@ -892,6 +892,8 @@ class KeyedStage:
     def close(self) -> None:
         """Close the state's database (RocksDB), for the next generation to open it again
         (a rewind); memory state is only dropped."""
+        self.ctx.state_size = None  # the reports' thread reads it
+        self.ctx.group_hits = None
         if isinstance(self.state, RocksStore):
             self.state.close()
 
