@@ -49,7 +49,7 @@ from typing import Any
 import yaml
 from throughput import job, ratio, snapshot, start_flowing
 
-from keyshift.operator.local_host import LocalJob, run_job
+from keyshift.operator.local_host import LocalJob, RunError, run_job
 from keyshift.runtime.checkpoint_store import CheckpointStore
 from keyshift.runtime.job import parse_job
 from keyshift.runtime.output_log import OutputLogReader
@@ -228,11 +228,16 @@ def main() -> int:
     recoveries: dict[str, list[dict[str, Any]]] = {mode: [] for mode in RECOVERY_MODES}
     for _ in range(0 if args.no_recovery else args.recovery_rounds):
         for mode in RECOVERY_MODES:
-            recoveries[mode].append(measure_recovery(args.recovery_rate, backend, mode))
+            try:
+                recoveries[mode].append(measure_recovery(args.recovery_rate, backend, mode))
+            except (RuntimeError, RunError) as exc:  # a run that did not recover is reported
+                recoveries[mode].append({"mode": mode, "error": str(exc).splitlines()[0]})
     recovery = {
         mode: {
-            "kill_to_first_output_s": [r["kill_to_first_output_s"] for r in runs_],
-            "target_met": all(r["kill_to_first_output_s"] <= TARGET_RECOVERY_S for r in runs_),
+            "kill_to_first_output_s": [r.get("kill_to_first_output_s") for r in runs_],
+            "target_met": all(
+                r.get("kill_to_first_output_s", 1e9) <= TARGET_RECOVERY_S for r in runs_
+            ),
             "runs": runs_,
         }
         for mode, runs_ in recoveries.items()
