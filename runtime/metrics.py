@@ -78,7 +78,7 @@ class MetricName(StrEnum):
     CHECKPOINT_COMPLETED_TIME = "keyshift_checkpoint_last_completed_timestamp_seconds"
     RECOVERIES = "keyshift_recoveries_total"
     RECOVERY_SECONDS = "keyshift_recovery_duration_seconds"
-    RECOVERY_LOCAL = "keyshift_recovery_last_local"
+    RECOVERY_LOCAL = "keyshift_recovery_local_instances"
     RPC_UNAUTHENTICATED = "keyshift_rpc_unauthenticated_total"
     STORAGE_FAILURES = "keyshift_storage_failures_total"
     WATERMARK = "keyshift_watermark_seconds"
@@ -159,8 +159,8 @@ HELP: dict[MetricName, str] = {
     "the job's life (kept with its checkpoints).",
     MetricName.RECOVERY_SECONDS: "Seconds the last recovery took, from the failure noticed to "
     "the job running again.",
-    MetricName.RECOVERY_LOCAL: "1 when the last recovery was local (the lost instance replaced "
-    "alone, the others rewound in place), 0 when every process was restarted.",
+    MetricName.RECOVERY_LOCAL: "Instances the last recovery started again alone, the others "
+    "rewound in place (1: a local recovery; 0: every process was restarted).",
     MetricName.RPC_UNAUTHENTICATED: "gRPC calls refused because they lacked the job's token, "
     "by service.",
     MetricName.STORAGE_FAILURES: "Failures of storage by use: checkpoint (a keyed instance's "
