@@ -50,7 +50,7 @@ def test_a_lost_keyed_instance_of_a_running_job_is_recovered_locally() -> None:
     ],
 )
 def test_other_losses_restart_the_job_globally_saying_why(change: dict[str, Any], why: str) -> None:
-    refused = refusal(**{**LOCAL, **change})  # type: ignore[arg-type]
+    refused = refusal(**{**LOCAL, **change})
     assert refused is not None and why in refused
 
 
