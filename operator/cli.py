@@ -419,6 +419,7 @@ def cmd_run(args: argparse.Namespace, console: Console) -> int:
         console.print(
             f"  recovered from checkpoint {recovery['checkpoint']}"
             + (f" in {took:.2f} s" if took is not None else "")
+            + f" ({recovery.get('mode', 'global')})"
             + f" after: {recovery['reason'].splitlines()[0]}",
             highlight=False,
             soft_wrap=True,

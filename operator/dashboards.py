@@ -866,6 +866,14 @@ def migration_dashboard() -> Json:
             [(by("max", "", series(M.RECOVERY_SECONDS, JOB)), "seconds")],
             "s",
         ),
+        stat(
+            "Last recovery local",
+            "1: the last recovery started the lost instance alone and rewound the others in "
+            "place; 0: it restarted every process.",
+            [(by("max", "", series(M.RECOVERY_LOCAL, JOB)), "local")],
+            "none",
+            decimals=0,
+        ),
     ]
     return dashboard(
         "keyshift-migration",

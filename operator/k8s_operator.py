@@ -454,6 +454,8 @@ def recovery_status(current: Mapping[str, Any]) -> dict[str, Any]:
         "lastCheckpoint": last.get("checkpoint"),
         "lastReason": str(last.get("reason") or ""),
         "lastSeconds": last.get("seconds"),
+        # Recorded before local recoveries existed, a recovery was a global restart.
+        "lastMode": last.get("mode", "global") if last else None,
     }
 
 

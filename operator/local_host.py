@@ -36,6 +36,7 @@ log = logging.getLogger("keyshift.host")
 
 COORDINATOR_SERVICE = "keyshift.Coordinator"
 STATUS_INTERVAL = 0.5
+RECOVERY_STATUS_INTERVAL = 0.05  # while a local recovery waits for its replacement
 LOST_GRACE = 3.0
 # Seconds a coordinator that stopped answering gets to be seen exiting (see _observe).
 EXIT_GRACE = 2.0
@@ -86,7 +87,9 @@ class LocalJob:
         self.env = {**PROCESS_ENV, SECRET_ENV: secret.decode()}
         self.security = Security.from_env({**os.environ, **self.env})
         self._dead_since: dict[str, float] = {}
-        self.recoveries: list[dict[str, Any]] = []  # {"reason", "checkpoint", "seconds"}
+        # {"reason", "checkpoint", "seconds", "mode"}: global (restarted here) or local (the
+        # coordinator's, replacing a lost instance alone)
+        self.recoveries: list[dict[str, Any]] = []
         self.failures: list[float] = []  # when each failure the restart strategy saw happened
 
     def __enter__(self) -> LocalJob:
@@ -176,7 +179,9 @@ class LocalJob:
         for waiting in self.standbys.values():
             waiting.clear()
         self._dead_since.clear()
-        self.recoveries.append({"reason": reason, "checkpoint": checkpoint.id, "seconds": None})
+        self.recoveries.append(
+            {"reason": reason, "checkpoint": checkpoint.id, "seconds": None, "mode": "global"}
+        )
         self.start(restore=True)
         self.recoveries[-1]["started"] = failed
 
@@ -212,6 +217,22 @@ class LocalJob:
                 log.warning("the restart failed: %s", exc)
                 self.recoveries.pop()  # not recovered: the next attempt is the recovery
                 reason = f"{reason}\n  and the restart failed: {exc}"
+
+    def replace(self, status: dict[str, Any]) -> None:
+        """Start again, alone, the instances a local recovery replaces (keyshift.runtime.
+        local_recovery), unless a replacement runs (the lost process, hung, is stopped first);
+        and take its record once it is over."""
+        for name, lost in status.get("replacing", {}).items():
+            child = self.instances.get(name)
+            if child is None or child.pid == lost or child.exit_code() is not None:
+                stage, _, index = name.rpartition("/")
+                log.warning("starting %s again (a local recovery)", name)
+                self.start_instance(stage, int(index))
+        last = status["recoveries"].get("last") or {}
+        if last.get("mode") == "local" and not any(
+            r.get("failed_at") == last["failed_at"] for r in self.recoveries
+        ):
+            self.recoveries.append(dict(last))
 
     def ensure_instances(self, status: dict[str, Any]) -> None:
         """Start the instances the coordinator wants and nobody runs (a scale-out): standbys
@@ -390,7 +411,8 @@ def run_job(
         let_go = frozenset(status.get("lost", ()))
         history.append(status)
         on_status(status)
-        job.ensure_instances(status)
+        job.ensure_instances(status)  # first: a standby a local recovery took is promoted
+        job.replace(status)
         phase = status["phase"]
         if phase == "finished":
             break
@@ -400,7 +422,9 @@ def run_job(
             drain_deadline = time.monotonic() + drain_timeout
         if drain_deadline is not None and time.monotonic() > drain_deadline:
             raise RunError(f"job did not drain within {drain_timeout:.0f} s")
-        interrupted.wait(STATUS_INTERVAL) if drain_deadline is None else time.sleep(STATUS_INTERVAL)
+        # A lost process is replaced as soon as the coordinator says so (a local recovery).
+        interval = RECOVERY_STATUS_INTERVAL if phase == "recovering" else STATUS_INTERVAL
+        interrupted.wait(interval) if drain_deadline is None else time.sleep(interval)
     # Instances exit by themselves once finished; give them a moment, then check their codes.
     deadline = time.monotonic() + 10.0
     while time.monotonic() < deadline and any(

@@ -367,6 +367,12 @@ class RecoveryStatus(_Model):
         alias="lastSeconds",
         description="seconds from the failure noticed to the job running again",
     )
+    last_mode: Literal["local", "global"] | None = Field(
+        default=None,
+        alias="lastMode",
+        description="local: the lost instance was started again alone and the others rewound "
+        "in place; global: every process was restarted",
+    )
 
 
 class RestartMemoryStatus(_Model):

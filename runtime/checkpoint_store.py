@@ -380,10 +380,14 @@ class CheckpointStore(Storage):
         """Say why the job is about to be restarted from a checkpoint (the recovery's start)."""
         self._write(FAILURE, json.dumps({"reason": reason, "at": at}).encode())
 
-    def record_recovery(self, checkpoint: int, started: float, running: float) -> dict[str, Any]:
-        """Add a recovery to the history once the restarted job runs: from `checkpoint`, timed
+    def record_recovery(
+        self, checkpoint: int, started: float, running: float, mode: str = "global"
+    ) -> dict[str, Any]:
+        """Add a recovery to the history once the recovered job runs: from `checkpoint`, timed
         from the noted failure (or from `started`, the restarted coordinator's start, when the
-        coordinator itself was lost and noted nothing). The entry added."""
+        coordinator itself was lost and noted nothing); `mode`: local (the lost instance
+        replaced alone, the others rewound in place) or global (every process restarted). The
+        entry added."""
         try:
             failure = json.loads(super()._read(FAILURE))
         except (FileNotFoundError, ValueError):
@@ -394,6 +398,7 @@ class CheckpointStore(Storage):
             "failed_at": float(failure["at"]),
             "running_at": running,
             "seconds": running - float(failure["at"]),
+            "mode": mode,
         }
         history = [*self.recoveries(), entry][-KEPT_RECOVERIES:]
         self._write(HISTORY, json.dumps(history).encode())

@@ -42,9 +42,17 @@ from keyshift.runtime.checkpointing import (
     open_store,
 )
 from keyshift.runtime.identity import Identity, Issuer
-from keyshift.runtime.job import MAX_PARALLELISM, JobError, JobSpec, load_job
+from keyshift.runtime.job import (
+    MAX_PARALLELISM,
+    IngestSource,
+    JobError,
+    JobSpec,
+    load_job,
+    local_recovery,
+)
 from keyshift.runtime.keyspace import Assignment
 from keyshift.runtime.lifecycle import allow_user_code, die_with_parent
+from keyshift.runtime.local_recovery import LocalRecovery, refusal
 from keyshift.runtime.metrics import UNAUTHENTICATED, CoordinatorMetrics
 from keyshift.runtime.protocol import (
     CHECKPOINT_ACKS,
@@ -68,6 +76,8 @@ from keyshift.runtime.protocol import (
     RescaleRequest,
     Rescaling,
     Retire,
+    Rewind,
+    Rewound,
     SourceCheckpointAck,
     StageRole,
     StageStatus,
@@ -165,6 +175,14 @@ class Coordinator:
                     self.partitions[sink] = Assignment.from_json(owners)
                     self.desired[sink] = self.partitions[sink].parallelism
         self.members: dict[str, dict[int, InstanceRecord]] = {s.name: {} for s in spec.stages()}
+        # Local recovery (keyshift.runtime.local_recovery): the generation of the data streams,
+        # one more per rewind; the recovery under way; which layout (owners of the keyed
+        # stages' groups and of the sinks' partitions) the latest completed checkpoint holds,
+        # and the checkpoint in flight: a rewind in place needs the layout unchanged since.
+        self.generation = 0
+        self._local: LocalRecovery | None = None
+        self._layout_in_flight = ""
+        self._checkpointed_layout = (restore.id, self._layout()) if restore is not None else None
         self.standbys = StandbyPool([s.stage.name for s in spec.keyed_stages() if s.stage.standby])
         self._drain_requested = False
         self._lock = threading.RLock()
@@ -189,8 +207,10 @@ class Coordinator:
                 self.recoveries = store.recoveries()
             except CheckpointError as exc:
                 log.error("cannot read the record of recoveries: %s", exc)
-        last = self.recoveries[-1]["seconds"] if self.recoveries else None
-        self.metrics.recovered(len(self.recoveries), last)
+        last = self.recoveries[-1] if self.recoveries else {}
+        self.metrics.recovered(
+            len(self.recoveries), last.get("seconds"), last.get("mode") == "local"
+        )
         for stage in spec.stages():
             self.metrics.set_parallelism(stage.name, stage.parallelism)
 
@@ -228,25 +248,27 @@ class Coordinator:
             # strategy): the recovery is then recorded with this reason and timed from now.
             self._note_failure(message)
         self.phase = "failed"
+        self._local = None  # a local recovery under way ends with the job
         self._drop_queued(f"the job failed: {message}")
         for record in self._records():
             record.commands.put(Stop(reason=message))
 
-    def _note_failure(self, message: str) -> None:
+    def _note_failure(self, message: str, at: float | None = None) -> None:
         """Say in the checkpoint storage (a checkpointed job's) why the job stops, for the
-        record of the recovery that may follow."""
+        record of the recovery that may follow (timed from `at`, by default now)."""
         if self.store is None:
             return
         try:
-            self.store.note_failure(message, time.time())
+            self.store.note_failure(message, time.time() if at is None else at)
         except CheckpointError as exc:  # the recovery is only timed from later
             log.error("cannot note the failure: %s", exc)
 
-    def _restart_to_recover(self, message: str) -> None:
+    def _restart_to_recover(self, message: str, failed_at: float | None = None) -> None:
         """Stop every instance and exit with RESTART_EXIT_CODE: the host (the local host, or
-        Kubernetes restarting the pods) starts the job again from its latest checkpoint."""
+        Kubernetes restarting the pods) starts the job again from its latest checkpoint. The
+        recovery is timed from `failed_at` (wall clock; by default now)."""
         log.error("%s; restarting the job from its latest checkpoint", message)
-        self._note_failure(message)
+        self._note_failure(message, failed_at)
         self.errors.append(message)
         self.phase = "recovering"
         self.restart = True
@@ -363,7 +385,14 @@ class Coordinator:
                 )
             if index in self.members[stage]:
                 raise ControlError(f"instance {stage}/{index} is already registered")
-            if self.phase not in ("starting", "running"):
+            if self._local is not None and f"{stage}/{index}" in self._local.replacing:
+                # A lost instance's replacement restores the checkpoint the others rewind to,
+                # once it is picked (after the checkpoint in flight ends).
+                while self._local is not None and self._local.checkpoint is None:
+                    self._changed.wait(0.1)
+                if self._local is None:
+                    raise ControlError("the local recovery failed; the job restarts")
+            elif self.phase not in ("starting", "running"):
                 raise ControlError(f"job is {self.phase}; registration closed")
             record = InstanceRecord(
                 stage=stage,
@@ -390,6 +419,7 @@ class Coordinator:
                 job=self.spec.model_dump(mode="json"),
                 restore=self.restored_from,
                 identity=record.identity.to_json(),
+                generation=self.generation,
             )
 
     def standby(self, body: dict[str, Any], context: grpc.ServicerContext) -> Any:
@@ -412,7 +442,7 @@ class Coordinator:
             while (
                 standby.index is None
                 and context.is_active()
-                and self.phase in ("starting", "running")
+                and (self.phase in ("starting", "running") or self._local is not None)
             ):
                 self._changed.wait(0.5)
             index = standby.index
@@ -513,15 +543,124 @@ class Coordinator:
                 self._lost_keyed.add(record.index)
                 del self.members[record.stage][record.index]
                 self._abort = message
+            elif self._local is not None and self.phase == "recovering":
+                record.lost = True
+                self._local_failed(
+                    self._local, f"instance {record.name} (pid {record.pid}) was lost too: {why}"
+                )
             elif not record.finished and self.phase not in ("failed", "stopping", "recovering"):
                 message = f"instance {record.name} (pid {record.pid}) was lost: {why}"
                 record.lost = True
-                if self.spec.checkpoints is not None:
+                if self.spec.checkpoints is None:
+                    self._fail(message)
+                elif (refused := self._local_refusal(record)) is not None:
+                    if local_recovery(self.spec):
+                        log.warning("not recovered locally: %s", refused)
                     self._restart_to_recover(message)
                 else:
-                    self._fail(message)
+                    self._start_local_recovery(record, message)
                 self._abort = message
             self._changed.notify_all()
+
+    # -- local recovery (keyshift.runtime.local_recovery) ----------------------------------
+
+    def _layout(self) -> str:
+        """Who owns what: every keyed stage's assignment and every sink's partition owners."""
+        return json.dumps(self._topology().model_dump(include={"assignments", "partitions"}),
+                          sort_keys=True)  # fmt: skip
+
+    def _local_refusal(self, lost: InstanceRecord) -> str | None:
+        """Why `lost` is not recovered locally, if it is not (called with the lock held)."""
+        return refusal(
+            enabled=local_recovery(self.spec),
+            keyed=lost.stage in self.assignments,
+            phase=self.phase,
+            rescaling=self.rescale_status is not None,
+            draining=self._drain_requested,
+            finished=any(r.finished for r in self._records()),
+            ingest=any(
+                isinstance(step.stage.config, IngestSource) for step in self.spec.source_steps()
+            ),
+        )
+
+    def _start_local_recovery(self, lost: InstanceRecord, message: str) -> None:
+        """Replace `lost` alone and rewind every other instance in place, on a thread of its
+        own (called with the lock held)."""
+        log.error("%s; replacing it and rewinding the others to the latest checkpoint", message)
+        self._note_failure(message)
+        del self.members[lost.stage][lost.index]
+        self.lost.append(lost.name)
+        # A waiting standby replaces it, started already (else the host starts a process).
+        self.standbys.take(lost.stage, range(lost.index, lost.index + 1))
+        self.generation += 1
+        recovery = LocalRecovery(
+            generation=self.generation,
+            reason=message,
+            replacing={lost.name: lost.pid},
+            survivors={r.name for r in self._records()},
+        )
+        self._local = recovery
+        self.phase = "recovering"
+        threading.Thread(
+            target=self._recover_locally, args=(recovery,), name="local-recovery", daemon=True
+        ).start()
+
+    def _local_failed(self, recovery: LocalRecovery, why: str) -> None:
+        """Fall back to the global restart, timed from the first loss (lock held)."""
+        if self._local is not recovery:
+            return  # it ended already
+        self._local = None
+        self.phase = "running"  # what the global restart starts from
+        self._restart_to_recover(
+            f"{recovery.reason}\n  and the local recovery failed: {why}", recovery.failed_at
+        )
+
+    def _recover_locally(self, recovery: LocalRecovery) -> None:
+        with self._changed:
+            # A checkpoint in flight ends first (abandoned: the job does not run): the rewind
+            # goes to the latest one that completed, and none completes after it.
+            while self._checkpoint_members is not None:
+                if self._local is not recovery:
+                    return
+                if time.monotonic() > recovery.deadline:
+                    self._local_failed(recovery, "the checkpoint in flight did not end")
+                    return
+                self._changed.wait(0.1)
+            if self._local is not recovery:
+                return
+            checkpoint = self.latest_checkpoint()
+            if checkpoint is None:
+                self._local_failed(recovery, "no checkpoint has completed yet")
+                return
+            if self._checkpointed_layout != (checkpoint, self._layout()):
+                self._local_failed(
+                    recovery, f"the stages were rescaled since checkpoint {checkpoint}"
+                )
+                return
+            recovery.checkpoint = checkpoint
+            self.restored_from = checkpoint  # what the replacements restore
+            rewind = Rewind(generation=recovery.generation, checkpoint=checkpoint)
+            for record in self._records():
+                record.commands.put(rewind)
+            self._changed.notify_all()
+            while not recovery.complete({r.name for r in self._records()}):
+                if self._local is not recovery:
+                    return
+                if time.monotonic() > recovery.deadline:
+                    missing = sorted(recovery.survivors - recovery.rewound)
+                    self._local_failed(
+                        recovery,
+                        f"timed out: not rewound {missing}, or the replacement not registered",
+                    )
+                    return
+                self._changed.wait(0.1)
+            self._local = None
+            self.phase = "running"
+            self._broadcast_topology()
+            if self._drain_requested:
+                self._start_draining()
+            self._changed.notify_all()
+        self._record_recovery(checkpoint, recovery.failed_at, "local")
 
     def _peer_unreachable(self, reporter: InstanceRecord, event: PeerUnreachable) -> None:
         """A keyed instance could not reach its peer: the peer is lost, and that is the reason
@@ -551,6 +690,9 @@ class Coordinator:
                 reported = Reported(record.stage, record.index, event)
                 if isinstance(event, PeerUnreachable):
                     self._peer_unreachable(record, event)
+                elif isinstance(event, Rewound):
+                    if self._local is not None and event.generation == self._local.generation:
+                        self._local.rewound.add(record.name)
                 elif isinstance(event, CHECKPOINT_ACKS):
                     self._checkpoint_events.append(reported)
                 else:
@@ -575,9 +717,10 @@ class Coordinator:
         with self._lock:
             if self.phase == "running" and self.rescale_status is None:
                 self._start_draining()
-            elif self.phase in ("starting", "running"):
-                # Honoured once every instance is registered and the running rescale has
-                # finished; the ones waiting behind it would only delay the end.
+            elif self.phase in ("starting", "running") or self._local is not None:
+                # Honoured once every instance is registered, the running rescale has
+                # finished and a local recovery has ended; the rescales waiting behind it
+                # would only delay the end.
                 self._drain_requested = True
                 self._drop_queued("the job was asked to drain")
             return DrainReply(phase=self.phase)
@@ -767,6 +910,7 @@ class Coordinator:
             if not members.sources:
                 return None  # the sources are done: nothing will move past a barrier
             self._checkpoint_members = members
+            self._layout_in_flight = self._layout()
             self._checkpoint_events.clear()
             return members
 
@@ -843,6 +987,7 @@ class Coordinator:
                 return
             stats.last = outcome
             if outcome.ok:
+                self._checkpointed_layout = (outcome.id, self._layout_in_flight)
                 stats.completed += 1
                 stats.failures_in_a_row = 0
                 stats.last_completed = outcome
@@ -938,6 +1083,7 @@ class Coordinator:
                 rescale=rescale,
                 queued=[r.report() for r in self.rescale_queue.waiting()],
                 lost=list(self.lost),
+                replacing=dict(self._local.replacing) if self._local is not None else {},
                 rescales=[r.report() for r in self.rescale_history[-20:]],
                 checkpoints=self.checkpoints.to_json() if self.spec.checkpoints else None,
                 restored_from=self.restored_from,
@@ -965,18 +1111,24 @@ class Coordinator:
             if not self._recovery_pending or self.phase != "running":
                 return
             self._recovery_pending = False
-        store, checkpoint = self.store, self.restored_from
-        if store is None or checkpoint is None:  # pending only when both are there
+        if self.restored_from is not None:  # pending only with a checkpoint and a store
+            self._record_recovery(self.restored_from, self.started, "global")
+
+    def _record_recovery(self, checkpoint: int, started: float, mode: str) -> None:
+        """Add a recovery (`mode`: local or global) from `checkpoint` to the record, timed
+        from the failure noted (else from `started`), now that the job runs again."""
+        store = self.store
+        if store is None:
             return
         try:
-            entry = store.record_recovery(checkpoint, self.started, time.time())
+            entry = store.record_recovery(checkpoint, started, time.time(), mode)
         except CheckpointError as exc:
             log.error("cannot record the recovery: %s", exc)
             return
-        log.info("recovered from checkpoint %d in %.2f s", entry["checkpoint"], entry["seconds"])
+        log.info("recovered (%s) from checkpoint %d in %.2f s", mode, checkpoint, entry["seconds"])
         with self._lock:
             self.recoveries.append(entry)
-            self.metrics.recovered(len(self.recoveries), entry["seconds"])
+            self.metrics.recovered(len(self.recoveries), entry["seconds"], mode == "local")
 
     def check_heartbeats(self) -> None:
         """Take an instance that has not reported for `heartbeat_timeout` as lost: a hung

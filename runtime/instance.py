@@ -26,7 +26,7 @@ from keyshift.runtime.auth import AuthError, Security
 from keyshift.runtime.checkpoint_store import CheckpointError
 from keyshift.runtime.checkpointing import open_store
 from keyshift.runtime.identity import Identity, Issuer
-from keyshift.runtime.job import MAX_PARALLELISM, parse_job
+from keyshift.runtime.job import MAX_PARALLELISM, local_recovery, parse_job
 from keyshift.runtime.lifecycle import allow_user_code, die_with_parent
 from keyshift.runtime.metrics import serve_idle
 from keyshift.runtime.protocol import (
@@ -34,6 +34,7 @@ from keyshift.runtime.protocol import (
     ProtocolError,
     RegisterReply,
     RegisterRequest,
+    Rewound,
     StandbyAssignment,
     StandbyRequest,
     parse,
@@ -42,6 +43,7 @@ from keyshift.runtime.stage_context import (
     MIGRATE_SERVICE,
     FetchRequest,
     InstanceContext,
+    Rewinding,
     Stopped,
 )
 from keyshift.runtime.transport import (
@@ -60,6 +62,9 @@ FETCH_TIMEOUT = 30.0
 # instance of the stage upstream and from every keyed peer (a rescale's moves), a state fetch
 # from every peer, and a few more.
 MAX_CALLS = 3 * MAX_PARALLELISM + 16
+# Seconds a survivor whose data stream broke waits to be told to rewind (a local recovery)
+# before it exits as lost; the coordinator notices a dead peer within a second.
+REWIND_WAIT = 5.0
 
 
 def migrate_handler(ctx_holder: list[InstanceContext]) -> grpc.GenericRpcHandler[Any, Any]:
@@ -207,9 +212,10 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     # Without a secret (insecure) there is no key to check a sender's identity with.
     senders = Issuer(spec.name, security.secret) if security.secret is not None else None
-    inbox.open(spec.batching.credits, senders)
+    inbox.open(spec.batching.credits, senders, reply.generation)
     ctx = InstanceContext(spec, args.stage, args.index, control, inbox, security, identity)
     ctx.host = args.host
+    ctx.generation = reply.generation
     if reply.restore is not None and spec.checkpoints is not None:
         try:
             ctx.restore = open_store(spec.checkpoints).load(reply.restore)
@@ -231,26 +237,58 @@ def main(argv: list[str] | None = None) -> int:
     ctx.metrics_address = f"{args.host}:{metrics_port}"
     threading.Thread(target=ctx.follow_commands, name="commands", daemon=True).start()
     threading.Thread(target=ctx.report_periodically, name="reports", daemon=True).start()
-    try:
-        run_stage(ctx)
-        ctx.report(finished=True)
-        code = 0
-    except Stopped as exc:
-        code = 1 if ctx.fatal else 0
-        if ctx.fatal:
-            print(f"instance {name}: {exc}", file=sys.stderr)
-    except TransportError as exc:
-        print(f"instance {name}: {exc}", file=sys.stderr)
-        code = 1
-    except Exception as exc:
-        log.exception("instance %s failed", name)
-        with contextlib.suppress(TransportError):
-            ctx.report(error=f"{type(exc).__name__}: {exc}")
-        code = 1
+    code = run_generations(ctx)
     ctx.stop.set()
     ctx.close_outlets()
     server.stop(grace=0.5)
     return code
+
+
+def run_generations(ctx: InstanceContext) -> int:
+    """Run the stage loop, and again from a checkpoint each time the coordinator rewinds the
+    job (a local recovery); the process's exit code."""
+    name = ctx.name
+    while True:
+        try:
+            run_stage(ctx)
+            ctx.report(finished=True)
+            return 0
+        except Rewinding:
+            pass
+        except Stopped as exc:
+            if ctx.fatal:
+                print(f"instance {name}: {exc}", file=sys.stderr)
+            return 1 if ctx.fatal else 0
+        except TransportError as exc:
+            # A broken data stream is mostly a peer lost: the coordinator may rewind the job
+            # in place rather than restart it, and says so at once.
+            if not (local_recovery(ctx.spec) and ctx.await_rewind(REWIND_WAIT)):
+                print(f"instance {name}: {exc}", file=sys.stderr)
+                return 1
+        except Exception as exc:
+            log.exception("instance %s failed", name)
+            with contextlib.suppress(TransportError):
+                ctx.report(error=f"{type(exc).__name__}: {exc}")
+            return 1
+        if not rewind(ctx):
+            return 1
+
+
+def rewind(ctx: InstanceContext) -> bool:
+    """Go on from the checkpoint of the rewind told, once the loop has ended; False when it
+    cannot be read or the coordinator is gone (the instance exits: a global restart follows)."""
+    assert ctx.rewind is not None and ctx.spec.checkpoints is not None
+    checkpoint = ctx.rewind.checkpoint
+    try:
+        restore = open_store(ctx.spec.checkpoints).load(checkpoint)
+        generation = ctx.begin_generation(restore)
+        ctx.emit(Rewound(generation=generation))
+    except (CheckpointError, TransportError) as exc:
+        print(f"instance {ctx.name}: cannot rewind to checkpoint {checkpoint}: {exc}",
+              file=sys.stderr)  # fmt: skip
+        return False
+    log.info("rewound to checkpoint %d (generation %d)", checkpoint, generation)
+    return True
 
 
 if __name__ == "__main__":

@@ -1141,6 +1141,12 @@ class JobSpec(_Model):
         description="how a job with checkpoints is restarted after a failure: exponential "
         "delay, a bounded number of restarts in a row",
     )
+    recovery: Literal["local", "global"] = Field(
+        default="local",
+        description="how a job with checkpoints recovers from a lost keyed instance: local "
+        "starts that instance alone and rewinds the others in place to the latest checkpoint; "
+        "global restarts every process from it (what every other loss does)",
+    )
     heartbeat_timeout: float = Field(
         default=15.0,
         gt=0,
@@ -1509,6 +1515,12 @@ def _check_sink_paths(sinks: list[SinkStage]) -> None:
 
 
 J = TypeVar("J", bound=JobSpec)
+
+
+def local_recovery(spec: JobSpec) -> bool:
+    """Whether a lost keyed instance of `spec` is recovered locally (keyshift.runtime.
+    local_recovery): the job takes checkpoints and asks for it."""
+    return spec.checkpoints is not None and spec.recovery == "local"
 
 
 def _format_errors(exc: ValidationError, origin: str) -> str:

@@ -73,12 +73,13 @@ from keyshift.runtime.records import (
 from keyshift.runtime.rocksdb_state import (
     RocksAggregateState,
     RocksProcessState,
+    RocksStore,
     open_database,
     prepare_directory,
 )
 from keyshift.runtime.sessions import SessionFunction, SessionWindows
 from keyshift.runtime.sink_router import SinkRouter
-from keyshift.runtime.stage_context import FetchRequest, InstanceContext
+from keyshift.runtime.stage_context import FetchRequest, InstanceContext, Rewinding
 from keyshift.runtime.state import (
     KEY_COL,
     AggregateState,
@@ -99,6 +100,7 @@ from keyshift.runtime.transport import (
     MARKER,
     STATE,
     WATERMARK,
+    TransportError,
 )
 from keyshift.runtime.watermarks import WatermarkTracker
 from keyshift.runtime.windows import (
@@ -249,6 +251,9 @@ class KeyedStage:
 
     def __init__(self, ctx: InstanceContext) -> None:
         self.ctx = ctx
+        # Before the state opens: a rewind told while the topology is awaited leaves nothing
+        # open, and once it is here nothing below waits for it.
+        ctx.wait_topology()
         spec = ctx.spec
         self.spec = spec
         step = spec.keyed_step(ctx.stage)
@@ -884,6 +889,19 @@ class KeyedStage:
         for sink in self.sinks:
             sink.finish(kind)
 
+    def close(self) -> None:
+        """Close the state's database (RocksDB), for the next generation to open it again
+        (a rewind); memory state is only dropped."""
+        self.ctx.state_size = None  # the reports' thread reads it
+        self.ctx.group_hits = None
+        if isinstance(self.state, RocksStore):
+            self.state.close()
+
 
 def run(ctx: InstanceContext) -> None:
-    KeyedStage(ctx).run()
+    stage = KeyedStage(ctx)
+    try:
+        stage.run()
+    except (Rewinding, TransportError):  # a broken stream may be followed by a rewind
+        stage.close()
+        raise

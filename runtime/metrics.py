@@ -78,6 +78,7 @@ class MetricName(StrEnum):
     CHECKPOINT_COMPLETED_TIME = "keyshift_checkpoint_last_completed_timestamp_seconds"
     RECOVERIES = "keyshift_recoveries_total"
     RECOVERY_SECONDS = "keyshift_recovery_duration_seconds"
+    RECOVERY_LOCAL = "keyshift_recovery_local_instances"
     RPC_UNAUTHENTICATED = "keyshift_rpc_unauthenticated_total"
     STORAGE_FAILURES = "keyshift_storage_failures_total"
     WATERMARK = "keyshift_watermark_seconds"
@@ -158,6 +159,8 @@ HELP: dict[MetricName, str] = {
     "the job's life (kept with its checkpoints).",
     MetricName.RECOVERY_SECONDS: "Seconds the last recovery took, from the failure noticed to "
     "the job running again.",
+    MetricName.RECOVERY_LOCAL: "Instances the last recovery started again alone, the others "
+    "rewound in place (1: a local recovery; 0: every process was restarted).",
     MetricName.RPC_UNAUTHENTICATED: "gRPC calls refused because they lacked the job's token, "
     "by service.",
     MetricName.STORAGE_FAILURES: "Failures of storage by use: checkpoint (a keyed instance's "
@@ -438,6 +441,7 @@ class CoordinatorMetrics:
         )
         self._recoveries = counter(MetricName.RECOVERIES, (JOB_LABEL,), self.registry)
         self._recovery_seconds = gauge(MetricName.RECOVERY_SECONDS, (JOB_LABEL,), self.registry)
+        self._recovery_local = gauge(MetricName.RECOVERY_LOCAL, (JOB_LABEL,), self.registry)
         self._recoveries_counted = 0
         self.registry.register(UNAUTHENTICATED)
 
@@ -468,12 +472,14 @@ class CoordinatorMetrics:
             self._checkpoint_bytes.labels(self.job, "full").set(outcome.full)
             self._checkpoint_completed.labels(self.job).set(outcome.started + outcome.seconds)
 
-    def recovered(self, total: int, last_seconds: float | None) -> None:
-        """The job's recoveries so far (the counter only goes up to `total`)."""
+    def recovered(self, total: int, last_seconds: float | None, local: bool = False) -> None:
+        """The job's recoveries so far (the counter only goes up to `total`), and whether the
+        last one was local."""
         self._recoveries.labels(self.job).inc(max(total - self._recoveries_counted, 0))
         self._recoveries_counted = max(total, self._recoveries_counted)
         if last_seconds is not None:
             self._recovery_seconds.labels(self.job).set(last_seconds)
+            self._recovery_local.labels(self.job).set(1 if local else 0)
 
     def set_phase(self, phase: str) -> None:
         for name in PHASES:

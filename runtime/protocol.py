@@ -6,9 +6,9 @@ Three families travel as JSON over the control calls of `keyshift.runtime.transp
 - commands, coordinator -> instance on the `Watch` stream (`Command`: `Topology`, `Drain`,
   `Stop`, `Checkpoint`, `CheckpointComplete`, `Reroute`, `Pause`, `Resume`, `MigrateIn`,
   `MigrateOut`, `Preload`, `Abort`, `Retire`, `MovePartitions`, `OpenPartitions`,
-  `Rescaling`), told apart by their `type`;
+  `Rescaling`, `Rewind`), told apart by their `type`;
 - events, instance -> coordinator inside a `Report` (`Event`: `Ack` of a protocol step,
-  `OutDone`, `InDone`, `Preloaded`, and the checkpoint acks `SourceCheckpointAck`,
+  `OutDone`, `InDone`, `Preloaded`, `Rewound`, and the checkpoint acks `SourceCheckpointAck`,
   `KeyedCheckpointAck`, `SinkCheckpointAck`);
 - the bodies of the unary calls: `RegisterRequest`/`RegisterReply`, `InstanceCall` (Watch),
   `ReportRequest`, `RescaleRequest` (stage, parallelism, strategy, options) and its reply
@@ -217,6 +217,16 @@ class Rescaling(Message):
     ended: list[str] = []
 
 
+class Rewind(Message):
+    """Every instance but a lost one's replacement (a local recovery): end the stage loop, drop
+    what was in flight and go on from completed checkpoint `checkpoint` in `generation`, whose
+    data streams alone are taken from now on; report `Rewound`, then wait for the topology."""
+
+    type: Literal["rewind"] = "rewind"
+    generation: int = Field(gt=0)
+    checkpoint: int
+
+
 Command = Annotated[
     Topology
     | Drain
@@ -234,7 +244,8 @@ Command = Annotated[
     | MovePartitions
     | OpenPartitions
     | Rescaling
-    | Preload,
+    | Preload
+    | Rewind,
     Field(discriminator="type"),
 ]
 
@@ -296,6 +307,14 @@ class PeerUnreachable(Message):
     error: str
 
 
+class Rewound(Message):
+    """An instance has rewound to the checkpoint of `generation`'s `Rewind`: its loop ended,
+    its outlets closed, its inbox takes only `generation`'s streams."""
+
+    type: Literal["rewound"] = "rewound"
+    generation: int
+
+
 class SourceCheckpointAck(Message):
     """Source instance `source` (its job-wide source id) is at `position` in checkpoint `id`."""
 
@@ -346,6 +365,7 @@ Event = Annotated[
     | InDone
     | Preloaded
     | PeerUnreachable
+    | Rewound
     | SourceCheckpointAck
     | KeyedCheckpointAck
     | SinkCheckpointAck,
@@ -407,11 +427,13 @@ class StandbyStatus(Message):
 
 class RegisterReply(Message):
     """The job spec (as JSON: every process runs the coordinator's definition), the
-    checkpoint to restore from after a crash, and the instance's identity."""
+    checkpoint to restore from after a crash, the instance's identity, and the generation
+    whose data streams it takes (a local recovery's replacement joins the one after it)."""
 
     job: dict[str, Any]
     restore: int | None
     identity: dict[str, str]
+    generation: int = 0
 
 
 class InstanceCall(Message):
@@ -572,6 +594,9 @@ class StatusReply(Message):
     checkpoints: dict[str, Any] | None
     restored_from: int | None
     recoveries: dict[str, Any]
+    # A local recovery under way: the lost instances the hosts start again (by name, the pid
+    # of the lost process: one that still runs, hung, is stopped first).
+    replacing: dict[str, int] = {}
 
 
 class DrainReply(Message):

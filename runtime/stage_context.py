@@ -34,6 +34,7 @@ from keyshift.runtime.protocol import (
     InstanceCall,
     ProtocolError,
     ReportRequest,
+    Rewind,
     Stop,
     Topology,
     parse_command,
@@ -87,6 +88,11 @@ class Stopped(Exception):
     """The instance was told to stop, or lost its coordinator."""
 
 
+class Rewinding(Stopped):
+    """The coordinator rewinds the job to a checkpoint (a local recovery): the stage loop ends
+    and runs again from the checkpoint, in the same process."""
+
+
 class InstanceContext:
     """What every stage loop uses: spec, metrics, inbox, outlets, commands, time accounting."""
 
@@ -131,6 +137,9 @@ class InstanceContext:
         self.host = "127.0.0.1"  # the address this instance listens on
         self.restore: CheckpointMeta | None = None  # the checkpoint a recovery goes on from
         self.watermark_us: int | None = None  # event time (epoch µs), once the stage has one
+        self.generation = 0  # of the data streams this instance sends and takes
+        self.rewind: Rewind | None = None  # a rewind told and not yet done
+        self._rewind_told = threading.Event()
 
     # -- commands ------------------------------------------------------------------------
 
@@ -145,6 +154,10 @@ class InstanceContext:
                     self.commands.put(command)
                 elif isinstance(command, Drain):
                     self.drain.set()
+                elif isinstance(command, Rewind):
+                    log.info("rewinding to checkpoint %d", command.checkpoint)
+                    self.rewind = command
+                    self._rewind_told.set()
                 elif isinstance(command, Stop):
                     log.info("told to stop: %s", command.reason)
                     self.stop.set()
@@ -163,9 +176,46 @@ class InstanceContext:
         self.stop.set()
 
     def check(self) -> None:
-        """Raise Stopped when the loop must end now."""
+        """Raise Stopped when the loop must end now (Rewinding: to run again)."""
         if self.stop.is_set():
             raise Stopped(self.fatal or "stopped")
+        if self.rewind is not None:
+            raise Rewinding(f"rewinding to checkpoint {self.rewind.checkpoint}")
+
+    def await_rewind(self, timeout: float) -> bool:
+        """Whether a rewind is told within `timeout` (a data stream broke: a peer is lost, and
+        the coordinator decides whether the job recovers in place), unless told to stop."""
+        deadline = time.monotonic() + timeout
+        while not self._rewind_told.wait(0.05):
+            if self.stop.is_set() or time.monotonic() > deadline:
+                return False
+        return not self.stop.is_set()
+
+    def begin_generation(self, restore: CheckpointMeta) -> int:
+        """Start the rewind's generation after the loop has ended: nothing of the last one's
+        run is kept (outlets, commands, fetches, topology), the inbox takes only the new
+        generation's streams, and the loop goes on from `restore`. The generation begun."""
+        assert self.rewind is not None
+        generation = self.rewind.generation
+        self.close_outlets()
+        self._outlets = []
+        self.topology = None
+        self.topology_ready.clear()
+        # Nothing is sent here after the Rewind until this instance says it has rewound.
+        for pending in (self.commands, self.fetches):
+            while not pending.empty():
+                pending.get_nowait()
+        self.fetch_served.clear()
+        self.state_size = None
+        self.group_hits = None
+        self.extra_stats.clear()
+        self.watermark_us = None
+        self.restore = restore
+        self.inbox.rewind(generation)
+        self.generation = generation
+        self._rewind_told.clear()
+        self.rewind = None
+        return generation
 
     def wait_topology(self) -> Topology:
         while not self.topology_ready.wait(0.1):
@@ -188,7 +238,7 @@ class InstanceContext:
         return self.wait_topology().addresses(stage)
 
     def outlet(self, address: str) -> Outlet:
-        outlet = Outlet(address, self.name, self.security, self.identity)
+        outlet = Outlet(address, self.name, self.security, self.identity, self.generation)
         self._outlets.append(outlet)
         return outlet
 

@@ -6,6 +6,9 @@ inbox (handed back in lots of half the window), so a slow stage stops its sender
 growing a queue. Control: unary calls whose
 bodies are JSON (coordinator registration, reports, status) plus a server stream of commands.
 Messages are raw bytes (no generated code): a one-byte kind, then the body.
+Every data stream belongs to a generation (in its hello), and an inbox takes only its own
+generation's messages: a local recovery rewinds the job into the next generation, and what was
+sent before the rewind, still in flight or queued, is never taken after it.
 Used by the coordinator, the stage instances and the local host's client.
 """
 
@@ -219,6 +222,7 @@ class Delivery:
     kind: bytes
     payload: bytes
     _grant: Callable[[], None]
+    generation: int = 0
 
     def release(self) -> None:
         """Hand the sender's credit back; call once the payload is processed or copied."""
@@ -230,18 +234,33 @@ class Inbox:
 
     def __init__(self) -> None:
         self.credits = 0
+        self.generation = 0  # the only generation whose streams are taken
         self._opened = threading.Event()
         self._queue: queue.Queue[Delivery] = queue.Queue()
         self.failures: queue.Queue[str] = queue.Queue()
         self._senders: Issuer | None = None
 
-    def open(self, credits_per_sender: int, senders: Issuer | None = None) -> None:
+    def open(
+        self, credits_per_sender: int, senders: Issuer | None = None, generation: int = 0
+    ) -> None:
         """Start granting credits; senders that connected earlier wait until now. With
         `senders`, a stream whose hello does not carry the identity issued to the sender it
-        names is refused before anything it sends is taken."""
+        names is refused before anything it sends is taken. Only streams of `generation` are
+        taken."""
         self.credits = credits_per_sender
         self._senders = senders
+        self.generation = generation
         self._opened.set()
+
+    def rewind(self, generation: int) -> None:
+        """Take only `generation`'s streams from now on, and drop what the earlier ones left
+        queued. Their streams stay open, granted nothing more: their senders wait on credits
+        until they rewind too (closing them would fail a sender that has not yet been told)."""
+        self.generation = generation
+        while not self._queue.empty():
+            self._queue.get_nowait()
+        while not self.failures.empty():
+            self.failures.get_nowait()
 
     def handler(self) -> grpc.GenericRpcHandler[Any, Any]:
         return grpc.method_handlers_generic_handler(
@@ -249,10 +268,18 @@ class Inbox:
         )
 
     def get(self, timeout: float) -> Delivery | None:
-        try:
-            return self._queue.get(timeout=timeout) if timeout > 0 else self._queue.get_nowait()
-        except queue.Empty:
-            return None
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                delivery = (
+                    self._queue.get(timeout=timeout) if timeout > 0 else self._queue.get_nowait()
+                )
+            except queue.Empty:
+                return None
+            if delivery.generation == self.generation:
+                return delivery
+            # An earlier generation's, queued before the rewind: never taken.
+            timeout = max(deadline - time.monotonic(), 0.0)
 
     def depth(self) -> int:
         return self._queue.qsize()
@@ -268,6 +295,14 @@ class Inbox:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a data stream starts with a hello")
             raise AssertionError("unreachable")
         sender = str(body.get("sender", "?"))
+        generation = body.get("generation", 0)
+        if generation != self.generation:
+            # An earlier generation's sender that has not rewound yet (a later one cannot come
+            # before this instance has rewound: its topology is only sent after that).
+            context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"a stream of generation {generation!r}; this instance takes {self.generation}",
+            )
         if self._senders is not None and not self._senders.valid(
             sender, Identity.from_json(body.get("identity"))
         ):
@@ -299,13 +334,13 @@ class Inbox:
                 for message in requests:
                     kind, payload = message[:1], message[1:]
                     if kind in DATA_KINDS:
-                        self._queue.put(Delivery(sender, kind, payload, grant))
+                        self._queue.put(Delivery(sender, kind, payload, grant, generation))
                     elif kind in (END, LEAVE):
                         ended = True
-                        self._queue.put(Delivery(sender, kind, b"", lambda: None))
+                        self._queue.put(Delivery(sender, kind, b"", lambda: None, generation))
             except grpc.RpcError:
                 pass
-            if not ended:
+            if not ended and generation == self.generation:
                 self.failures.put(sender)
             grants.put(None)
 
@@ -326,8 +361,10 @@ class Outlet:
         sender: str,
         security: Security | None = None,
         identity: Identity | None = None,
+        generation: int = 0,
     ) -> None:
-        """`identity`: the one `sender` was issued at registration, shown in the hello."""
+        """`identity`: the one `sender` was issued at registration, shown in the hello with
+        the sender's `generation`."""
         self.address = address
         self._channel = (security or Security.from_env()).channel(address, GRPC_OPTIONS)
         self._requests: queue.Queue[bytes | None] = queue.Queue()
@@ -335,7 +372,7 @@ class Outlet:
         self._cv = threading.Condition()
         self._error: str | None = None
         self._closed = False
-        hello: dict[str, Any] = {"sender": sender}
+        hello: dict[str, Any] = {"sender": sender, "generation": generation}
         if identity is not None:
             hello["identity"] = identity.to_json()
         self._requests.put(HELLO + json.dumps(hello).encode())

@@ -63,6 +63,9 @@ class Job:
                 keyed={"parallelism": keyed},
                 sink={"parallelism": 1},
                 checkpoints={"storage": str(tmp_path / "checkpoints"), "timeout": 5},
+                # The global restart's path (these instances cannot rewind; local recovery is
+                # tested with real processes in tests/test_recovery.py).
+                recovery="global",
             )
         )
         self.store = store or CheckpointStore(str(tmp_path / "checkpoints"))

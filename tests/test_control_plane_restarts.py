@@ -360,6 +360,35 @@ async def test_a_keyed_pod_killed_mid_move_recovers_with_that_reason(
             client.close()
 
 
+async def test_a_killed_keyed_pod_is_recovered_locally(emu: Emulator, tmp_path: Path) -> None:
+    """A keyed pod killed with no rescale running: the coordinator stays up (its incarnation
+    unchanged), waits for the kubelet to start the pod again and rewinds the others in place;
+    the StreamingJob's status says the recovery was local, and the output is exactly once."""
+    out = tmp_path / "out"
+    storage = str(tmp_path / "checkpoints")
+    body = tracked(out, 2, checkpoints={"interval": 1, "storage": storage})
+    body["spec"]["checkpointClaim"] = "checkpoints"  # the kubelet runs on one file system
+    async with kubelet(emu, tmp_path) as runner, running_operator(emu, runner.address):
+        client = JobClient(emu, runner.address("clicks", NS))
+        try:
+            await run_job(emu, body)
+            await eventually(lambda: coordinator(client)["checkpoints"]["completed"] >= 2, 60,
+                             "two checkpoints")  # fmt: skip
+            first = coordinator(client)["incarnation"]
+            runner.pods["clicks-track-1"].stop(grace=0)
+            status = await eventually(
+                lambda: (s := job_object(emu)["status"])["recoveries"]["total"] and s, 90,
+                "the recovery in the StreamingJob's status",
+            )  # fmt: skip
+            recoveries = status["recoveries"]
+            assert recoveries["lastMode"] == "local", recoveries
+            assert recoveries["lastReason"].startswith("instance track/1"), recoveries
+            assert coordinator(client)["incarnation"] == first
+            await drain_and_check(client, out)
+        finally:
+            client.close()
+
+
 async def test_a_failed_job_is_restarted_as_its_strategy_says_and_then_given_up(
     emu: Emulator, tmp_path: Path
 ) -> None:

@@ -51,10 +51,16 @@ def test_an_unreadable_restart_memory_is_refused(memory: Any) -> None:
 
 
 def test_the_recoveries_in_the_status_are_the_coordinators_record() -> None:
-    last = {"checkpoint": 7, "reason": "instance k/1 was lost", "seconds": 1.5, "failed_at": 1.0}
+    last = {"checkpoint": 7, "reason": "instance k/1 was lost", "seconds": 1.5, "failed_at": 1.0,
+            "mode": "local"}  # fmt: skip
     assert recovery_status({"recoveries": {"total": 2, "last": last}}) == {
-        "total": 2, "lastCheckpoint": 7, "lastReason": "instance k/1 was lost", "lastSeconds": 1.5
+        "total": 2, "lastCheckpoint": 7, "lastReason": "instance k/1 was lost", "lastSeconds": 1.5,
+        "lastMode": "local",
     }  # fmt: skip
+    # Recorded before local recoveries existed: a global restart.
+    del last["mode"]
+    assert recovery_status({"recoveries": {"total": 2, "last": last}})["lastMode"] == "global"
     assert recovery_status({}) == {
-        "total": 0, "lastCheckpoint": None, "lastReason": "", "lastSeconds": None
+        "total": 0, "lastCheckpoint": None, "lastReason": "", "lastSeconds": None,
+        "lastMode": None,
     }  # fmt: skip

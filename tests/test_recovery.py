@@ -127,16 +127,56 @@ def run_and_crash(
     check_output(out, source, emitted)
 
 
+def pids(run: Run) -> dict[str, int]:
+    """Every instance's pid, by name."""
+    return {
+        f"{stage['name']}/{i['index']}": int(i["pid"])
+        for stage in run.status()["stages"]
+        for i in stage["instances"]
+    }
+
+
+def recovered(run: Run) -> dict[str, Any] | None:
+    """The last recovery the coordinator recorded, once there is one."""
+    status = run.status_now()
+    return (status["recoveries"].get("last") if status else None) or None
+
+
 @pytest.mark.parametrize("backend", STATE_BACKENDS)
 def test_a_killed_keyed_instance_recovers_from_the_last_checkpoint(
     tmp_path: Path, backend: str
 ) -> None:
+    """Locally: only the lost instance is started again; the coordinator, the sources, the
+    other keyed instance and the sinks rewind in place (their processes stay)."""
+
     def crash(run: Run) -> None:
         done = run.completed()
         wait_for(lambda: run.completed() > done + random.randint(0, 2), 30, "a checkpoint")
-        os.kill(run.pid_of("track", random.randint(0, 1)), signal.SIGKILL)
+        before, coordinators = pids(run), coordinator_pids(run)
+        killed = f"track/{random.randint(0, 1)}"
+        os.kill(before[killed], signal.SIGKILL)
+        last = wait_for(lambda: recovered(run), 60, "the local recovery")
+        assert last["mode"] == "local" and last["reason"].startswith(f"instance {killed}"), last
+        after = pids(run)
+        assert after.pop(killed) != before.pop(killed)
+        assert after == before and coordinator_pids(run) == coordinators
 
     run_and_crash(tmp_path, crash, backend)
+
+
+def test_a_loss_during_a_local_recovery_falls_back_to_the_global_restart(tmp_path: Path) -> None:
+    """Both keyed instances die at once: the second is lost while the first one's local
+    recovery waits for its replacement, and the job restarts as a whole instead."""
+
+    def crash(run: Run) -> None:
+        first, second = run.pid_of("track", 0), run.pid_of("track", 1)
+        os.kill(first, signal.SIGKILL)
+        os.kill(second, signal.SIGKILL)
+
+    run_and_crash(tmp_path, crash)
+    (recovery,) = CheckpointStore(str(tmp_path / "checkpoints")).recoveries()
+    assert recovery["mode"] == "global", recovery
+    assert "and the local recovery failed: instance track/" in recovery["reason"], recovery
 
 
 def test_a_killed_sink_instance_recovers_and_its_output_is_published_once(tmp_path: Path) -> None:

@@ -23,6 +23,7 @@ from keyshift.runtime.transport import (
     HELLO,
     Inbox,
     Outlet,
+    TransportError,
     start_server,
 )
 
@@ -92,3 +93,35 @@ def test_an_outlet_sends_far_more_than_its_window_in_order(
     consumer.join(15)
     assert not consumer.is_alive()
     assert got == [i.to_bytes(2, "little") for i in range(total)]
+
+
+def test_a_rewound_inbox_takes_only_its_generations_streams(
+    inbox_address: tuple[Inbox, str],
+) -> None:
+    """The fence of a local recovery: what an earlier generation's stream queued or sends
+    after the rewind is never taken, a stream of an earlier generation opened after it is
+    refused, and the new generation's stream is taken."""
+    inbox, address = inbox_address
+    old = Outlet(address, "source/0")
+    old.send(b"before", deadline=time.monotonic() + 10)
+    first = inbox.get(10)
+    assert first is not None and first.payload == b"before" and first.generation == 0
+    old.send(b"queued", deadline=time.monotonic() + 10)
+    deadline = time.monotonic() + 10
+    while inbox.depth() == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    inbox.rewind(1)
+    old.send(b"after", deadline=time.monotonic() + 10)  # still open, taken by nobody
+    late = Outlet(address, "source/0", generation=0)
+    new = Outlet(address, "source/0", generation=1)
+    try:
+        new.send(b"new", deadline=time.monotonic() + 10)
+        taken = inbox.get(10)
+        assert taken is not None and (taken.payload, taken.generation) == (b"new", 1)
+        assert inbox.get(0.2) is None
+        with pytest.raises(TransportError, match="generation 0; this instance takes 1"):
+            while True:  # refused once the hello is read; its window is never granted
+                late.send(b"late", deadline=time.monotonic() + 10)
+    finally:
+        for outlet in (old, late, new):
+            outlet.abort()
