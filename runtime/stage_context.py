@@ -131,6 +131,9 @@ class InstanceContext:
         self.host = "127.0.0.1"  # the address this instance listens on
         self.restore: CheckpointMeta | None = None  # the checkpoint a recovery goes on from
         self.watermark_us: int | None = None  # event time (epoch µs), once the stage has one
+        # upstream_names by the stages asked for, as of the topology they were made from.
+        self._names: dict[tuple[str, ...], frozenset[str]] = {}
+        self._names_of: Topology | None = None
 
     # -- commands ------------------------------------------------------------------------
 
@@ -195,9 +198,17 @@ class InstanceContext:
     def connect(self, stage: str) -> dict[int, Outlet]:
         return {i: self.outlet(a) for i, a in sorted(self.addresses(stage).items())}
 
-    def upstream_names(self, *stages: str) -> set[str]:
-        """The current instances of `stages` (the senders of a union), by name."""
-        return {f"{stage}/{i}" for stage in stages for i in self.addresses(stage)}
+    def upstream_names(self, *stages: str) -> frozenset[str]:
+        """The current instances of `stages` (the senders of a union), by name. The loops ask
+        for them for every batch: made once per topology."""
+        topology = self.wait_topology()
+        if self._names_of is not topology:
+            self._names, self._names_of = {}, topology
+        names = self._names.get(stages)
+        if names is None:
+            names = frozenset(f"{s}/{i}" for s in stages for i in topology.addresses(s))
+            self._names[stages] = names
+        return names
 
     def emit(self, event: Event) -> None:
         """Tell the coordinator about a protocol step (acks, migration done) right away."""
