@@ -36,11 +36,8 @@ import numpy as np
 import psutil
 import pyarrow as pa
 import yaml
-from throughput import ratio, snapshot, start_flowing
 
-from keyshift.operator.local_host import LocalJob
 from keyshift.runtime.auth import Security
-from keyshift.runtime.job import parse_job
 from keyshift.runtime.job_secret import SECRET_ENV, new_job_secret
 from keyshift.runtime.records import record_schema
 from keyshift.runtime.transport import BATCH, END, Inbox, Outlet, start_server
@@ -185,6 +182,12 @@ def run_job(shape: str, rows: int, warmup: float, seconds: float) -> dict[str, A
     with one instance a stage nothing is split, so the keyed stage takes and the sink gets
     one message per batch (the keyed stage's updates go on as one batch; in `chain`, a batch
     the filter empties goes nowhere: ~1 % of them at one row)."""
+    # Here, not at the top: the transport's receiving child starts without the local host.
+    from throughput import ratio, snapshot, start_flowing
+
+    from keyshift.operator.local_host import LocalJob
+    from keyshift.runtime.job import parse_job
+
     spec_data = job_spec(shape, rows)
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "job.yaml"
