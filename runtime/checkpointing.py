@@ -45,6 +45,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
+from collections.abc import Set as AbstractSet
 from concurrent.futures import Future
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Protocol
@@ -407,7 +408,7 @@ class BarrierAligner:
         self.barrier = barrier
         self.arrived.add(sender)
 
-    def aligned(self, live: set[str]) -> bool:
+    def aligned(self, live: AbstractSet[str]) -> bool:
         """True once every live sender's barrier is in (ended senders send no more)."""
         return self.barrier is not None and live <= self.arrived
 

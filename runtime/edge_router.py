@@ -40,8 +40,6 @@ from keyshift.runtime.records import (
     RESERVED_FIELDS,
     SEQ,
     SOURCE,
-    decode,
-    encode,
     record_schema,
     split_by_owner,
 )
@@ -196,11 +194,11 @@ class EdgeRouter:
         self.outlets = ctx.connect(target)
         self.assignment = ctx.assignment(target)
         self.dead: set[int] = set()
-        self.stranded: list[bytes] = []
+        self.stranded: list[pa.RecordBatch] = []
 
     def prepare(
         self, batch: pa.RecordBatch, stamp: Stamp = lambda batch: batch
-    ) -> tuple[pa.RecordBatch, list[tuple[int, bytes]]]:
+    ) -> tuple[pa.RecordBatch, list[tuple[int, pa.RecordBatch]]]:
         """The records as the keyed stage reads them (transformed, checked, `stamp`ed with
         their event times, into a join wrapped as its side, with their key groups), and their
         parts by owner."""
@@ -221,13 +219,13 @@ class EdgeRouter:
         batch = batch.set_column(batch.schema.get_field_index(GROUP), GROUP, pa.array(groups))
         return batch, self.route(batch, groups)
 
-    def route(self, batch: pa.RecordBatch, groups: np.ndarray) -> list[tuple[int, bytes]]:
+    def route(self, batch: pa.RecordBatch, groups: np.ndarray) -> list[tuple[int, pa.RecordBatch]]:
         owners = self.assignment.owners[groups]
         # By the assignment, not the open streams: an owner that left keeps its records here.
         parallelism = int(owners.max()) + 1 if len(owners) else 1
-        return [(o, encode(part)) for o, part in split_by_owner(batch, owners, parallelism)]
+        return split_by_owner(batch, owners, parallelism)
 
-    def send(self, parts: list[tuple[int, bytes]]) -> None:
+    def send(self, parts: list[tuple[int, pa.RecordBatch]]) -> None:
         for owner, payload in parts:
             outlet = self.outlets.get(owner)
             if owner in self.dead or outlet is None:
@@ -239,7 +237,9 @@ class EdgeRouter:
                 # them then. (What it had received is gone with it.)
                 self.stranded.append(payload)
 
-    def deliver(self, owner: int, outlet: Outlet, payload: bytes, kind: bytes = BATCH) -> bool:
+    def deliver(
+        self, owner: int, outlet: Outlet, payload: bytes | pa.RecordBatch, kind: bytes = BATCH
+    ) -> bool:
         """Send to keyed instance `owner`; False if it died. A dead receiver is the
         coordinator's to handle (a reroute, an abort, or a recovery): this sender goes on."""
         try:
@@ -272,8 +272,7 @@ class EdgeRouter:
         switch_outlets(self.ctx, self.outlets, new.epoch, command.keyed)
         self.assignment = new
         stranded, self.stranded = self.stranded, []
-        for payload in stranded:
-            batch = decode(payload)
+        for batch in stranded:
             self.send(self.route(batch, batch.column(GROUP).to_numpy()))
         self.ctx.emit(Ack(step="reroute", epoch=new.epoch))
 
@@ -282,7 +281,7 @@ class EdgeRouter:
             outlet.finish(kind=kind)
 
 
-Routed = tuple[EdgeRouter, list[tuple[int, bytes]]]
+Routed = tuple[EdgeRouter, list[tuple[int, pa.RecordBatch]]]
 
 
 class Outputs:

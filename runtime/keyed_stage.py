@@ -66,7 +66,6 @@ from keyshift.runtime.records import (
     INGEST_TIME,
     SEQ,
     SOURCE,
-    decode,
     now_us,
     with_record_ids,
 )
@@ -314,7 +313,7 @@ class KeyedStage:
         self.retire = False
         self.rescaling = False
         self.aligner = BarrierAligner()
-        self.watermark = WatermarkTracker(self.senders())
+        self.watermark = WatermarkTracker(set(self.senders()))
         settings = spec.checkpoints
         self.checkpointer = (
             KeyedCheckpointer(settings, f"{ctx.stage}-{ctx.index}") if settings else None
@@ -492,7 +491,7 @@ class KeyedStage:
         self.outputs.send(routed)
         self.ctx.metrics.count(MetricName.RECORDS_OUT, sent)
 
-    def senders(self) -> set[str]:
+    def senders(self) -> frozenset[str]:
         """The instances of the stages upstream now (their rescales change them)."""
         return self.ctx.upstream_names(*self.upstream)
 
@@ -636,9 +635,9 @@ class KeyedStage:
             delivery = self.ctx.inbox.get(timeout=0)
             if delivery is None:
                 break
-            payload: Any = delivery.payload
-            if delivery.kind == BATCH:
-                batch = decode(payload)
+            payload = delivery.content()
+            if delivery.kind == BATCH and isinstance(payload, pa.RecordBatch):
+                batch = payload
                 groups = batch.column(GROUP).to_numpy()
                 leaving = move.leaving(groups)
                 if leaving.any():
@@ -697,16 +696,14 @@ class KeyedStage:
 
     def deliver(self, sender: str, kind: bytes, payload: Any) -> None:
         if kind == BATCH:
-            self.records(
-                payload if isinstance(payload, pa.RecordBatch) else decode(payload), sender
-            )
+            self.records(payload, sender)
         elif kind == MARKER:
             if self.move_out is not None:
                 self.move_out.marker(sender, payload)
         elif kind == FORWARD:
             if self.move_in is None:
                 raise ProtocolError(f"forwarded records from {sender} with no move in")
-            self.move_in.receive(decode(payload), forwarded=True)
+            self.move_in.receive(payload, forwarded=True)
         elif kind == STATE:
             if self.move_in is None:
                 raise ProtocolError(f"state from {sender} with no move in")
@@ -813,7 +810,7 @@ class KeyedStage:
         for sink in self.sinks:
             sink.barrier(barrier)
         for delivery in self.aligner.finish():
-            self.backlog.append((delivery.sender, delivery.kind, delivery.payload))
+            self.backlog.append((delivery.sender, delivery.kind, delivery.content()))
             delivery.release()
 
     def acknowledge(self, ack: KeyedCheckpointAck | None) -> None:
@@ -876,9 +873,8 @@ class KeyedStage:
             if self.aligner.holds(delivery.sender):
                 self.aligner.hold(delivery)  # its credit stays taken: the sender waits
                 continue
-            payload = delivery.payload
             delivery.release()
-            self.deliver(delivery.sender, delivery.kind, payload)
+            self.deliver(delivery.sender, delivery.kind, delivery.content())
         if self.checkpointer is not None:
             self.acknowledge(self.checkpointer.wait())
         # A retired instance only leaves: a later one of its name may join the stage again.

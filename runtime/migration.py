@@ -40,7 +40,7 @@ from keyshift.runtime.protocol import (
     PeerUnreachable,
     parse,
 )
-from keyshift.runtime.records import GROUP, encode, pack, unpack
+from keyshift.runtime.records import GROUP, pack, unpack
 from keyshift.runtime.stage_context import MIGRATE_SERVICE, FetchRequest, InstanceContext
 from keyshift.runtime.state import KEY_COL, KeyedState
 from keyshift.runtime.state_integrity import StateSeal
@@ -92,7 +92,9 @@ class MoveOut:
         for dst, moving in command.groups.items():
             self.target[np.asarray(moving, dtype=np.int64)] = int(dst)
         self.outlets = {int(dst): ctx.outlet(command.peers[dst]) for dst in command.groups}
-        self.outbox: dict[int, deque[tuple[bytes, bytes]]] = {d: deque() for d in self.outlets}
+        self.outbox: dict[int, deque[tuple[bytes, bytes | pa.RecordBatch]]] = {
+            d: deque() for d in self.outlets
+        }
         self.unreachable: set[int] = set()
         self.chunk_keys = command.push.chunk_keys
         self.trickle = command.push.trickle_keys_per_s
@@ -143,7 +145,7 @@ class MoveOut:
         for dst in self.outlets:
             self._send(dst, kind, payload)
 
-    def _send(self, dst: int, kind: bytes, payload: bytes) -> None:
+    def _send(self, dst: int, kind: bytes, payload: bytes | pa.RecordBatch) -> None:
         """Queue a message for a new owner and send what credits allow. Never blocks: two
         instances may be moving groups to each other, and blocked sends would deadlock them."""
         self.outbox[dst].append((kind, payload))
@@ -165,7 +167,7 @@ class MoveOut:
         targets = self.target[groups]
         for dst in np.unique(targets).tolist():
             part = batch.filter(pa.array(targets == dst))
-            self._send(dst, FORWARD, encode(part))
+            self._send(dst, FORWARD, part)
             self.stats["records_forwarded"] += part.num_rows
 
     def marker(self, sender: str, body: bytes | None) -> None:

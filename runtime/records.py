@@ -55,6 +55,7 @@ def record_schema(fields: Mapping[str, str]) -> pa.Schema:
 
 
 def encode(batch: pa.RecordBatch) -> bytes:
+    """A batch with its schema, read by `decode` alone (state chunks, fetch replies)."""
     sink = pa.BufferOutputStream()
     with pa.ipc.new_stream(sink, batch.schema) as writer:
         writer.write_batch(batch)
@@ -63,6 +64,29 @@ def encode(batch: pa.RecordBatch) -> bytes:
 
 def decode(payload: bytes | memoryview) -> pa.RecordBatch:
     return pa.ipc.open_stream(pa.py_buffer(payload)).read_next_batch()
+
+
+# A data stream carries its batches' schema once, not in every message
+# (keyshift.runtime.transport): writing and parsing the schema was most of what the Arrow side
+# of a small batch cost.
+
+
+def encode_schema(schema: pa.Schema) -> bytes:
+    return schema.serialize().to_pybytes()  # type: ignore[no-any-return]
+
+
+def decode_schema(payload: bytes | memoryview) -> pa.Schema:
+    return pa.ipc.read_schema(pa.py_buffer(payload))
+
+
+def encode_body(batch: pa.RecordBatch) -> pa.Buffer:
+    """The batch without its schema: `decode_body` reads it given the schema."""
+    return batch.serialize()
+
+
+def decode_body(payload: bytes | memoryview, schema: pa.Schema) -> pa.RecordBatch:
+    """A batch `encode_body` wrote, sharing `payload`'s memory (no copy)."""
+    return pa.ipc.read_record_batch(pa.py_buffer(payload), schema)
 
 
 def split_by_owner(

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -175,7 +176,7 @@ class SinkPartitions:
         if payload is None or int(json.loads(payload)["epoch"]) == move.epoch:
             move.markers.add(sender)
 
-    def close_leaving(self, live: set[str], attempt: Attempt) -> bool:
+    def close_leaving(self, live: AbstractSet[str], attempt: Attempt) -> bool:
         """Close the leaving partitions once every live sender's marker is in; True the first
         time they are closed (the caller reports out_done). A write the disk refuses leaves
         them open, to be tried again."""

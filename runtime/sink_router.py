@@ -28,7 +28,6 @@ from keyshift.runtime.records import (
     ARROW_TYPES,
     GROUP,
     RESERVED_FIELDS,
-    encode,
     split_by_owner,
     with_record_ids,
 )
@@ -64,7 +63,7 @@ class SinkRouter:
         self.outlets: dict[int, Outlet] = ctx.connect(self.stage)
         self.owners = Assignment.from_json(ctx.wait_topology().partitions[sink])
 
-    def route(self, out: pa.RecordBatch) -> list[tuple[int, bytes]]:
+    def route(self, out: pa.RecordBatch) -> list[tuple[int, pa.RecordBatch]]:
         """The updates' parts by the sink instance that owns their partition, after the maps
         and filters chained before the sink."""
         if self.transforms:
@@ -72,7 +71,7 @@ class SinkRouter:
         partition = partition_of(out.column(GROUP).to_numpy(), self.partitions)
         owners = self.owners.owners[partition].astype(np.int64)
         parallelism = int(owners.max()) + 1 if len(owners) else 1
-        return [(o, encode(part)) for o, part in split_by_owner(out, owners, parallelism)]
+        return split_by_owner(out, owners, parallelism)
 
     def transformed(self, out: pa.RecordBatch) -> pa.RecordBatch:
         """The updates through the maps and filters, in the updates' schema (a map's result
@@ -86,7 +85,7 @@ class SinkRouter:
         columns = [groups if f.name == GROUP else records.column(f.name) for f in out.schema]
         return pa.RecordBatch.from_arrays(columns, schema=out.schema)
 
-    def send(self, parts: list[tuple[int, bytes]]) -> None:
+    def send(self, parts: list[tuple[int, pa.RecordBatch]]) -> None:
         for owner, payload in parts:
             self.ctx.send(self.outlets[owner], payload)
 

@@ -140,6 +140,9 @@ class InstanceContext:
         self.generation = 0  # of the data streams this instance sends and takes
         self.rewind: Rewind | None = None  # a rewind told and not yet done
         self._rewind_told = threading.Event()
+        # upstream_names by the stages asked for, as of the topology they were made from.
+        self._names: dict[tuple[str, ...], frozenset[str]] = {}
+        self._names_of: Topology | None = None
 
     # -- commands ------------------------------------------------------------------------
 
@@ -245,9 +248,17 @@ class InstanceContext:
     def connect(self, stage: str) -> dict[int, Outlet]:
         return {i: self.outlet(a) for i, a in sorted(self.addresses(stage).items())}
 
-    def upstream_names(self, *stages: str) -> set[str]:
-        """The current instances of `stages` (the senders of a union), by name."""
-        return {f"{stage}/{i}" for stage in stages for i in self.addresses(stage)}
+    def upstream_names(self, *stages: str) -> frozenset[str]:
+        """The current instances of `stages` (the senders of a union), by name. The loops ask
+        for them for every batch: made once per topology."""
+        topology = self.wait_topology()
+        if self._names_of is not topology:
+            self._names, self._names_of = {}, topology
+        names = self._names.get(stages)
+        if names is None:
+            names = frozenset(f"{s}/{i}" for s in stages for i in topology.addresses(s))
+            self._names[stages] = names
+        return names
 
     def emit(self, event: Event) -> None:
         """Tell the coordinator about a protocol step (acks, migration done) right away."""

@@ -10,6 +10,7 @@ stage instances.
 
 from __future__ import annotations
 
+import functools
 import pickle
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -72,6 +73,7 @@ class Update:
     records: int
 
 
+@functools.cache  # asked for every batch
 def aggregate_output_schema(function: str, key_type: pa.DataType) -> pa.Schema:
     """The updates an aggregate emits: the key's new value after each batch that touched it."""
     value_type = pa.int64() if function == "count" else pa.float64()

@@ -1,14 +1,18 @@
 """gRPC transport: data channels with credit-based flow control, and JSON control calls.
 
 Data: a sender opens one bidirectional `keyshift.Data/Push` stream per downstream instance and
-sends encoded batches; the receiver grants credits, one per batch it has taken off its bounded
+sends batches; the receiver grants credits, one per batch it has taken off its bounded
 inbox (handed back in lots of half the window), so a slow stage stops its senders instead of
 growing a queue. Control: unary calls whose
 bodies are JSON (coordinator registration, reports, status) plus a server stream of commands.
 Messages are raw bytes (no generated code): a one-byte kind, then the body.
 Every data stream belongs to a generation (in its hello), and an inbox takes only its own
 generation's messages: a local recovery rewinds the job into the next generation, and what was
-sent before the rewind, still in flight or queued, is never taken after it.
+sent before the rewind, still in flight or queued, is never taken after it. A batch travels
+without its Arrow schema: a stream sends its schema (SCHEMA) before its first batch and again
+whenever the schema of the batches it sends changes, and the receiving end of that stream
+reads each batch by the schema it last had on it. Each stream has its own: a new stream (a
+reconnect, a new sender) starts without one.
 Used by the coordinator, the stage instances and the local host's client.
 """
 
@@ -26,10 +30,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import grpc
+import pyarrow as pa
 
 from keyshift.runtime.auth import Security
 from keyshift.runtime.identity import Identity, Issuer
 from keyshift.runtime.metrics import UNAUTHENTICATED
+from keyshift.runtime.records import decode_body, decode_schema, encode_body, encode_schema
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +51,7 @@ GRPC_OPTIONS = [
 ]
 DATA_SERVICE = "keyshift.Data"
 HELLO, END, LEAVE, CREDIT = b"H", b"E", b"L", b"C"
+SCHEMA = b"A"  # the Arrow schema of the stream's batches from here on (takes no credit)
 # Message kinds on a data stream, each taking one credit. Ordering on one stream is what the
 # migration protocol relies on: a MARKER follows every batch its sender routed by the old epoch.
 BATCH = b"B"  # records from an upstream stage
@@ -55,6 +62,7 @@ FORWARD_DONE = b"D"  # the old owner will forward nothing more for this epoch (J
 BARRIER = b"K"  # a checkpoint barrier: what the sender sent before it is in the checkpoint
 WATERMARK = b"W"  # the sender's event-time watermark (JSON), after the records it covers
 DATA_KINDS = frozenset((BATCH, MARKER, FORWARD, STATE, FORWARD_DONE, BARRIER, WATERMARK))
+RECORD_KINDS = frozenset((BATCH, FORWARD))  # their body is a batch in the stream's schema
 
 
 class TransportError(RuntimeError):
@@ -216,17 +224,22 @@ def _describe(exc: grpc.RpcError, address: str, method: str) -> str:
 
 @dataclass
 class Delivery:
-    """One message taken from the inbox: a kind (BATCH, MARKER, ... or END) and its body."""
+    """One message taken from the inbox: a kind (BATCH, MARKER, ... or END) and its body:
+    `records` for the RECORD_KINDS, else `payload`."""
 
     sender: str
     kind: bytes
     payload: bytes
     _grant: Callable[[], None]
     generation: int = 0
+    records: pa.RecordBatch | None = None
 
     def release(self) -> None:
         """Hand the sender's credit back; call once the payload is processed or copied."""
         self._grant()
+
+    def content(self) -> bytes | pa.RecordBatch:
+        return self.records if self.records is not None else self.payload
 
 
 class Inbox:
@@ -330,16 +343,30 @@ class Inbox:
 
         def read() -> None:
             ended = False
+            schema: pa.Schema | None = None  # this stream's, once its sender has sent it
             try:
                 for message in requests:
-                    kind, payload = message[:1], message[1:]
-                    if kind in DATA_KINDS:
-                        self._queue.put(Delivery(sender, kind, payload, grant, generation))
+                    kind = message[:1]
+                    if kind in RECORD_KINDS:
+                        if schema is None:
+                            raise ValueError("a batch before its stream's schema")
+                        # Read in place: the batch shares the message's memory.
+                        records = decode_body(memoryview(message)[1:], schema)
+                        self._queue.put(
+                            Delivery(sender, kind, b"", grant, generation, records=records)
+                        )
+                    elif kind == SCHEMA:
+                        schema = decode_schema(memoryview(message)[1:])
+                    elif kind in DATA_KINDS:
+                        self._queue.put(Delivery(sender, kind, message[1:], grant, generation))
                     elif kind in (END, LEAVE):
                         ended = True
                         self._queue.put(Delivery(sender, kind, b"", lambda: None, generation))
             except grpc.RpcError:
                 pass
+            except (ValueError, pa.ArrowException) as exc:
+                # The sender broke the protocol: its stream ends here, as a failed one.
+                log.warning("dropped the data stream of %s: %s", sender, exc)
             if not ended and generation == self.generation:
                 self.failures.put(sender)
             grants.put(None)
@@ -372,6 +399,7 @@ class Outlet:
         self._cv = threading.Condition()
         self._error: str | None = None
         self._closed = False
+        self._schema: pa.Schema | None = None  # the one the receiver reads batches by now
         hello: dict[str, Any] = {"sender": sender, "generation": generation}
         if identity is not None:
             hello["identity"] = identity.to_json()
@@ -396,9 +424,13 @@ class Outlet:
             if error:
                 self._cv.notify_all()
 
-    def send(self, payload: bytes, deadline: float | None = None, kind: bytes = BATCH) -> float:
-        """Send one message once a credit is free; return the seconds spent waiting."""
+    def send(
+        self, payload: bytes | pa.RecordBatch, deadline: float | None = None, kind: bytes = BATCH
+    ) -> float:
+        """Send one message once a credit is free; return the seconds spent waiting. The body of
+        the RECORD_KINDS is a batch, that of the others bytes."""
         start = time.perf_counter()
+        body = self._body(payload, kind)
         with self._cv:
             while self._credits == 0 and self._error is None:
                 if deadline is not None and time.monotonic() > deadline:
@@ -407,19 +439,36 @@ class Outlet:
             if self._error is not None:
                 raise TransportError(self._error)
             self._credits -= 1
-        self._requests.put(kind + payload)
+            self._put(payload, kind, body)
         return time.perf_counter() - start
 
-    def try_send(self, payload: bytes, kind: bytes = BATCH) -> bool:
+    def try_send(self, payload: bytes | pa.RecordBatch, kind: bytes = BATCH) -> bool:
         """Send one message if a credit is free right now; never wait."""
+        body = self._body(payload, kind)
         with self._cv:
             if self._error is not None:
                 raise TransportError(self._error)
             if self._credits == 0:
                 return False
             self._credits -= 1
-        self._requests.put(kind + payload)
+            self._put(payload, kind, body)
         return True
+
+    @staticmethod
+    def _body(payload: bytes | pa.RecordBatch, kind: bytes) -> bytes | pa.Buffer:
+        if (kind in RECORD_KINDS) != isinstance(payload, pa.RecordBatch):
+            raise TypeError(f"a message of kind {kind!r} carries a batch if and only if records")
+        return encode_body(payload) if isinstance(payload, pa.RecordBatch) else payload
+
+    def _put(self, payload: bytes | pa.RecordBatch, kind: bytes, body: bytes | pa.Buffer) -> None:
+        """Queue the message, after the batch's schema if the receiver does not have it (under
+        the credit lock: the two go on the stream in this order)."""
+        if isinstance(payload, pa.RecordBatch) and (
+            self._schema is None or not payload.schema.equals(self._schema)
+        ):
+            self._schema = payload.schema
+            self._requests.put(SCHEMA + encode_schema(payload.schema))
+        self._requests.put(b"".join((kind, body)))
 
     def finish(self, timeout: float = 30.0, kind: bytes = END) -> None:
         """Close the stream once everything queued is delivered. END tells the receiver this

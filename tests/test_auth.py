@@ -44,11 +44,11 @@ from keyshift.runtime.job_secret import SECRET_ENV, new_job_secret
 from keyshift.runtime.metrics import UNAUTHENTICATED
 from keyshift.runtime.stage_context import MIGRATE_SERVICE
 from keyshift.runtime.transport import (
-    BATCH,
     DATA_SERVICE,
     END,
     GRPC_OPTIONS,
     HELLO,
+    MARKER,
     Inbox,
     JsonClient,
     TransportError,
@@ -198,7 +198,7 @@ def test_data_and_migration_services_refuse_calls_without_the_token(
 ) -> None:
     inbox, address, senders = instance_server
     identity = senders.issue("source/0").to_json()
-    messages = [hello("source/0", identity), BATCH + b"records", END]
+    messages = [hello("source/0", identity), MARKER + b"message", END]
     data_before = UNAUTHENTICATED.count(DATA_SERVICE)
     migrate_before = UNAUTHENTICATED.count(MIGRATE_SERVICE)
     fetch = f"/{MIGRATE_SERVICE}/Fetch"
@@ -212,11 +212,11 @@ def test_data_and_migration_services_refuse_calls_without_the_token(
     assert unary(job_security, address, fetch) == grpc.StatusCode.UNAVAILABLE
     # ...and a sender with its identity delivers.
     assert push_stream(job_security, address, messages) == grpc.StatusCode.OK
-    batch, end = inbox.get(5), inbox.get(5)
-    assert batch is not None and (batch.sender, batch.kind, batch.payload) == (
+    message, end = inbox.get(5), inbox.get(5)
+    assert message is not None and (message.sender, message.kind, message.payload) == (
         "source/0",
-        BATCH,
-        b"records",
+        MARKER,
+        b"message",
     )
     assert end is not None and (end.sender, end.kind) == ("source/0", END)
 
@@ -230,7 +230,7 @@ def test_a_data_stream_in_another_instances_name_is_refused(
     other = senders.issue("source/1").to_json()
     before = UNAUTHENTICATED.count(DATA_SERVICE)
     for identity in (None, other, {"incarnation": other["incarnation"], "credential": "ab"}):
-        messages = [hello("source/0", identity), BATCH + b"fake", END]
+        messages = [hello("source/0", identity), MARKER + b"fake", END]
         assert push_stream(job_security, address, messages) == grpc.StatusCode.UNAUTHENTICATED
     for bad_start in ([END], [HELLO + b"not json", END], []):
         assert push_stream(job_security, address, bad_start) == grpc.StatusCode.INVALID_ARGUMENT
