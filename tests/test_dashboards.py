@@ -241,6 +241,10 @@ MAY_BE_EMPTY = {
         'keyshift_rescales_total{result="failed"} exists only after a failed rescale (an '
         "instance dying mid-move); the panel shows 0 then"
     ),
+    ("keyshift-migration", "panel 'Last recovery local' A"): (
+        "keyshift_recovery_local_instances exists only once the job recovered from a crash; "
+        "the run here has none"
+    ),
     ("keyshift-migration", "panel 'Last recovery time' A"): (
         "keyshift_recovery_duration_seconds exists only once the job recovered from a crash; "
         "the run here has none"

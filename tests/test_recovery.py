@@ -247,15 +247,17 @@ def test_a_coordinator_killed_during_a_recovery_is_restarted_again(tmp_path: Pat
         )
         os.kill(restarted[0], signal.SIGKILL)
 
-    run_and_crash(tmp_path, crash, restart={"initial_delay": 0.2})
+    # The global restart's path: a local recovery keeps the coordinator.
+    run_and_crash(tmp_path, crash, restart={"initial_delay": 0.2}, recovery="global")
     # The second restart (the first one's log was cut short by the kill) recovered.
     log = (tmp_path / "logs" / "coordinator-recovery-2.log").read_text()
-    assert "recovered from checkpoint" in log, log[-2000:]
+    assert "recovered (global) from checkpoint" in log, log[-2000:]
 
 
 def test_the_restart_strategy_gives_up_after_its_attempts(tmp_path: Path) -> None:
     out = tmp_path / "out"
-    job = {**tracked_job(out, SOURCE, 2), "restart": {"max_attempts": 1}}
+    # Counted by the host's strategy: the global restart (local recoveries are not counted yet).
+    job = {**tracked_job(out, SOURCE, 2), "restart": {"max_attempts": 1}, "recovery": "global"}
     context, port = start_run(tmp_path, job)
     with context as proc:
         run = Run(proc, f"127.0.0.1:{port}")
