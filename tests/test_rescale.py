@@ -283,6 +283,8 @@ def test_count_aggregate_through_rescales_equals_truth(tmp_path: Path, backend: 
     start=st.integers(1, 3),
     distribution=st.sampled_from(["uniform", "zipf"]),
     seed=st.integers(0, 1000),
+    standby=st.integers(0, 1),
+    checkpointed=st.booleans(),
 )
 def test_random_rescale_sequences_keep_the_invariants(
     tmp_path_factory: pytest.TempPathFactory,
@@ -290,11 +292,20 @@ def test_random_rescale_sequences_keep_the_invariants(
     start: int,
     distribution: str,
     seed: int,
+    standby: int,
+    checkpointed: bool,
 ) -> None:
+    """Random sequences with what speeds a rescale up drawn too: a standby taken by scale-outs,
+    and checkpoints, with which every strategy but lazy hands over from the latest one
+    (concurrent subscales are on by default)."""
     tmp_path = tmp_path_factory.mktemp("prop")
     source = {"kind": "generator", "keys": 2000, "distribution": distribution, "seed": seed,
               "profile": {"rate": 10_000}}  # fmt: skip
-    run_with_rescales(tmp_path, source, start, steps)
+    job = tracked_job(tmp_path / "out", source, start)
+    job["keyed"]["standby"] = standby
+    if checkpointed:
+        job["checkpoints"] = {"interval": 0.5, "storage": str(tmp_path / "checkpoints")}
+    run_with_rescales(tmp_path, source, start, steps, job=job)
 
 
 def test_rescales_taking_standbys_keep_the_invariants(tmp_path: Path) -> None:
