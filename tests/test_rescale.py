@@ -213,7 +213,8 @@ def test_scale_out_and_in_under_load_keeps_exactly_once_and_order(
         assert all(s["sources"] == [0] and len(s["destinations"]) == 1 for s in shown)
         assert {s["destinations"][0] for s in shown} == {1, 2}
         for before, after in itertools.pairwise(sorted(shown, key=lambda s: s["started"])):
-            assert before["started"] + before["seconds"] <= after["started"], shown
+            # Both figures are rounded to the millisecond, so their sum may exceed by one.
+            assert before["started"] + before["seconds"] <= after["started"] + 0.002, shown
 
 
 def test_hot_keys_move_while_hot(tmp_path: Path) -> None:
