@@ -51,15 +51,17 @@ def test_a_quiet_source_becomes_idle_once_per_spell_and_active_when_it_emits() -
     assert not never.check_idle(1e9)
 
 
-def test_a_paused_source_does_not_become_idle() -> None:
-    """A rescale that pauses the sources (all-at-once) is not a quiet input: were it idle, the
-    receivers would follow the other sources past the records it sends on resuming."""
+def test_a_held_up_source_does_not_become_idle() -> None:
+    """A source that has records but may not send them (a rescale paused it, or its receivers
+    withhold credits: a replacement still restoring after a local recovery) is not a quiet
+    input: were it idle, the receivers would follow the other sources past the records it
+    sends once it can, and fire windows and timers early."""
     generator = WatermarkGenerator(bound_us=0, idle_timeout=1.0, last_active=0.0)
     generator.observe(100, now=0.0)
-    generator.paused(now=0.9)
-    generator.paused(now=1.8)
+    generator.held_up(now=0.9)
+    generator.held_up(now=1.8)
     assert not generator.check_idle(now=2.5) and not generator.idle
-    assert generator.check_idle(now=2.9)  # quiet for a second after the pause: idle
+    assert generator.check_idle(now=2.9)  # quiet for a second after the hold-up: idle
 
 
 @pytest.mark.parametrize(
