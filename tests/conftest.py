@@ -91,9 +91,16 @@ def coordinators_of(host_pid: int) -> list[int]:
     return found
 
 
+# A loaded machine (the suite runs two tests at a time, beside other work) has taken over the
+# default 30 s to start a job's processes or a rescale's new one: the tests give them this long,
+# unless a test says otherwise.
+TEST_REGISTER_TIMEOUT = 120.0
+
+
 @contextmanager
 def running_job(tmp_path: Path, job: dict[str, Any], **kwargs: Any) -> Iterator[LocalJob]:
     """Start a job's processes with the local host; stop them all on exit."""
+    kwargs.setdefault("register_timeout", TEST_REGISTER_TIMEOUT)
     path = write_job(tmp_path, job)
     spec: JobSpec = parse_job(job)
     local = LocalJob(spec, path, log_dir=tmp_path / "logs", **kwargs)
@@ -125,6 +132,8 @@ def status_of(job: str) -> dict[str, Any]:
 @contextmanager
 def cli(args: list[str], cwd: Path = REPO, **popen: Any) -> Iterator[subprocess.Popen[str]]:
     """Run `keyshift ARGS` in its own session; kill its whole group on exit."""
+    if args[:1] == ["run"] and "--register-timeout" not in args:
+        args = [*args, "--register-timeout", str(TEST_REGISTER_TIMEOUT)]
     env = {**os.environ, **popen.pop("env", {}), "COLUMNS": "200"}
     proc = subprocess.Popen(
         [KEYSHIFT, *args],

@@ -60,7 +60,7 @@ def run_pushes(
     """Push each of `pushes`, wait for `bad` bad event times, drain: the replies, the logged
     (reason, record) rows of the source stage, and the windows' (user, start, clicks)."""
     with running_job(tmp_path, job) as local:
-        wait_for(lambda: local.status()["phase"] == "running", 30, "the job to run")
+        wait_for(lambda: local.status()["phase"] == "running", 120, "the job to run")
         source = local.status()["stages"][0]
 
         with IngestClient(

@@ -134,7 +134,7 @@ def test_dead_coordinator_fails_the_run_and_stops_instances(tmp_path: Path) -> N
     with cli(
         ["run", str(write_job(tmp_path, job)), "--no-view", "--log-dir", str(tmp_path / "l")]
     ) as proc:
-        children = wait_for(lambda: len(k := children_of(proc.pid)) == 5 and k, 30, "5 children")
+        children = wait_for(lambda: len(k := children_of(proc.pid)) == 5 and k, 120, "5 children")
         coordinator = next(c for c in children if "keyshift.runtime.coordinator" in c.cmdline())
         coordinator.kill()
         output, _ = proc.communicate(timeout=60)
@@ -150,7 +150,7 @@ def test_instances_exit_on_their_own_when_the_coordinator_dies(tmp_path: Path) -
         source={"config": {"kind": "generator", "keys": 100, "profile": {"rate": 2000}}}
     )
     with running_job(tmp_path, job) as local:
-        wait_for(lambda: local.status()["phase"] == "running", 30, "the job to run")
+        wait_for(lambda: local.status()["phase"] == "running", 120, "the job to run")
         assert local.coordinator is not None
         local.coordinator.process.kill()
         wait_for(

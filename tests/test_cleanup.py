@@ -20,7 +20,7 @@ STEADY = {"kind": "generator", "keys": 1000, "profile": {"rate": 5000}}
 
 def start_and_wait(tmp_path: Path, proc: subprocess.Popen[str]) -> list[psutil.Process]:
     """Wait until the host has started all five processes of the job."""
-    return wait_for(lambda: len(kids := children_of(proc.pid)) == 5 and kids, 30, "5 children")
+    return wait_for(lambda: len(kids := children_of(proc.pid)) == 5 and kids, 120, "5 children")
 
 
 def assert_gone(children: list[psutil.Process]) -> None:

@@ -148,7 +148,7 @@ def rescaled_under_load(
     the finished job's status."""
     with running_job(tmp_path, job) as local:
         client = JsonClient(local.address, SERVICE)
-        wait_for(lambda: local.status()["phase"] == "running", 30, "the job to run")
+        wait_for(lambda: local.status()["phase"] == "running", 120, "the job to run")
         for stage, parallelism, strategy in steps:
             flowed = sum_out(local)
             wait_for(lambda f=flowed: sum_out(local) > f + 3000, 60, "records to flow")  # type: ignore[misc]
@@ -186,7 +186,7 @@ def test_rescales_of_three_stages_asked_at_once_run_in_order_and_the_output_equa
     out = tmp_path / "out"
     with running_job(tmp_path, keyed_line(out)) as local:
         client = JsonClient(local.address, SERVICE)
-        wait_for(lambda: local.status()["phase"] == "running", 30, "the job to run")
+        wait_for(lambda: local.status()["phase"] == "running", 120, "the job to run")
         wait_for(lambda: sum_out(local) > 3000, 60, "records to flow")
         # The test is the host: users/2 starts only when `ended` below starts it, so the
         # first rescale still waits for it when the others are asked for.
@@ -333,7 +333,7 @@ def test_a_new_owner_of_a_later_stage_dying_mid_move_is_recovered_from(tmp_path:
     to_region["function"] = "tests.job_fns:by_user"
     with running_job(tmp_path, job) as local:
         client = JsonClient(local.address, SERVICE)
-        wait_for(lambda: local.status()["phase"] == "running", 30, "the job to run")
+        wait_for(lambda: local.status()["phase"] == "running", 120, "the job to run")
         wait_for(lambda: sum_out(local) > 3000, 60, "records to flow")
         slow = {"chunk_keys": 1, "trickle_keys_per_s": 1}
         client.call(

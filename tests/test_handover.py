@@ -55,7 +55,7 @@ def rescale_and_drain(
     results = []
     with running_job(tmp_path, job) as local:
         client = JsonClient(local.address, SERVICE)
-        wait_for(lambda: local.status()["phase"] == "running", 30, "the job to run")
+        wait_for(lambda: local.status()["phase"] == "running", 120, "the job to run")
         for parallelism, strategy in steps:
             flowed = sum_out(local)
             wait_for(lambda f=flowed: sum_out(local) > f + 3000, 30, "records")  # type: ignore[misc]

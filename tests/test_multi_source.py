@@ -104,7 +104,7 @@ def test_a_keyed_stage_fed_by_two_sources_rescales_live_exactly_once(tmp_path: P
     out = tmp_path / "out"
     with running_job(tmp_path, two_sources(out, FIRST, SECOND)) as local:
         client = JsonClient(local.address, SERVICE)
-        wait_for(lambda: local.status()["phase"] == "running", 30, "the job to run")
+        wait_for(lambda: local.status()["phase"] == "running", 120, "the job to run")
 
         def flowed() -> int:
             stages = {s["name"]: s for s in local.status()["stages"]}
@@ -166,7 +166,7 @@ def test_a_join_of_two_sources_answers_what_duckdb_answers_through_a_rescale(
     job["batching"] = dict(BATCHING)
     with running_job(tmp_path, job) as local:
         client = JsonClient(local.address, SERVICE)
-        wait_for(lambda: local.status()["phase"] == "running", 30, "the job to run")
+        wait_for(lambda: local.status()["phase"] == "running", 120, "the job to run")
         result = rescale_via(local, client, 3, "hot-first", stage="q8")
         assert result["groups_moved"] == result["groups_to_move"] > 0, result
         wait_for(lambda: local.status()["phase"] == "finished", 60, "the sources to end")

@@ -120,7 +120,7 @@ def test_every_sink_and_keyed_stage_rescales_live_and_each_sink_equals_its_truth
     widths = {"users": 3, "regions": 2, "every": 3, "odds": 2, "by-region": 2}
     with running_job(tmp_path, three_sinks(out, widths=widths)) as local:
         client = JsonClient(local.address, SERVICE)
-        wait_for(lambda: local.status()["phase"] == "running", 30, "the job to run")
+        wait_for(lambda: local.status()["phase"] == "running", 120, "the job to run")
         for stage in rng.sample(sorted(widths), len(widths)):
             flowed = sum_out(local)
             wait_for(lambda f=flowed: sum_out(local) > f + 1500, 60, "records to flow")  # type: ignore[misc]

@@ -115,7 +115,7 @@ def run_query_job(
     with running_job(tmp_path, job) as local:
         client = JsonClient(local.address, SERVICE)
         try:
-            wait_for(lambda: local.status()["phase"] == "running", 30, "the job to run")
+            wait_for(lambda: local.status()["phase"] == "running", 120, "the job to run")
             during(local, client)
             if drain:
                 local.drain()

@@ -133,7 +133,7 @@ def run_with_rescales(
     job = job or tracked_job(out, source, start)
     with running_job(tmp_path, job) as local:
         client = JsonClient(local.address, SERVICE)
-        wait_for(lambda: local.status()["phase"] == "running", 30, "the job to run")
+        wait_for(lambda: local.status()["phase"] == "running", 120, "the job to run")
         for step, (parallelism, strategy) in enumerate(steps):
             # Let records flow between rescales.
             flowed = sum_out(local)
@@ -353,7 +353,7 @@ def test_bad_rescale_requests_are_refused_and_change_nothing(tmp_path: Path) -> 
     source = {"kind": "generator", "keys": 100, "profile": {"rate": 2000}}
     with running_job(tmp_path, tracked_job(tmp_path / "out", source, 2)) as local:
         client = JsonClient(local.address, SERVICE)
-        wait_for(lambda: local.status()["phase"] == "running", 30, "the job to run")
+        wait_for(lambda: local.status()["phase"] == "running", 120, "the job to run")
         cases: list[tuple[dict[str, Any], str]] = [
             ({"stage": "track", "parallelism": 0}, "from 1 to 256 (the maximum parallelism"),
             ({"stage": "track", "parallelism": 257}, "from 1 to 256 (the maximum parallelism"),
@@ -439,7 +439,7 @@ def test_the_only_old_owner_dying_before_the_new_ones_start_hands_its_groups_to_
     source = {"kind": "generator", "keys": 2000, "seed": 6, "profile": {"rate": 5000}}
     with running_job(tmp_path, tracked_job(out, source, 1)) as local:
         client = JsonClient(local.address, SERVICE)
-        wait_for(lambda: local.status()["phase"] == "running", 30, "the job to run")
+        wait_for(lambda: local.status()["phase"] == "running", 120, "the job to run")
         wait_for(lambda: sum_out(local) > 5000, 30, "records to flow")
         client.call("Rescale", {"stage": "track", "parallelism": 3})
         local.instances["track/0"].process.kill()  # the test is the host: nothing started yet
@@ -482,7 +482,7 @@ def test_new_owner_dying_mid_move_fails_the_rescale_and_the_stage_goes_on(
     job = tracked_job(out, source, 1, state=state_settings(backend, tmp_path))
     with running_job(tmp_path, job) as local:
         client = JsonClient(local.address, SERVICE)
-        wait_for(lambda: local.status()["phase"] == "running", 30, "the job to run")
+        wait_for(lambda: local.status()["phase"] == "running", 120, "the job to run")
         wait_for(lambda: sum_out(local) > 20_000, 30, "records to flow")
         client.call("Rescale", {"stage": "track", "parallelism": 2, "strategy": "hot-first",
                                 "options": {"trickle_keys_per_s": 200}})  # fmt: skip

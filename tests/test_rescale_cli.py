@@ -41,8 +41,8 @@ def test_rescale_a_running_job_by_name(tmp_path: Path) -> None:
         sink={"config": {"kind": "log", "path": str(tmp_path / "out")}},
     )
     with cli(["run", str(write_job(tmp_path, job)), "--no-view"]) as run:
-        wait_for(lambda: len(children_of(run.pid)) == 4, 30, "the job's processes")
-        wait_for(lambda: status_of("clicks-cli").get("phase") == "running", 30, "the job to run")
+        wait_for(lambda: len(children_of(run.pid)) == 4, 120, "the job's processes")
+        wait_for(lambda: status_of("clicks-cli").get("phase") == "running", 120, "the job to run")
         out = keyshift("rescale", "clicks-cli", "counts", "3")
         assert out.returncode == 0, out.stdout + out.stderr
         assert "1->3 (hot-first): done" in out.stdout

@@ -309,7 +309,7 @@ def test_sessions_fire_on_the_watermark_update_within_the_lateness_and_log_later
     second, start = 1_000_000, 1_700_000_000_000_000
     pushes = [0, second // 2, 3 * second, second, 10 * second, second // 5]
     with running_job(tmp_path, job) as local:
-        wait_for(lambda: local.status()["phase"] == "running", 30, "the job to run")
+        wait_for(lambda: local.status()["phase"] == "running", 120, "the job to run")
 
         with IngestClient(
             wait_for(lambda: ingest_address(local), 30, "the ingest endpoint")

@@ -79,7 +79,7 @@ def test_random_sink_rescales_under_load_keep_exactly_once_and_each_keys_order(
     width = 1
     with running_job(tmp_path, sink_job(out, source, width)) as local:
         client = JsonClient(local.address, SERVICE)
-        wait_for(lambda: local.status()["phase"] == "running", 30, "the job to run")
+        wait_for(lambda: local.status()["phase"] == "running", 120, "the job to run")
         durations = []
         for _ in range(4):
             before = written(local)

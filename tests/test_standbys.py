@@ -118,7 +118,7 @@ def test_a_scale_out_takes_the_standby_process_and_a_new_standby_replaces_it(
         sink={"parallelism": 1},
     )
     with running_job(tmp_path, job) as local:
-        wait_for(lambda: local.status()["phase"] == "running", 30, "the job to run")
+        wait_for(lambda: local.status()["phase"] == "running", 120, "the job to run")
         standby = waiting_pid(local)
         keyed = stage_status(local)
         assert keyed["parallelism"] == 1 and [i["index"] for i in keyed["instances"]] == [0]

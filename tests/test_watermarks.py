@@ -245,7 +245,7 @@ def test_an_idle_source_does_not_stall_the_watermark(tmp_path: Path) -> None:
         tmp_path / "out", {"field": "at", "max_out_of_orderness_ms": bound_ms,
                            "idle_timeout_ms": 300})  # fmt: skip
     with running_job(tmp_path, job) as local:
-        wait_for(lambda: local.status()["phase"] == "running", 30, "the job to run")
+        wait_for(lambda: local.status()["phase"] == "running", 120, "the job to run")
         push_to_first_source(local, 1000, last_at)
         expected = last_at - int(bound_ms * 1000)
         wait_for(
@@ -275,7 +275,7 @@ def test_an_idle_source_does_not_stall_the_watermark(tmp_path: Path) -> None:
 def test_without_an_idle_timeout_a_quiet_source_holds_the_watermark(tmp_path: Path) -> None:
     job = event_time_job(tmp_path / "out", {"field": "at"})
     with running_job(tmp_path, job) as local:
-        wait_for(lambda: local.status()["phase"] == "running", 30, "the job to run")
+        wait_for(lambda: local.status()["phase"] == "running", 120, "the job to run")
         push_to_first_source(local, 500, 1_700_000_000_000_000)
         wait_for(
             lambda: sum(s.get("records_in", 0) for s in stats(local, 1)) == 500,

@@ -422,7 +422,7 @@ def test_late_records_update_their_window_within_the_lateness_and_go_to_the_log_
     pushes = [(10, start), (2, start + 1_500_000), (3, start + 1), (1, start + 5_000_000),
               (4, start + 2)]  # fmt: skip
     with running_job(tmp_path, job) as local:
-        wait_for(lambda: local.status()["phase"] == "running", 30, "the job to run")
+        wait_for(lambda: local.status()["phase"] == "running", 120, "the job to run")
 
         with IngestClient(
             wait_for(lambda: ingest_address(local), 30, "the ingest endpoint")
@@ -702,7 +702,7 @@ def test_windows_an_aborted_move_brings_back_fire_before_the_watermark_goes_past
     with running_job(tmp_path, job) as local:
         client = JsonClient(local.address, SERVICE)
         try:
-            wait_for(lambda: local.status()["phase"] == "running", 30, "the job to run")
+            wait_for(lambda: local.status()["phase"] == "running", 120, "the job to run")
             wait_for(lambda: min(q5_watermarks(local)) > 0, 60, "q5 to have a watermark")
             # A key pushed every 10 s: auctions no bid asks for keep the move running.
             slow = {"chunk_keys": 1, "trickle_keys_per_s": 0.1}
