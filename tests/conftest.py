@@ -92,8 +92,8 @@ def coordinators_of(host_pid: int) -> list[int]:
 
 
 # A loaded machine (the suite runs two tests at a time, beside other work) has taken over the
-# default 30 s to start a job's processes or a rescale's new one: the tests give them this long,
-# unless a test says otherwise.
+# default 30 s to start a job's coordinator, its processes or a rescale's new one: the tests
+# give them this long, unless a test says otherwise.
 TEST_REGISTER_TIMEOUT = 120.0
 
 
@@ -101,6 +101,7 @@ TEST_REGISTER_TIMEOUT = 120.0
 def running_job(tmp_path: Path, job: dict[str, Any], **kwargs: Any) -> Iterator[LocalJob]:
     """Start a job's processes with the local host; stop them all on exit."""
     kwargs.setdefault("register_timeout", TEST_REGISTER_TIMEOUT)
+    kwargs.setdefault("start_timeout", TEST_REGISTER_TIMEOUT)
     path = write_job(tmp_path, job)
     spec: JobSpec = parse_job(job)
     local = LocalJob(spec, path, log_dir=tmp_path / "logs", **kwargs)

@@ -61,7 +61,7 @@ def rescale_and_drain(
             wait_for(lambda f=flowed: sum_out(local) > f + 3000, 30, "records")  # type: ignore[misc]
             # The first checkpoint is taken as the job starts, with no state yet.
             done = max(completed(local), 1)
-            wait_for(lambda d=done: completed(local) > d, 30, "a checkpoint")  # type: ignore[misc]
+            wait_for(lambda d=done: completed(local) > d, 120, "a checkpoint")  # type: ignore[misc]
             before(local)
             results.append(rescale_via(local, client, parallelism, strategy, options=options))
         metrics = scrape(f"127.0.0.1:{local.coordinator_metrics_port}")

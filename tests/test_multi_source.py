@@ -138,7 +138,7 @@ def test_a_kill_of_a_keyed_instance_or_of_the_second_source_recovers_exactly_onc
 
     def crash(run: Run) -> None:
         done = run.completed()
-        wait_for(lambda: run.completed() > done + random.randint(0, 1), 30, "a checkpoint")
+        wait_for(lambda: run.completed() > done + random.randint(0, 1), 120, "a checkpoint")
         index = random.randint(0, 1) if victim == "track" else 0
         os.kill(run.pid_of(victim, index), signal.SIGKILL)
 

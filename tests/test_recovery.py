@@ -151,7 +151,7 @@ def test_a_killed_keyed_instance_recovers_from_the_last_checkpoint(
 
     def crash(run: Run) -> None:
         done = run.completed()
-        wait_for(lambda: run.completed() > done + random.randint(0, 2), 30, "a checkpoint")
+        wait_for(lambda: run.completed() > done + random.randint(0, 2), 120, "a checkpoint")
         before, coordinators = pids(run), coordinator_pids(run)
         killed = f"track/{random.randint(0, 1)}"
         os.kill(before[killed], signal.SIGKILL)
@@ -185,7 +185,7 @@ def test_a_killed_sink_instance_recovers_and_its_output_is_published_once(tmp_pa
 
     def crash(run: Run) -> None:
         done = run.completed()
-        wait_for(lambda: run.completed() > done, 30, "a checkpoint")
+        wait_for(lambda: run.completed() > done, 120, "a checkpoint")
         os.kill(run.pid_of("sink", random.randint(0, 1)), signal.SIGKILL)
 
     run_and_crash(tmp_path, crash)
