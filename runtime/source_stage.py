@@ -90,8 +90,10 @@ class Emitter:
         self.ctx.extra_stats["emitted"] = self.emitted
         self.watermarks.emitted()
 
-    def follow_commands(self) -> None:
-        self.watermarks.tick()
+    def follow_commands(self, waiting: bool) -> None:
+        """Follow the coordinator's commands between batches; `waiting`: records are there
+        to emit (the instance is not idle, however long its sends have been held up)."""
+        self.watermarks.tick(waiting)
         while (command := self.ctx.next_command()) is not None:
             if isinstance(command, Checkpoint):
                 self.barrier(command)
@@ -149,12 +151,16 @@ class Watermarks:
         self.highest = None
         self.send()
 
-    def tick(self) -> None:
-        """Between batches: note an idle spell, and tell new keyed instances the watermark."""
+    def tick(self, waiting: bool) -> None:
+        """Between batches: note an idle spell (nothing to emit for the timeout; `waiting`:
+        records are there), and tell new keyed instances the watermark."""
         if self.generator is None:
             return
-        if self.outputs.paused:
-            self.generator.paused(time.monotonic())
+        if self.outputs.paused or waiting:
+            # A blocked send (a replacement still restoring, a slow receiver) is no idle
+            # spell: declared idle, the instance would let its receivers' watermark pass the
+            # records it sends once it can.
+            self.generator.held_up(time.monotonic())
         else:
             self.generator.check_idle(time.monotonic())
         self.send()
@@ -218,7 +224,7 @@ def run_ingest(ctx: InstanceContext, config: IngestSource, emitter: Emitter) -> 
     try:
         while True:
             ctx.check()
-            emitter.follow_commands()
+            emitter.follow_commands(waiting=service.pending_rows() > 0)
             if ctx.drain.is_set():
                 service.close()
                 while (batch := service.take(0)) is not None:
@@ -362,7 +368,7 @@ def run_generator(
     last_emit = start
     while not pacer.done(seq):
         ctx.check()
-        emitter.follow_commands()
+        emitter.follow_commands(waiting=pacer.due(time.monotonic() - start, seq) != 0)
         if ctx.drain.is_set():
             break
         now = time.monotonic()

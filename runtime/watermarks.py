@@ -56,10 +56,11 @@ class WatermarkGenerator:
         """None until a record is seen."""
         return None if self.highest_us is None else self.highest_us - self.bound_us
 
-    def paused(self, now: float) -> None:
-        """The instance may not emit now (a rescale paused it): a quiet spell that is not the
-        input's, so not idleness. Else its receivers would go on with the other sources, past
-        the records it sends when it resumes."""
+    def held_up(self, now: float) -> None:
+        """Records wait that the instance cannot emit now (a rescale paused it, or its
+        receivers withhold credits): a quiet spell that is not the input's, so not idleness.
+        Else its receivers would go on with the other sources, past the records it sends when
+        it can."""
         if not self.idle:
             self.last_active = now
 

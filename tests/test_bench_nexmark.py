@@ -1,4 +1,4 @@
-"""bench/nexmark.py runs end to end in seconds (Q8 at full speed, then its latency through
+"""bench/nexmark.py runs end to end in seconds (Q3 at full speed, then its latency through
 one live hot-first rescale; the numbers are not judged here), and refuses bad arguments before
 it starts anything."""
 
@@ -25,18 +25,20 @@ def run_bench(*args: str, timeout: float = 180) -> subprocess.CompletedProcess[s
 @pytest.mark.live
 def test_the_nexmark_bench_runs_end_to_end(tmp_path: Path) -> None:
     done = run_bench(
-        "--queries", "q8", "--latency-queries", "q8", "--strategies", "hot-first",
-        "--warmup", "1", "--window", "2", "--steady", "1.5", "--rounds", "1",
+        # Q3's join emits as its matches come: a windowed query (Q8) may fire no window within
+        # a short steady window on a loaded machine, and give no latency to measure.
+        "--queries", "q3", "--latency-queries", "q3", "--strategies", "hot-first",
+        "--warmup", "1", "--window", "2", "--steady", "3", "--rounds", "1",
         "--out-dir", str(tmp_path),
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads((tmp_path / "nexmark.json").read_text())
-    assert set(result["throughput"]) == {"q8"}
+    assert set(result["throughput"]) == {"q3"}
     for query in result["throughput"].values():
         assert query["events_per_s"] > 0
         assert query["usage_last_round"]["events/0"]["busy"] > 0
     (run,) = result["latency"]
-    assert (run["query"], run["stage"], run["strategy"]) == ("q8", "q8", "hot-first")
+    assert (run["query"], run["stage"], run["strategy"]) == ("q3", "q3", "hot-first")
     assert run["rescale"]["phase"] == "done"
     assert run["steady"]["latency_samples"] > 0 and run["rescale"]["latency_samples"] > 0
     assert run["p99_ratio"] is not None

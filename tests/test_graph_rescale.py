@@ -289,7 +289,7 @@ def test_a_killed_instance_of_a_later_keyed_stage_recovers_every_stage(
     with context as proc:
         run = Run(proc, f"127.0.0.1:{port}")
         try:
-            wait_for(lambda: run.completed() >= 2, 60, "two checkpoints")
+            wait_for(lambda: run.completed() >= 2, 120, "two checkpoints")
             started = run.client.call(
                 "Rescale", {"stage": "regions", "parallelism": 3, "strategy": "hot-first"}
             )

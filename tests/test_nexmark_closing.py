@@ -163,7 +163,7 @@ def test_q6_through_kill_minus_9_answers_what_duckdb_answers(tmp_path: Path) -> 
     with context as proc:
         run = Run(proc, f"127.0.0.1:{port}")
         try:
-            wait_for(lambda: run.completed() >= 2, 60, "two checkpoints")
+            wait_for(lambda: run.completed() >= 2, 120, "two checkpoints")
             os.kill(run.pid_of("close", random.randint(0, 1)), signal.SIGKILL)
             code = proc.wait(timeout=180)
         finally:

@@ -102,7 +102,7 @@ def recover_through(tmp_path: Path, job: dict[str, Any], crash: Callable[[Run], 
         run = Run(proc, f"127.0.0.1:{port}")
         output = run.output
         try:
-            wait_for(lambda: run.completed() >= 2, 60, "two checkpoints")
+            wait_for(lambda: run.completed() >= 2, 120, "two checkpoints")
             crash(run)
             code = proc.wait(timeout=180)
         finally:
@@ -262,7 +262,7 @@ def test_the_restart_strategy_gives_up_after_its_attempts(tmp_path: Path) -> Non
     with context as proc:
         run = Run(proc, f"127.0.0.1:{port}")
         try:
-            wait_for(lambda: run.completed() >= 2, 60, "two checkpoints")
+            wait_for(lambda: run.completed() >= 2, 120, "two checkpoints")
             os.kill(run.pid_of("track", 0), signal.SIGKILL)
             recoveries = lambda: (run.status_now() or {}).get("recoveries") or {}  # noqa: E731
             wait_for(lambda: recoveries().get("total"), 60, "the recovery")

@@ -48,11 +48,13 @@ def test_rescale_a_running_job_by_name(tmp_path: Path) -> None:
         assert "1->3 (hot-first): done" in out.stdout
         status = json.loads(keyshift("status", "clicks-cli").stdout)
         assert status["stages"][1]["parallelism"] == 3
+        # Without concurrent subscales (one per pair of instances) a batched move takes one
+        # step per batch of all its groups, which shows that both options got through.
         out = keyshift("rescale", "clicks-cli", "counts", "2", "--strategy", "batched",
-                       "--option", "batch_groups=500")  # fmt: skip
+                       "--option", "batch_groups=500", "--option", "subscales=0")  # fmt: skip
         assert out.returncode == 0, out.stdout + out.stderr
         assert "3->2 (batched): done" in out.stdout
-        # The option reached the coordinator's driver: one step per 500 moving groups.
+        # The options reached the coordinator's driver: one step per 500 moving groups.
         found = re.search(r"in (\d+) step\(s\); (\d+)/(\d+) groups", out.stdout)
         assert found is not None, out.stdout
         steps, to_move = int(found[1]), int(found[3])

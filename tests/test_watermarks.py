@@ -51,11 +51,12 @@ def test_a_quiet_source_becomes_idle_once_per_spell_and_active_when_it_emits() -
     assert not never.check_idle(1e9)
 
 
-def test_a_source_held_back_by_its_receivers_does_not_become_idle() -> None:
-    """Slow receivers (backpressure) hold the watermark a source sends after a batch for 1.5 s
-    waiting for credits: not a quiet input, its quiet spell starts after that send. Were it
-    idle, its receivers would follow the other sources past the records it sends next (under
-    load both NEXMark sources of tests/test_windows.py went idle so and a window fired short)."""
+def test_a_source_whose_watermark_waited_for_credits_does_not_become_idle() -> None:
+    """Slow receivers hold the watermark a source sends after its last batch for 1.5 s waiting
+    for credits, and no records wait after it: its quiet spell starts after that send, not at
+    the batch. (Under load both NEXMark sources of tests/test_windows.py's two windowed stages
+    went idle so, the keyed instances' watermark passed their next records, a window fired
+    short.)"""
     generator = WatermarkGenerator(bound_us=0, idle_timeout=1.0, last_active=0.0)
     generator.observe(100, now=0.0)  # the batch is out; its watermark's send waits for credits
     assert not generator.check_idle(now=1.5) and not generator.idle  # the check after that send
@@ -63,16 +64,18 @@ def test_a_source_held_back_by_its_receivers_does_not_become_idle() -> None:
     assert generator.check_idle(now=2.5)  # quiet for a second since: idle
 
 
-def test_a_paused_source_does_not_become_idle() -> None:
-    """A rescale that pauses the sources (all-at-once) is not a quiet input: were it idle, the
-    receivers would follow the other sources past the records it sends on resuming."""
+def test_a_held_up_source_does_not_become_idle() -> None:
+    """A source that has records but may not send them (a rescale paused it, or its receivers
+    withhold credits: a replacement still restoring after a local recovery) is not a quiet
+    input: were it idle, the receivers would follow the other sources past the records it
+    sends once it can, and fire windows and timers early."""
     generator = WatermarkGenerator(bound_us=0, idle_timeout=1.0, last_active=0.0)
     generator.observe(100, now=0.0)
     assert not generator.check_idle(now=0.0)
-    generator.paused(now=0.9)
-    generator.paused(now=1.8)
+    generator.held_up(now=0.9)
+    generator.held_up(now=1.8)
     assert not generator.check_idle(now=2.5) and not generator.idle
-    assert generator.check_idle(now=2.9)  # quiet for a second after the pause: idle
+    assert generator.check_idle(now=2.9)  # quiet for a second after the hold-up: idle
 
 
 @pytest.mark.parametrize(

@@ -316,7 +316,7 @@ def test_windows_fire_once_through_kill_minus_9(
     with context as proc:
         run = Run(proc, f"127.0.0.1:{port}")
         try:
-            wait_for(lambda: run.completed() >= 2, 60, "two checkpoints")
+            wait_for(lambda: run.completed() >= 2, 120, "two checkpoints")
             if victim == "keyed":
                 os.kill(run.pid_of("q5", random.randint(0, 1)), signal.SIGKILL)
             else:
