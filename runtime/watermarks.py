@@ -3,7 +3,7 @@ complete. Pure code: no clock reads (`now` is passed in) and no I/O.
 
 - `WatermarkGenerator`, at each source instance: bounded out-of-orderness (the highest event
   time seen less the bound) and an idle timeout, after which the instance tells its receivers
-  not to wait for it until it emits again.
+  not to wait for it until it emits again (quiet time only: waiting for their credits is not).
 - `WatermarkTracker`, at each receiving instance: the minimum over its live, non-idle inputs,
   never moving backwards; an input that ended or left no longer holds it back. A keyed stage
   upstream that moves key groups holds it (`hold`) at the old owner's watermark until every
@@ -31,9 +31,11 @@ class WatermarkGenerator:
 
     bound_us: int
     idle_timeout: float | None
-    last_active: float  # when the instance started or last emitted a record
+    last_active: float  # when the instance started or was last busy emitting records
     highest_us: int | None = None
     idle: bool = False
+    # Records were emitted since the last `check_idle`: the instance was busy until that check.
+    emitting: bool = field(default=False, init=False)
 
     def __post_init__(self) -> None:
         if self.bound_us < 0:
@@ -47,6 +49,7 @@ class WatermarkGenerator:
             self.highest_us = highest_event_time_us
         self.last_active = now
         self.idle = False
+        self.emitting = True
 
     @property
     def watermark(self) -> int | None:
@@ -63,7 +66,14 @@ class WatermarkGenerator:
 
     def check_idle(self, now: float) -> bool:
         """Whether the instance has just become idle (nothing emitted for the timeout); true
-        once per quiet spell."""
+        once per quiet spell. A spell starts at the first check after records were emitted,
+        not when they were: the watermark sent after them may have waited that long for the
+        receivers' credits, and backpressure is not a quiet input (else the receivers would go
+        on with the other sources, past the records it sends next)."""
+        if self.emitting:
+            self.emitting = False
+            self.last_active = max(self.last_active, now)
+            return False
         if self.idle or self.idle_timeout is None or now - self.last_active < self.idle_timeout:
             return False
         self.idle = True
