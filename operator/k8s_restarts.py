@@ -6,9 +6,11 @@ A lost instance makes the coordinator exit to be restarted, and Kubernetes resta
 pods) by itself. What Kubernetes does not restart is a coordinator that failed and stays up
 saying so: an instance that failed, instances that did not register in time after a restart.
 For those the operator rolls the coordinator's Deployment (a new pod, which goes on from the
-latest checkpoint) as `kubectl rollout restart` does. `Restarts` is the memory of it, kept in
-the StreamingJob's status so a restarted operator goes on with it; used by
-`keyshift.operator.k8s_operator`.
+latest checkpoint) as `kubectl rollout restart` does. Each local recovery the coordinator
+reports counts as a failure of the same series (the coordinator applies the strategy to them
+itself, and says when it gave up: then the operator does not restart the job either).
+`Restarts` is the memory of it, kept in the StreamingJob's status so a restarted operator goes
+on with it; used by `keyshift.operator.k8s_operator`.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from keyshift.runtime.restart_strategy import RestartStrategy
+from keyshift.runtime.restart_strategy import RestartStrategy, counting_local
 
 
 @dataclass
@@ -34,6 +36,8 @@ class Restarts:
     def observe(self, strategy: RestartStrategy, current: Mapping[str, Any], now: float) -> bool:
         """Take in the coordinator's status at `now`; True when its failed coordinator is to be
         restarted now."""
+        last = (current.get("recoveries") or {}).get("last")
+        self.failures = strategy.kept(counting_local(self.failures, last))
         incarnation = current.get("incarnation")
         if current.get("phase") != "failed":
             if incarnation != self.handled:
@@ -42,9 +46,11 @@ class Restarts:
             return False
         if incarnation != self.handled:
             self.handled = str(incarnation)
+            if current.get("gave_up"):  # the coordinator's strategy, on a local recovery
+                self.due, self.gave_up = None, str(current["gave_up"])
+                return False
             decision = strategy.decide(self.failures, now)
-            # The strategy looks back at most this many failures.
-            self.failures = [*self.failures, now][-(strategy.max_attempts + 1) :]
+            self.failures = strategy.kept([*self.failures, now])
             self.due = None if decision.delay is None else now + decision.delay
             self.gave_up = decision.why if decision.delay is None else None
         if self.due is not None and now >= self.due:

@@ -29,6 +29,7 @@ from keyshift.runtime.checkpoint_store import CheckpointError, CheckpointMeta, C
 from keyshift.runtime.coordinator import RESTART_EXIT_CODE
 from keyshift.runtime.job import JobSpec
 from keyshift.runtime.job_secret import SECRET_ENV, load_job_secret, new_job_secret
+from keyshift.runtime.restart_strategy import counting_local
 from keyshift.runtime.storage import retrying
 from keyshift.runtime.transport import JsonClient, TransportError
 
@@ -44,6 +45,10 @@ EXIT_GRACE = 2.0
 
 class RunError(RuntimeError):
     """The job could not start or did not finish cleanly; the message says which part and why."""
+
+
+class GaveUp(RunError):
+    """The coordinator's restart strategy gave up on a lost instance: not restarted again."""
 
 
 @dataclass
@@ -90,7 +95,11 @@ class LocalJob:
         # {"reason", "checkpoint", "seconds", "mode"}: global (restarted here) or local (the
         # coordinator's, replacing a lost instance alone)
         self.recoveries: list[dict[str, Any]] = []
-        self.failures: list[float] = []  # when each failure the restart strategy saw happened
+        # When (wall clock, as the coordinator's record) each failure the restart strategy
+        # counts happened: the restarts made here and the coordinator's local recoveries.
+        self.failures: list[float] = []
+        self.restarts = 0  # restarts made here (each restarted coordinator's log is numbered)
+        self.started = time.time()  # the coordinator counts the failures recorded since
 
     def __enter__(self) -> LocalJob:
         return self
@@ -119,10 +128,11 @@ class LocalJob:
                 "--port", str(self.coordinator_port),
                 "--ready-file", str(ready),
                 "--register-timeout", str(self.register_timeout),
+                "--failures-since", repr(self.started),
                 *(["--restore"] if restore else []),
             ],
             self.log_dir / ("coordinator.log" if not restore else
-                            f"coordinator-recovery-{len(self.failures)}.log"),
+                            f"coordinator-recovery-{self.restarts}.log"),
             self.env,
         )  # fmt: skip
         deadline = time.monotonic() + self.start_timeout
@@ -189,15 +199,17 @@ class LocalJob:
         """Restart the job from its latest checkpoint after `failure`, as its restart strategy
         says: after a growing delay, and a restart that fails in turn (the restarted
         coordinator lost while it starts) is a failure like any other. RunError when the job
-        cannot go on: no checkpoints, no valid one, the strategy gives up, or Ctrl-C."""
-        if self.spec.checkpoints is None:
+        cannot go on: no checkpoints, no valid one, the strategy gives up (here or in the
+        coordinator), or Ctrl-C."""
+        if self.spec.checkpoints is None or isinstance(failure, GaveUp):
             raise failure
         reason = str(failure)
         first = time.monotonic()
         while True:
-            now = time.monotonic()
+            now = time.time()
             decision = self.spec.restart.decide(self.failures, now)
-            self.failures.append(now)
+            self.failures = self.spec.restart.kept([*self.failures, now])
+            self.restarts += 1
             # Nothing may write checkpoints (or delete old ones) while we pick one.
             self.halt()
             if decision.delay is None:
@@ -229,10 +241,16 @@ class LocalJob:
                 log.warning("starting %s again (a local recovery)", name)
                 self.start_instance(stage, int(index))
         last = status["recoveries"].get("last") or {}
-        if last.get("mode") == "local" and not any(
-            r.get("failed_at") == last["failed_at"] for r in self.recoveries
+        if (
+            last.get("mode") == "local"
+            and last["failed_at"] >= self.started  # not an earlier run's, on the same storage
+            and not any(r.get("failed_at") == last["failed_at"] for r in self.recoveries)
         ):
             self.recoveries.append(dict(last))
+            # Said once counted: a failure from now on is one more of the series.
+            self.failures = self.spec.restart.kept(counting_local(self.failures, last))
+            log.warning("recovered locally from checkpoint %s (counted by the restart "
+                        "strategy)", last.get("checkpoint"))  # fmt: skip
 
     def ensure_instances(self, status: dict[str, Any]) -> None:
         """Start the instances the coordinator wants and nobody runs (a scale-out): standbys
@@ -381,7 +399,10 @@ def _observe(job: LocalJob, let_go: frozenset[str]) -> dict[str, Any]:
         job.check_children(expect_exit=False)
         raise RunError(f"coordinator stopped answering: {exc}") from None
     if status["phase"] == "failed":
-        raise RunError("job failed: " + "; ".join(status["errors"]))
+        failed = "job failed: " + "; ".join(status["errors"])
+        if status.get("gave_up"):
+            raise GaveUp(f"{failed}\n  not restarted again: {status['gave_up']}")
+        raise RunError(failed)
     return status
 
 

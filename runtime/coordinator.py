@@ -92,6 +92,7 @@ from keyshift.runtime.protocol import (
 )
 from keyshift.runtime.rescale import RescaleDriver, RescaleError, RescaleStatus, options_for
 from keyshift.runtime.rescale_queue import QueueFull, RescaleQueue
+from keyshift.runtime.restart_strategy import recorded_failures
 from keyshift.runtime.sink_rescale import SinkRescaleDriver
 from keyshift.runtime.sink_router import partition_owners
 from keyshift.runtime.standbys import StandbyPool
@@ -135,10 +136,13 @@ class Coordinator:
         restore: CheckpointMeta | None = None,
         store: CheckpointStore | None = None,
         secret: bytes | None = None,
+        failures_since: float | None = None,
     ) -> None:
         """`store` (a checkpointed job's) keeps the record of recoveries; `restore` is the
         checkpoint this coordinator goes on from, after a crash; `secret` (the job's) is what
-        the instances' identities are derived from."""
+        the instances' identities are derived from; `failures_since` (wall clock) when the run
+        began, whose recorded failures the restart strategy counts (by default: from this
+        start on a fresh one, the whole record on a restore)."""
         self.spec = spec
         self.identities = Issuer(spec.name, secret)
         self.store = store
@@ -146,8 +150,12 @@ class Coordinator:
         self.recoveries: list[dict[str, Any]] = []
         self._recovery_pending = restore is not None and store is not None
         self.restart = False  # set when the job must start again from its checkpoint
+        self.gave_up: str | None = None  # why the restart strategy fails the job for good
         self.register_timeout = register_timeout
         self.started = time.time()
+        if failures_since is None:
+            failures_since = 0.0 if restore is not None else self.started
+        self.failures_since = failures_since
         self.incarnation = uuid.uuid4().hex[:12]  # this process; with an id, names a rescale
         self._phase = "starting"
         self.errors: list[str] = []
@@ -585,8 +593,20 @@ class Coordinator:
 
     def _start_local_recovery(self, lost: InstanceRecord, message: str) -> None:
         """Replace `lost` alone and rewind every other instance in place, on a thread of its
-        own (called with the lock held)."""
-        log.error("%s; replacing it and rewinding the others to the latest checkpoint", message)
+        own, after the restart strategy's delay; or fail the job for good when the strategy
+        gives up (called with the lock held)."""
+        decision = self.spec.restart.decide(
+            recorded_failures(self.recoveries, self.failures_since), time.time()
+        )
+        if decision.delay is None:
+            log.error("%s; not restarted again: %s", message, decision.why)
+            self.gave_up = decision.why  # the hosts say it with the error
+            self._fail(message)
+            return
+        log.error(
+            "%s; replacing it in %.1f s (%s) and rewinding the others to the latest checkpoint",
+            message, decision.delay, decision.why,
+        )  # fmt: skip
         self._note_failure(message)
         del self.members[lost.stage][lost.index]
         self.lost.append(lost.name)
@@ -598,6 +618,7 @@ class Coordinator:
             reason=message,
             replacing={lost.name: lost.pid},
             survivors={r.name for r in self._records()},
+            delay=decision.delay,
         )
         self._local = recovery
         self.phase = "recovering"
@@ -643,7 +664,7 @@ class Coordinator:
             for record in self._records():
                 record.commands.put(rewind)
             self._changed.notify_all()
-            while not recovery.complete({r.name for r in self._records()}):
+            while not recovery.complete({r.name for r in self._records()}, time.monotonic()):
                 if self._local is not recovery:
                     return
                 if time.monotonic() > recovery.deadline:
@@ -1083,7 +1104,7 @@ class Coordinator:
                 rescale=rescale,
                 queued=[r.report() for r in self.rescale_queue.waiting()],
                 lost=list(self.lost),
-                replacing=dict(self._local.replacing) if self._local is not None else {},
+                replacing=self._replacing(),
                 rescales=[r.report() for r in self.rescale_history[-20:]],
                 checkpoints=self.checkpoints.to_json() if self.spec.checkpoints else None,
                 restored_from=self.restored_from,
@@ -1091,7 +1112,16 @@ class Coordinator:
                     "total": len(self.recoveries),
                     "last": self.recoveries[-1] if self.recoveries else None,
                 },
+                gave_up=self.gave_up,
             )
+
+    def _replacing(self) -> dict[str, int]:
+        """The instances the hosts are to start again: once the local recovery's delay has
+        passed (lock held)."""
+        local = self._local
+        if local is None or time.monotonic() < local.due:
+            return {}
+        return dict(local.replacing)
 
     def shutdown(self, request: Empty) -> Empty:
         with self._lock:
@@ -1242,6 +1272,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ready-file", type=Path, help="where to write the bound ports as JSON")
     parser.add_argument("--register-timeout", type=float, default=30.0)
     parser.add_argument(
+        "--failures-since",
+        type=float,
+        help="when the run began (seconds since the epoch): the restart strategy counts the "
+        "recorded failures from then",
+    )
+    parser.add_argument(
         "--restore",
         action="store_true",
         help="go on from the job's latest valid checkpoint (after a crash), if there is one",
@@ -1280,7 +1316,9 @@ def main(argv: list[str] | None = None) -> int:
             next_checkpoint = None
         if args.restore:
             log.info("restoring from checkpoint %s", restore.id if restore else "(none)")
-    coordinator = Coordinator(spec, args.register_timeout, restore, store, security.secret)
+    coordinator = Coordinator(
+        spec, args.register_timeout, restore, store, security.secret, args.failures_since
+    )
     try:
         server, port = start_server(
             f"{args.host}:{args.port}",

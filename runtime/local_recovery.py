@@ -30,20 +30,37 @@ LOCAL_RECOVERY_TIMEOUT = 30.0
 
 @dataclass
 class LocalRecovery:
-    """A local recovery under way (times: `failed_at` wall clock, `deadline` monotonic)."""
+    """A local recovery under way (times: `failed_at` wall clock, `started` monotonic).
+
+    `delay` is the restart strategy's (keyshift.runtime.restart_strategy): the survivors rewind
+    at once (a survivor whose stream broke waits only so long to be told), but the
+    replacements are asked for, and the job runs again, only once it has passed."""
 
     generation: int
     reason: str
     replacing: dict[str, int]  # the lost instances whose replacements are to register: pids
     survivors: set[str]  # the instances to rewind, by name
+    delay: float = 0.0
     failed_at: float = field(default_factory=time.time)
-    deadline: float = field(default_factory=lambda: time.monotonic() + LOCAL_RECOVERY_TIMEOUT)
+    started: float = field(default_factory=time.monotonic)
     checkpoint: int | None = None  # picked once no checkpoint is in flight
     rewound: set[str] = field(default_factory=set)
 
-    def complete(self, registered: set[str]) -> bool:
-        """Every survivor rewound and every replacement registered."""
-        return self.survivors <= self.rewound and set(self.replacing) <= registered
+    @property
+    def due(self) -> float:
+        """When (monotonic) the replacements are started and the job may run again."""
+        return self.started + self.delay
+
+    @property
+    def deadline(self) -> float:
+        """When (monotonic) the recovery gives way to the global restart."""
+        return self.due + LOCAL_RECOVERY_TIMEOUT
+
+    def complete(self, registered: set[str], now: float) -> bool:
+        """Every survivor rewound and every replacement registered, the delay passed."""
+        return (
+            now >= self.due and self.survivors <= self.rewound and set(self.replacing) <= registered
+        )
 
 
 def refusal(

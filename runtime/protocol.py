@@ -597,6 +597,9 @@ class StatusReply(Message):
     # A local recovery under way: the lost instances the hosts start again (by name, the pid
     # of the lost process: one that still runs, hung, is stopped first).
     replacing: dict[str, int] = {}
+    # Why a failed job is not to be recovered again: the restart strategy gave up on a loss
+    # the coordinator would have recovered locally (the hosts restart it no more).
+    gave_up: str | None = None
 
 
 class DrainReply(Message):

@@ -6,13 +6,18 @@ failures in one series fail the job for good.
 
 Pure: the hosts pass in the times of the failures so far and `now`. The job spec embeds the
 settings (`JobSpec.restart`); the local host (`keyshift.operator.local_host`) and the Kubernetes
-operator (`keyshift.operator.k8s_operator`) apply them.
+operator (`keyshift.operator.k8s_operator`) apply them to the global restarts, and the
+coordinator (`keyshift.runtime.coordinator`) to its local recoveries: every recovery is one
+failure of the same series, as every failover is in Flink. The coordinator counts the failures
+its record of recoveries holds (`recorded_failures`); the hosts count each local recovery the
+coordinator reports besides their own restarts (`counting_local`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -95,3 +100,26 @@ class RestartStrategy(BaseModel):
         return RestartDecision(
             delay, attempt, f"restart {attempt} of at most {self.max_attempts} in a row"
         )
+
+    def kept(self, failures: Sequence[float]) -> list[float]:
+        """The newest of `failures` that a decision can look at (one more than the attempts)."""
+        return list(failures[-(self.max_attempts + 1) :])
+
+
+def recorded_failures(recoveries: Sequence[Mapping[str, Any]], since: float) -> list[float]:
+    """The failures a record of recoveries (keyshift.runtime.checkpoint_store) holds from
+    `since` on, local and global, ascending: when each recovered failure happened."""
+    times = (r.get("failed_at") for r in recoveries)
+    return sorted(float(t) for t in times if t is not None and float(t) >= since)
+
+
+def counting_local(failures: Sequence[float], last: Mapping[str, Any] | None) -> list[float]:
+    """`failures` (a host's, ascending) with `last`, the latest recovery a coordinator reports,
+    counted when it is a local one not counted yet: the host's own restarts are counted when
+    it makes them, the local recoveries only the coordinator makes."""
+    if not last or last.get("mode") != "local" or last.get("failed_at") is None:
+        return list(failures)
+    failed = float(last["failed_at"])
+    if failed in failures:
+        return list(failures)
+    return sorted([*failures, failed])

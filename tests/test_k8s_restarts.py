@@ -1,7 +1,7 @@
 """The operator's restart strategy for a checkpointed job whose coordinator failed
-(keyshift.operator.k8s_restarts), the CR phase it leads to, and the recoveries in the CR's
-status; pure. The live run, with the operator and real processes, is in
-tests/test_control_plane_restarts.py."""
+(keyshift.operator.k8s_restarts), the local recoveries it counts, the CR phase it leads to,
+and the recoveries in the CR's status; pure. The live run, with the operator and real
+processes, is in tests/test_control_plane_restarts.py."""
 
 from __future__ import annotations
 
@@ -40,6 +40,30 @@ def test_a_failed_job_is_recovering_while_restarted_and_failed_once_given_up() -
     assert waits.due == 105.0 and observed_phase(failed, waits)[0] == "Recovering"
     assert not waits.observe(RestartStrategy(initial_delay=5), failed, 104.9)
     assert waits.observe(RestartStrategy(initial_delay=5), failed, 105.0)
+
+
+def test_local_recoveries_count_and_the_coordinators_giving_up_is_final() -> None:
+    strategy = RestartStrategy(max_attempts=2, initial_delay=5)
+    local = {"failed_at": 90.0, "mode": "local", "checkpoint": 3}
+    running = {"phase": "running", "incarnation": "a", "recoveries": {"total": 1, "last": local}}
+    restarts = Restarts()
+    assert not restarts.observe(strategy, running, 91.0)
+    assert not restarts.observe(strategy, running, 92.0)  # counted once
+    assert restarts.failures == [90.0]
+    failed = {**running, "phase": "failed", "errors": ["instance k/0 failed: boom"]}
+    assert not restarts.observe(strategy, failed, 100.0)  # the second in a row: it waits
+    assert restarts.due == 105.0 and restarts.failures == [90.0, 100.0]
+
+    # The coordinator's strategy gave up on a loss it would have recovered locally.
+    gave_up = {"phase": "failed", "incarnation": "b", "errors": ["instance k/1 was lost: died"],
+               "gave_up": "3 failures in a row, ...", "recoveries": {"last": local}}  # fmt: skip
+    restarts = Restarts(failures=[90.0])
+    assert not restarts.observe(strategy, gave_up, 200.0)
+    assert restarts.due is None and restarts.failures == [90.0]
+    assert observed_phase(gave_up, restarts) == (
+        "Failed", "RestartsExhausted",
+        "instance k/1 was lost: died; not restarted again: 3 failures in a row, ...",
+    )  # fmt: skip
 
 
 @pytest.mark.parametrize(

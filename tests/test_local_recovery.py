@@ -1,8 +1,9 @@
 """Local recovery's settings and choices (keyshift.runtime.local_recovery): the job file's
-`recovery` switch, and which losses are recovered locally rather than by the global restart;
-pure. The fence is tested in tests/test_transport.py, the recoveries themselves with real
-processes in tests/test_recovery.py (local host) and tests/test_control_plane_restarts.py
-(Kubernetes, against the API emulator)."""
+`recovery` switch, which losses are recovered locally rather than by the global restart, and
+the restart strategy's delay on a recovery under way; pure. The fence is tested in
+tests/test_transport.py, the recoveries themselves with real processes in
+tests/test_recovery.py (local host) and tests/test_control_plane_restarts.py (Kubernetes,
+against the API emulator)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from typing import Any
 import pytest
 
 from keyshift.runtime.job import JobError, local_recovery, parse_job
-from keyshift.runtime.local_recovery import refusal
+from keyshift.runtime.local_recovery import LOCAL_RECOVERY_TIMEOUT, LocalRecovery, refusal
 from keyshift.runtime.protocol import ProtocolError, Rewind, parse_command
 
 CHECKPOINTS = {"checkpoints": {"interval": 1, "storage": "/tmp/nowhere"}}
@@ -59,3 +60,12 @@ def test_a_rewind_opens_a_later_generation() -> None:
     assert parse_command(rewind.wire()) == rewind
     with pytest.raises(ProtocolError, match="generation"):
         parse_command({"type": "rewind", "generation": 0, "checkpoint": 7})
+
+
+def test_the_restart_strategys_delay_holds_the_replacement_and_the_deadline() -> None:
+    recovery = LocalRecovery(1, "lost", {"k/0": 42}, {"k/1"}, delay=2.0, started=100.0)
+    recovery.rewound.add("k/1")
+    assert (recovery.due, recovery.deadline) == (102.0, 102.0 + LOCAL_RECOVERY_TIMEOUT)
+    assert not recovery.complete({"k/0", "k/1"}, 101.9)  # rewound and registered: not yet due
+    assert recovery.complete({"k/0", "k/1"}, 102.0)
+    assert not recovery.complete({"k/1"}, 103.0)  # the replacement has not registered

@@ -1,14 +1,17 @@
 """The restart strategy (keyshift.runtime.restart_strategy): the delays of a series of failures,
-its bound, the reset after a quiet spell, and the job file's settings, bad values refused with
-the field named. The hosts' use of it runs in tests/test_recovery.py (local host) and
+its bound, the reset after a quiet spell, the job file's settings, bad values refused with
+the field named, and which failures the coordinator and the hosts count (local recoveries
+included). The hosts' use of it runs in tests/test_recovery.py (local host) and
 tests/test_control_plane_restarts.py (the operator)."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from keyshift.runtime.job import JobError, parse_job
-from keyshift.runtime.restart_strategy import RestartStrategy
+from keyshift.runtime.restart_strategy import RestartStrategy, counting_local, recorded_failures
 
 
 def delays(strategy: RestartStrategy, times: list[float]) -> list[float | None]:
@@ -62,3 +65,25 @@ def test_bad_settings_are_refused_naming_the_field(restart: object, named: str) 
     with pytest.raises(JobError) as info:
         parse_job({"name": "t", "restart": restart})
     assert named in str(info.value)
+
+
+def test_the_coordinator_counts_every_recorded_recovery_since_the_run_began() -> None:
+    record: list[dict[str, Any]] = [
+        {"failed_at": 5.0, "mode": "global"},  # an earlier run's
+        {"failed_at": 30.0, "mode": "local"},
+        {"failed_at": 20.0, "mode": "global"},
+        {"checkpoint": 3},  # recorded before failures were timed
+    ]
+    assert recorded_failures(record, since=10.0) == [20.0, 30.0]
+    strategy = RestartStrategy(initial_delay=1, max_attempts=2)
+    assert strategy.decide(recorded_failures(record, 10.0), 31.0).delay is None  # the third
+
+
+def test_the_hosts_count_each_local_recovery_once_besides_their_restarts() -> None:
+    local = {"failed_at": 15.0, "mode": "local"}
+    assert counting_local([10.0, 20.0], local) == [10.0, 15.0, 20.0]
+    assert counting_local([10.0, 15.0], local) == [10.0, 15.0]  # seen on an earlier status
+    # A global recovery is the host's own restart (or Kubernetes'), counted when it is made.
+    assert counting_local([10.0], {"failed_at": 15.0, "mode": "global"}) == [10.0]
+    assert counting_local([10.0], None) == [10.0]
+    assert RestartStrategy(max_attempts=2).kept([1.0, 2.0, 3.0, 4.0]) == [2.0, 3.0, 4.0]
