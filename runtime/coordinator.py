@@ -183,6 +183,9 @@ class Coordinator:
                     self.partitions[sink] = Assignment.from_json(owners)
                     self.desired[sink] = self.partitions[sink].parallelism
         self.members: dict[str, dict[int, InstanceRecord]] = {s.name: {} for s in spec.stages()}
+        # Instances a rescale retired, until one of the same name registers: the topology
+        # names them, so that receivers wait for the LEAVE that ends what they sent.
+        self.retired: set[str] = set()
         # Local recovery (keyshift.runtime.local_recovery): the generation of the data streams,
         # one more per rewind; the recovery under way; which layout (owners of the keyed
         # stages' groups and of the sinks' partitions) the latest completed checkpoint holds,
@@ -293,7 +296,12 @@ class Coordinator:
         }
         assignments = {name: a.to_json() for name, a in self.assignments.items()}
         partitions = {sink: owners.to_json() for sink, owners in self.partitions.items()}
-        return Topology(stages=stages, assignments=assignments, partitions=partitions)
+        return Topology(
+            stages=stages,
+            assignments=assignments,
+            partitions=partitions,
+            retired=sorted(self.retired),
+        )
 
     def _broadcast_topology(self) -> None:
         topology = self._topology()
@@ -411,6 +419,7 @@ class Coordinator:
                 identity=self.identities.issue(f"{stage}/{index}"),
             )
             self.members[stage][index] = record
+            self.retired.discard(record.name)
             self.standbys.registered(stage, index)
             log.info("registered %s at %s", record.name, record.data_address)
             if self.phase == "starting" and self._all_registered():
@@ -528,6 +537,7 @@ class Coordinator:
                 return
             if record.retiring and record.finished:
                 del self.members[record.stage][record.index]
+                self.retired.add(record.name)
                 self._broadcast_topology()
             elif (
                 self.rescale_status is not None

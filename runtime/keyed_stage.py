@@ -534,7 +534,9 @@ class KeyedStage:
             # A retired sender's barrier never comes: an alignment waiting for it ends here.
             self.checkpoint_if_aligned()
             present = {f"{s}/{i}" for s in self.upstream for i in command.stages.get(s, {})}
-            self.watermark_moved(self.watermark.forget_lost(self.upstream, present))
+            self.watermark_moved(
+                self.watermark.forget_lost(self.upstream, present, command.retired)
+            )
             return
         if isinstance(command, Reroute) and any(sink.handle(command) for sink in self.sinks):
             return  # a rescale of a sink

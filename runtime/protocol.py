@@ -61,12 +61,15 @@ class Message(BaseModel):
 class Topology(Message):
     """Every stage's instances (index -> data address), every keyed stage's assignment, and
     per sink which of its instances owns each output partition (`partitions`: by sink, an
-    assignment of its partitions)."""
+    assignment of its partitions). `retired`: instances ("stage/index") that a rescale
+    retired, not lost: what they sent still arrives, up to their LEAVE, and the topology
+    that no longer lists them may overtake it."""
 
     type: Literal["topology"] = "topology"
     stages: dict[str, dict[str, str]]
     assignments: dict[str, dict[str, Any]]
     partitions: dict[str, dict[str, Any]] = {}
+    retired: list[str] = []
 
     def addresses(self, stage: str) -> dict[int, str]:
         return {int(i): a for i, a in self.stages[stage].items()}

@@ -130,17 +130,22 @@ class WatermarkTracker:
         self._idle.discard(sender)
         return self._recompute()
 
-    def forget_lost(self, stages: Collection[str], present: Collection[str]) -> bool:
-        """Of `stages`' instances, those not `present` any more died (one that retires says
-        so with a LEAVE first): they hold nothing back, neither as inputs nor as the old owners
-        of a move (their groups' state went with them), and a move waiting for a lost new
-        owner's release waits no more (it will never come)."""
+    def forget_lost(
+        self, stages: Collection[str], present: Collection[str], retired: Collection[str] = ()
+    ) -> bool:
+        """Of `stages`' instances, those not `present` any more died, unless `retired`: they
+        hold nothing back, neither as inputs nor as the old owners of a move (their groups'
+        state went with them), and a move waiting for a lost new owner's release waits no more
+        (it will never come). A retired instance is no loss: its watermark and hold stand
+        until its LEAVE, which comes after everything it sent (windows it fired, the results
+        its move's new owners wait for) and may come after the topology that no longer lists
+        it; forgetting it then let the watermark pass results still on their way."""
         known = set(self.inputs)
         for (_, _, holder), (_, waiting) in self._holds.items():
             known |= {holder, *waiting}
         absent = {n for n in known if n.rsplit("/", 1)[0] in stages and n not in present}
         # A retired old owner's hold stays until its new owners release it.
-        lost = absent - self._left
+        lost = absent - self._left - set(retired)
         if not lost:
             return False
         for held, (_, waiting) in list(self._holds.items()):

@@ -185,6 +185,26 @@ def test_a_lost_new_owner_releases_its_move_and_a_retired_old_owner_still_holds(
     assert tracker.forget_lost({"a"}, set()) and tracker.current == 400  # b/0's
 
 
+def test_a_retired_old_owner_named_by_the_topology_holds_until_its_leave() -> None:
+    """a/2 gave its groups to a/0 and retired; the topology that no longer lists it (naming it
+    retired) overtook its LEAVE and a/0's release, both still queued on their streams. It is
+    no loss: its watermark and its hold stand, or a/0's own watermark (ahead) would carry the
+    receiver past the moved windows' results, which a/0 sends before its release."""
+    tracker = WatermarkTracker({"a/0", "a/2"})
+    tracker.advance("a/0", 500)
+    tracker.advance("a/2", 100)
+    tracker.hold("a", 7, "a/2", 100, {"a/0"})
+    assert not tracker.forget_lost({"a"}, {"a/0"}, retired={"a/2"}) and tracker.current == 100
+    assert not tracker.leave("a/2") and tracker.current == 100  # still held for a/0
+    assert tracker.release("a", 7, "a/0") and tracker.current == 500
+    # Unnamed, the same absence is a loss: nothing of a/2's arrives any more.
+    lost = WatermarkTracker({"a/0", "a/2"})
+    lost.advance("a/0", 500)
+    lost.advance("a/2", 100)
+    lost.hold("a", 7, "a/2", 100, {"a/0"})
+    assert lost.forget_lost({"a"}, {"a/0"}) and lost.current == 500
+
+
 def test_a_watermark_message_is_checked_when_parsed() -> None:
     assert parse(Watermark, {"watermark": 5, "idle": True}) == Watermark(watermark=5, idle=True)
     assert parse(Watermark, {"watermark": None}).idle is False
