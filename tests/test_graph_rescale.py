@@ -274,16 +274,14 @@ TOTAL = 60_000
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("odds", [False, True], ids=["line", "fan-out-and-in"])
-def test_a_killed_instance_of_a_later_keyed_stage_recovers_every_stage(
-    tmp_path: Path, odds: bool
-) -> None:
-    """With checkpoints every 0.5 s, `keyshift run` of the three-stage line (or the graph with
-    fan-out and unions, where regions reads two stages); `regions` is rescaled to 3, then one
+def test_a_killed_instance_of_a_later_keyed_stage_recovers_every_stage(tmp_path: Path) -> None:
+    """With checkpoints every 0.5 s, `keyshift run` of the graph with fan-out and unions (the
+    three-stage line, and regions reading two stages); `regions` is rescaled to 3, then one
     of its instances is killed: the job goes back to its latest checkpoint (every keyed
-    stage's groups and owners, `regions` at 3), and the output is still exactly the truth."""
+    stage's groups and owners, `regions` at 3), and the output is still exactly the truth.
+    (The line alone took as long again and covers nothing this graph does not.)"""
     out = tmp_path / "out"
-    job = fan_out_and_in(out) if odds else keyed_line(out)
+    job = fan_out_and_in(out)
     job["graph"][0]["config"] = {**SOURCE, "profile": {"rate": CRASH_RATE}, "total": TOTAL}
     context, port = start_run(tmp_path, job)
     with context as proc:
@@ -312,13 +310,13 @@ def test_a_killed_instance_of_a_later_keyed_stage_recovers_every_stage(
             assert status["restored_from"] > done
             widths = {s["name"]: s["desired"] for s in status["stages"]}
             expected = {"clicks": 2, "users": 2, "regions": 3, "zones": 1, "out": 2}
-            assert widths == expected | ({"odds": 1} if odds else {})
+            assert widths == expected | {"odds": 1}
             code = proc.wait(timeout=180)
         finally:
             run.client.close()
         assert code == 0, run.output.text()
     assert "recovered from checkpoint" in run.output.text()
-    check_paths(out, [instance_total(TOTAL, s, 2) or 0 for s in range(2)], odds)
+    check_paths(out, [instance_total(TOTAL, s, 2) or 0 for s in range(2)], odds=True)
 
 
 def test_a_new_owner_of_a_later_stage_dying_mid_move_is_recovered_from(tmp_path: Path) -> None:

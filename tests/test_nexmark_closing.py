@@ -18,7 +18,6 @@ from examples.nexmark import closing
 from examples.nexmark.closing_pipeline import closing_query
 from keyshift.runtime.job import load_job
 from keyshift.runtime.output_log import OutputLogReader
-from keyshift.runtime.protocol import STRATEGIES
 from keyshift.runtime.timers import TimerService
 from tests.conftest import wait_for
 from tests.test_nexmark_queries import (
@@ -27,6 +26,7 @@ from tests.test_nexmark_queries import (
     latest_values,
     rescaling_mid_stream,
     run_query_job,
+    strategy_runs,
     truth,
 )
 from tests.test_recovery import Run, start_run
@@ -136,18 +136,18 @@ def test_the_query_answers_what_duckdb_answers(tmp_path: Path, query: str) -> No
 
 @pytest.mark.live
 @pytest.mark.slow
-@pytest.mark.parametrize("strategy", STRATEGIES)
-@pytest.mark.parametrize("query", QUERIES)
+@pytest.mark.parametrize(("query", "strategies"), strategy_runs(QUERIES))
 def test_the_query_under_live_rescales_of_both_keyed_stages_answers_what_duckdb_answers(
-    tmp_path: Path, query: str, strategy: str
+    tmp_path: Path, query: str, strategies: tuple[str, ...]
 ) -> None:
-    """Auctions with their bids and closing timers move while bids flow (each closes once),
-    then the second stage moves: Q4's running means per category, Q6's sellers with the
+    """Auctions with their bids and closing timers move while bids flow (each closes once, by
+    one strategy of the pair), then the second stage moves (by the other): Q4's running means
+    per category, Q6's sellers with the
     closings they wait to take in closing order (none may come after the watermark passed it,
     or it would be taken out of order)."""
     out = tmp_path / "out"
     job = example(query, out, total=None, profile={"rate": 10000})
-    during = rescaling_mid_stream([("close", 3), (query, 3)], strategy, flow=2000)
+    during = rescaling_mid_stream([("close", 3), (query, 3)], strategies, flow=2000)
     emitted = run_query_job(tmp_path, job, during, drain=True)
     assert rows_of(query, out) == approx_rows(truth(tmp_path, query, emitted))
 

@@ -25,7 +25,6 @@ from keyshift.runtime.job import JobError, ProcessOperator, parse_job
 from keyshift.runtime.keyspace import key_groups
 from keyshift.runtime.output_log import OutputLogReader
 from keyshift.runtime.pipeline import Dataflow, Pipeline, source
-from keyshift.runtime.protocol import STRATEGIES
 from keyshift.runtime.rocksdb_state import RocksProcessState, open_database, prepare_directory
 from keyshift.runtime.state import KEY_COL, ProcessState
 from keyshift.runtime.state_values import ValueCodec
@@ -39,6 +38,7 @@ from tests.test_crd import schema_errors
 from tests.test_nexmark_queries import (
     SOURCE,
     SOURCES,
+    STRATEGY_PAIRS,
     example,
     rescaling_mid_stream,
     run_query_job,
@@ -407,13 +407,14 @@ def test_event_time_timers_fire_each_period_once_as_python_counts(tmp_path: Path
 
 @pytest.mark.slow
 @pytest.mark.live
-@pytest.mark.parametrize("strategy", STRATEGIES)
-def test_timers_fire_once_under_live_rescales(tmp_path: Path, strategy: str) -> None:
-    """The timed stage goes 2 -> 3 -> 1 while events flow: its keys' timers move with their
-    groups, and each fires once, at the owner that has the group when it is due."""
+@pytest.mark.parametrize("strategies", STRATEGY_PAIRS, ids="+".join)
+def test_timers_fire_once_under_live_rescales(tmp_path: Path, strategies: tuple[str, ...]) -> None:
+    """The timed stage goes 2 -> 3 -> 1 while events flow (out by one strategy of the pair, in
+    by the other): its keys' timers move with their groups, and each fires once, at the owner
+    that has the group when it is due."""
     out = tmp_path / "out"
     job = timer_job(out, total=None, profile={"rate": 8000})
-    during = rescaling_mid_stream([("q5", 3), ("q5", 1)], strategy, flow=2000)
+    during = rescaling_mid_stream([("q5", 3), ("q5", 1)], strategies, flow=2000)
     emitted = run_query_job(tmp_path, job, during, drain=True)
     check_each_period_fired_once(out, emitted)
 

@@ -27,7 +27,6 @@ from keyshift.runtime.late_records import LateRecordsWriter
 from keyshift.runtime.metrics import MetricName
 from keyshift.runtime.output_log import OutputLogReader
 from keyshift.runtime.pipeline import Dataflow, source
-from keyshift.runtime.protocol import STRATEGIES
 from keyshift.runtime.records import GROUP, record_schema
 from keyshift.runtime.rocksdb_state import (
     RocksAggregateState,
@@ -53,6 +52,7 @@ from tests.test_nexmark_queries import (
     REPO,
     SOURCE,
     SOURCES,
+    STRATEGY_PAIRS,
     example,
     rescaling_mid_stream,
     rows_of,
@@ -238,14 +238,15 @@ def test_a_windowed_query_fires_each_window_once_as_duckdb_counts(tmp_path: Path
 
 @pytest.mark.slow
 @pytest.mark.live
-@pytest.mark.parametrize("strategy", STRATEGIES)
-def test_windows_fire_once_under_live_rescales(tmp_path: Path, strategy: str) -> None:
-    """q5 goes 2 -> 3 -> 1 while events flow. They flow until the rescales are done (on this
-    shared machine a scale-out's new process has taken up to 27 s to start), then the job is
-    drained and DuckDB counts the events the sources emitted."""
+@pytest.mark.parametrize("strategies", STRATEGY_PAIRS, ids="+".join)
+def test_windows_fire_once_under_live_rescales(tmp_path: Path, strategies: tuple[str, ...]) -> None:
+    """q5 goes 2 -> 3 -> 1 while events flow (out with one strategy, in with the other). They
+    flow until the rescales are done (on this shared machine a scale-out's new process has taken
+    up to 27 s to start), then the job is drained and DuckDB counts the events the sources
+    emitted."""
     out = tmp_path / "out"
     job = example("q5_counts", out, total=None, profile={"rate": 4000})
-    during = rescaling_mid_stream([("q5", 3), ("q5", 1)], strategy, flow=2000)
+    during = rescaling_mid_stream([("q5", 3), ("q5", 1)], strategies, flow=2000)
     emitted = run_query_job(tmp_path, job, during, drain=True)
     check_fired_once(tmp_path, out, emitted)
 
@@ -365,12 +366,13 @@ def test_a_second_windowed_stage_fires_on_the_first_ones_watermark(tmp_path: Pat
 
 @pytest.mark.slow
 @pytest.mark.live
-@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("strategies", STRATEGY_PAIRS, ids="+".join)
 def test_two_windowed_stages_fire_once_under_live_rescales_of_both(
-    tmp_path: Path, strategy: str
+    tmp_path: Path, strategies: tuple[str, ...]
 ) -> None:
     """Q5: q5 goes 2 -> 3 -> 1 and q5-hot 2 -> 1 while events flow (until the rescales are
-    done, then the job is drained: see above): q5's moved windows fire at their new owners,
+    done, then the job is drained: see above; q5 moves by one strategy of the pair both ways,
+    q5-hot by the other): q5's moved windows fire at their new owners,
     and q5-hot waits for them (the move holds its watermark); q5-hot's windows (reduce state)
     move and fire once. At 4000 events/s q5-top (a max over the counts then) once found
     q5's results of a window late during q5's batched 3 -> 1 (a race the watermark hold does
@@ -379,7 +381,7 @@ def test_two_windowed_stages_fire_once_under_live_rescales_of_both(
     job = example("q5", out, total=None, profile={"rate": 2000})
     next(stage for stage in job["graph"] if stage["name"] == "q5-hot")["parallelism"] = 2
     steps = [("q5", 3), ("q5-hot", 1), ("q5", 1)]
-    during = rescaling_mid_stream(steps, strategy, flow=2000)
+    during = rescaling_mid_stream(steps, strategies, flow=2000)
     emitted = run_query_job(tmp_path, job, during, drain=True)
     check_hottest_fired_once(tmp_path, out, emitted)
 
