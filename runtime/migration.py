@@ -101,6 +101,7 @@ class MoveOut:
         hits = state.group_hits()
         moving_groups = np.flatnonzero(self.target >= 0)
         self.push_order = list(moving_groups[np.argsort(-hits[moving_groups], kind="stable")])
+        state.index_groups(moving_groups.tolist())
         self.sizes = state.group_sizes()
         self.pushed = np.zeros(groups, dtype=bool)
         self.fetched: set[Any] = set()

@@ -40,6 +40,10 @@ class KeyedState(Protocol):
 
     def snapshot_groups(self, groups: Iterable[int]) -> pa.RecordBatch: ...
 
+    def index_groups(self, groups: Iterable[int]) -> None:
+        """A move out will snapshot and drop these groups a chunk at a time: a store that
+        finds a group's keys by a pass over all of them may find these groups' at once."""
+
     def snapshot_keys(self, keys: Sequence[Any]) -> pa.RecordBatch: ...
 
     def restore(self, snapshot: pa.RecordBatch) -> None: ...
@@ -229,6 +233,11 @@ class AggregateState:
         self._hits = np.zeros(0, dtype=np.int64)
         self._group = np.zeros(0, dtype=np.int32)
         self._group_hits = np.zeros(max_key_groups, dtype=np.int64)
+        # `index_groups`: per group, its slots when indexed (a slot dropped since may hold a
+        # key of another group now: each use checks). A group given a new slot since is
+        # indexed no more, so an indexed group's slots are all in its entry.
+        self._indexed: dict[int, np.ndarray] = {}
+        self._is_indexed = np.zeros(max_key_groups, dtype=np.bool_)
         self._grow(self._INITIAL)
 
     @property
@@ -272,7 +281,29 @@ class AggregateState:
         self._index.insert(keys, slots)
         self._keys.set(slots, keys)
         self._group[slots] = groups
+        if self._indexed:
+            self._unindex(groups[self._is_indexed[groups]])
         return slots
+
+    def index_groups(self, groups: Iterable[int]) -> None:
+        """Find the slots of `groups` in one pass: a move of many groups out of a large state
+        then snapshots and drops each chunk without a pass over every key (150 ms a chunk at
+        13 M keys, most of a move's time)."""
+        wanted = np.zeros(self.max_key_groups, dtype=np.bool_)
+        wanted[np.fromiter(groups, dtype=np.int64)] = True
+        live = self._live_slots()
+        slots = live[wanted[self._group[live]]]
+        slots = slots[np.argsort(self._group[slots], kind="stable")]
+        owners = self._group[slots]
+        starts = np.flatnonzero(np.diff(owners, prepend=-1))
+        self._indexed.update((int(g), np.empty(0, dtype=np.int64)) for g in np.flatnonzero(wanted))
+        self._indexed.update(zip(owners[starts].tolist(), np.split(slots, starts[1:]), strict=True))
+        self._is_indexed |= wanted
+
+    def _unindex(self, groups: np.ndarray) -> None:
+        for group in np.unique(groups).tolist():
+            self._indexed.pop(group, None)
+        self._is_indexed[groups] = False
 
     def _slots(self, keys: Any, groups: np.ndarray) -> np.ndarray:
         slots = self._index.lookup(keys)
@@ -332,8 +363,13 @@ class AggregateState:
         )
 
     def _group_slots(self, groups: Iterable[int]) -> np.ndarray:
+        wanted = np.fromiter(groups, dtype=np.int32)
+        if len(wanted) and self._is_indexed[wanted].all():
+            indexed = np.concatenate([self._indexed[g] for g in wanted.tolist()])
+            found: np.ndarray = indexed[np.isin(self._group[indexed], wanted)]
+            return found
         live = self._live_slots()
-        result: np.ndarray = live[np.isin(self._group[live], np.fromiter(groups, dtype=np.int32))]
+        result: np.ndarray = live[np.isin(self._group[live], wanted)]
         return result
 
     def _key_slots(self, keys: Sequence[Any]) -> np.ndarray:
@@ -381,8 +417,11 @@ class AggregateState:
         self._free.extend(slots.tolist())
 
     def drop_groups(self, groups: Iterable[int]) -> int:
-        slots = self._group_slots(groups)
+        wanted = np.fromiter(groups, dtype=np.int32)
+        slots = self._group_slots(wanted)
         self._drop_slots(slots)
+        if self._indexed:
+            self._unindex(wanted)
         return len(slots)
 
     def drop_keys(self, keys: Sequence[Any]) -> int:
@@ -519,6 +558,9 @@ class ProcessState:
             ],
             names=[GROUP_COL, KEY_COL, HITS_COL, "state"],
         )
+
+    def index_groups(self, groups: Iterable[int]) -> None:
+        """Each group's keys are a dict of their own here: nothing to find."""
 
     def snapshot_groups(self, groups: Iterable[int]) -> pa.RecordBatch:
         entries = [(g, k, v) for g in groups for k, v in self._groups.get(g, {}).items()]
