@@ -48,15 +48,22 @@ def _merge(
 
 
 class IntKeyIndex:
-    """int64 keys in two sorted levels; inserts go to the small level, merged when it grows."""
+    """int64 keys in two sorted levels; inserts go to the small level, merged when it grows.
+
+    A removed key stays in its level with slot -1 (a tombstone) until the next merge, or until
+    tombstones are half the entries: deleting from a level of millions copies all of it, which
+    a move out paid for every chunk of keys it dropped. A key inserted again goes in before its
+    tombstones (`_merge` inserts at the leftmost position), so the leftmost entry of a key in a
+    level is its latest, the one `_find` and `remove` look at."""
 
     def __init__(self) -> None:
         empty = np.empty(0, dtype=np.int64)
         self._main_keys, self._main_slots = empty, empty
         self._recent_keys, self._recent_slots = empty, empty
+        self._dead = 0  # tombstones in both levels
 
     def __len__(self) -> int:
-        return len(self._main_keys) + len(self._recent_keys)
+        return len(self._main_keys) + len(self._recent_keys) - self._dead
 
     def lookup(self, keys: np.ndarray) -> np.ndarray:
         slots = _find(self._main_keys, self._main_slots, keys)
@@ -70,20 +77,37 @@ class IntKeyIndex:
             self._recent_keys, self._recent_slots, keys, slots
         )
         if len(self._recent_keys) > max(MIN_RECENT, len(self._main_keys) // 8):
+            self._compact()
             self._main_keys, self._main_slots = _merge(
                 self._main_keys, self._main_slots, self._recent_keys, self._recent_slots
             )
             self._recent_keys = self._recent_slots = np.empty(0, dtype=np.int64)
 
     def remove(self, keys: np.ndarray) -> None:
-        for level in ("main", "recent"):
-            level_keys = getattr(self, f"_{level}_keys")
+        for level_keys, level_slots in (
+            (self._main_keys, self._main_slots),
+            (self._recent_keys, self._recent_slots),
+        ):
             if len(level_keys) == 0:
                 continue
             pos = np.minimum(np.searchsorted(level_keys, keys), len(level_keys) - 1)
-            drop = pos[level_keys[pos] == keys]
-            setattr(self, f"_{level}_keys", np.delete(level_keys, drop))
-            setattr(self, f"_{level}_slots", np.delete(getattr(self, f"_{level}_slots"), drop))
+            live = pos[(level_keys[pos] == keys) & (level_slots[pos] >= 0)]
+            level_slots[live] = -1
+            self._dead += len(np.unique(live))
+        if 2 * self._dead > len(self._main_keys) + len(self._recent_keys):
+            self._compact()
+
+    def _compact(self) -> None:
+        """Drop the tombstones."""
+        if not self._dead:
+            return
+        main, recent = self._main_slots >= 0, self._recent_slots >= 0
+        self._main_keys, self._main_slots = self._main_keys[main], self._main_slots[main]
+        self._recent_keys, self._recent_slots = (
+            self._recent_keys[recent],
+            self._recent_slots[recent],
+        )
+        self._dead = 0
 
 
 class ObjectKeyIndex:
