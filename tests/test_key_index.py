@@ -27,7 +27,8 @@ def test_lookups_and_length_follow_a_dict_through_inserts_and_removes(
     # A small recent level: merges (and the compaction before each) happen within a few inserts.
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(key_index, "MIN_RECENT", 8)
-        index, truth, next_slot = IntKeyIndex(), {}, 0
+        index, next_slot = IntKeyIndex(), 0
+        truth: dict[int, int] = {}
         for insert, keys in ops:
             if insert:
                 new = sorted({k for k in keys if k not in truth})
