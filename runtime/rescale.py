@@ -430,11 +430,20 @@ class RescaleDriver:
         if new_p > old_p:
             self._phase("starting-instances")
             self.host.set_desired(self.keyed, new_p)
-            self.host.wait_for(
-                lambda _events: len(self.host.addresses(self.keyed)) >= new_p,
-                self.host.register_timeout,
-                f"new instances {self.keyed}/{old_p}..{new_p - 1} to register",
-            )
+            try:
+                self.host.wait_for(
+                    lambda _events: len(self.host.addresses(self.keyed)) >= new_p,
+                    self.host.register_timeout,
+                    f"new instances {self.keyed}/{old_p}..{new_p - 1} to register",
+                )
+            except RescaleError:
+                # Nothing has moved: the stage stays at its width, and the new instances that
+                # did register leave (else the host would go on starting the missing ones).
+                self.host.set_desired(self.keyed, old_p)
+                started = sorted(set(self.host.addresses(self.keyed)) - set(range(old_p)))
+                if started:
+                    self.host.retire(self.keyed, started)
+                raise
         self.target = target = plan(self.current.owners, new_p, self.group_load)
         moving = np.flatnonzero(target != self.current.owners)
         status.groups_to_move = len(moving)

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import numpy as np
+import pytest
 
 from keyshift.runtime.coordinator import SERVICE, Coordinator
 from keyshift.runtime.job import parse_job
@@ -38,9 +39,10 @@ from keyshift.runtime.protocol import (
     ReportRequest,
     Reroute,
     RescaleRequest,
+    Retire,
     parse_command,
 )
-from keyshift.runtime.transport import JsonClient, TransportError
+from keyshift.runtime.transport import JsonClient, RequestRefused, TransportError
 from tests.conftest import count_job, served, wait_for
 
 C = TypeVar("C", bound=Command)
@@ -298,3 +300,43 @@ def test_a_subscale_whose_new_owner_dies_before_it_froze_is_dropped_and_the_othe
         (result,) = move.coordinator.rescale_history
         assert result.phase == "failed" and "recovered at parallelism 3" in str(result.error)
         assert not any(isinstance(c, MigrateOut) for c in list(old[1].commands.queue))
+
+
+def test_a_scale_out_whose_new_instances_do_not_all_register_leaves_the_stage_as_it_was() -> None:
+    """A 1 -> 3 whose counts/2 never registers: the rescale fails after the registration
+    timeout with nothing moved, the stage's width goes back to 1 (the host stops starting the
+    missing instance, whose registration is refused from then on), and counts/1, which did
+    register, is retired."""
+    spec = parse_job(count_job(keyed={"parallelism": 1}, sink={"parallelism": 1}))
+    coordinator = Coordinator(spec, 1.0)
+    with served(coordinator) as address:
+        source, old, sink = (join(address, s, 0) for s in ("source", "counts", "sink"))
+        wait_for(lambda: coordinator.phase == "running", 10, "the job to run")
+        client = JsonClient(address, SERVICE)
+        started = client.call("Rescale", RescaleRequest(stage="counts", parallelism=3).wire())
+        wait_for(lambda: coordinator.desired["counts"] == 3, 10, "the scale-out to start")
+        new = join(address, "counts", 1)
+        try:
+            new.expect(Retire)
+            assert coordinator.desired["counts"] == 1
+            new.client.call(
+                "Report",
+                ReportRequest(stage="counts", index=1, identity=new.identity, finished=True).wire(),
+            )
+            new.client.close()  # it exits: its command stream ends
+
+            def ended() -> dict[str, Any] | None:
+                rescales = client.call("Status")["rescales"]
+                return next((r for r in rescales if r["id"] == started["id"]), None)
+
+            result = wait_for(ended, 10, "the rescale to end")
+            assert result["phase"] == "failed" and "to register" in result["error"], result
+            assert result["groups_moved"] == 0
+            wait_for(lambda: 1 not in coordinator.members["counts"], 10, "counts/1 to leave")
+            assert coordinator.assignments["counts"].parallelism == 1
+            with pytest.raises(RequestRefused, match="no instance counts/2"):
+                join(address, "counts", 2)
+        finally:
+            client.close()
+            for instance in (source, old, sink, new):
+                instance.client.close()
