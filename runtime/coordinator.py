@@ -90,7 +90,13 @@ from keyshift.runtime.protocol import (
     handles,
     parse,
 )
-from keyshift.runtime.rescale import RescaleDriver, RescaleError, RescaleStatus, options_for
+from keyshift.runtime.rescale import (
+    RescaleDriver,
+    RescaleError,
+    RescaleStatus,
+    RescaleTimeout,
+    options_for,
+)
 from keyshift.runtime.rescale_queue import QueueFull, RescaleQueue
 from keyshift.runtime.restart_strategy import recorded_failures
 from keyshift.runtime.sink_rescale import SinkRescaleDriver
@@ -386,7 +392,7 @@ class Coordinator:
                     raise RescaleError(f"{abort} while waiting for {what}")
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
-                    raise RescaleError(f"timed out after {timeout:.0f} s waiting for {what}")
+                    raise RescaleTimeout(f"timed out after {timeout:.0f} s waiting for {what}")
                 self._changed.wait(min(remaining, 0.5))
 
     # -- RPCs ----------------------------------------------------------------------------
@@ -709,7 +715,10 @@ class Coordinator:
             if record is None:
                 raise ControlError("report before register", grpc.StatusCode.FAILED_PRECONDITION)
             self._check_identity(record, request)
-            record.stats = dict(request.stats)
+            # A periodic report gathered before the loop ended may arrive after the finished
+            # one: the finished report's stats are final (what the sources emitted, say).
+            if request.finished or not record.finished:
+                record.stats = dict(request.stats)
             record.last_report = time.monotonic()
             if request.metrics_address:
                 record.metrics_address = request.metrics_address

@@ -115,6 +115,10 @@ class RescaleError(Exception):
     """A rescale that cannot start or could not finish; the message says why."""
 
 
+class RescaleTimeout(RescaleError):
+    """What a rescale waited for did not happen in time (nothing else went wrong)."""
+
+
 class RescaleHost(Protocol):
     """What the driver needs from the coordinator (implemented by Coordinator)."""
 
@@ -436,9 +440,11 @@ class RescaleDriver:
                     self.host.register_timeout,
                     f"new instances {self.keyed}/{old_p}..{new_p - 1} to register",
                 )
-            except RescaleError:
+            except RescaleTimeout:
                 # Nothing has moved: the stage stays at its width, and the new instances that
-                # did register leave (else the host would go on starting the missing ones).
+                # did register leave (else the host would go on starting the missing ones). A
+                # loss meanwhile is not this: the recovery that follows gives the lost
+                # instance's groups to the new width.
                 self.host.set_desired(self.keyed, old_p)
                 started = sorted(set(self.host.addresses(self.keyed)) - set(range(old_p)))
                 if started:

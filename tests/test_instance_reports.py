@@ -14,7 +14,7 @@ import pytest
 
 from keyshift.runtime.coordinator import SERVICE, Coordinator
 from keyshift.runtime.identity import Identity
-from keyshift.runtime.protocol import RegisterRequest
+from keyshift.runtime.protocol import RegisterRequest, ReportRequest
 from keyshift.runtime.stage_context import InstanceContext
 from keyshift.runtime.transport import Inbox, JsonClient
 from tests.conftest import wait_for
@@ -48,3 +48,28 @@ def test_a_report_that_fails_is_logged_and_the_reports_go_on(
         reporter.join(timeout=10)
         control.close()
     assert "report failed; the next one follows" in caplog.text
+
+
+def test_a_periodic_report_arriving_after_the_finished_one_leaves_the_final_stats(
+    one_keyed_coordinator: tuple[Coordinator, str],
+) -> None:
+    """The reporting thread gathers its stats, the loop ends and the finished report goes, then
+    the periodic one arrives: the source's final count stays (a drained job's `emitted`)."""
+    coord, _ = one_keyed_coordinator
+    reply = coord.register(RegisterRequest(stage="counts", index=0, data_address="-"))
+
+    def report(emitted: int, finished: bool) -> None:
+        coord.report(
+            ReportRequest(
+                stage="counts",
+                index=0,
+                identity=reply.identity,
+                stats={"emitted": emitted},
+                finished=finished,
+            )
+        )
+
+    report(100, finished=False)
+    report(250, finished=True)
+    report(240, finished=False)
+    assert coord.members["counts"][0].stats["emitted"] == 250
