@@ -38,7 +38,7 @@ from keyshift.policies.settings import AutoscalerSettings
 from keyshift.runtime.auth import AuthError, Security
 from keyshift.runtime.job import JobError, JobSpec, load_job_as
 from keyshift.runtime.job_secret import SECRET_ENV, JobSecretError
-from keyshift.runtime.lifecycle import allow_user_code
+from keyshift.runtime.lifecycle import allow_user_code, die_with_parent
 from keyshift.runtime.protocol import (
     STRATEGIES,
     RescaleReport,
@@ -485,6 +485,9 @@ def main(argv: list[str] | None = None) -> int:
     allow_user_code()
     console = Console()
     if args.command == "run":
+        # A host that runs jobs itself (a test harness, a supervisor) may ask it as it asks
+        # the processes it starts: a run must not outlive it, with its job's processes.
+        die_with_parent()
         return cmd_run(args, console)
     if args.command == "rescale":
         return cmd_rescale(args, console)

@@ -8,7 +8,8 @@ so users' `module:function` references resolve as they do for `keyshift run` its
 `die_with_parent` makes a process end when the host that started it ends, even when the host is
 killed with SIGKILL and cannot clean up (Linux PR_SET_PDEATHSIG, set by the child itself so the
 host can spawn without a fork-time hook, which gRPC does not survive). Called first thing by the
-`main` of the coordinator and of stage instances.
+`main` of the coordinator and of stage instances, and by `keyshift run` (whose own host, a test
+harness say, may set the variable too).
 """
 
 from __future__ import annotations

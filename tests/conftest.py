@@ -135,7 +135,9 @@ def cli(args: list[str], cwd: Path = REPO, **popen: Any) -> Iterator[subprocess.
     """Run `keyshift ARGS` in its own session; kill its whole group on exit."""
     if args[:1] == ["run"] and "--register-timeout" not in args:
         args = [*args, "--register-timeout", str(TEST_REGISTER_TIMEOUT)]
-    env = {**os.environ, **popen.pop("env", {}), "COLUMNS": "200"}
+    # The run dies with this test process, its job's processes with it, even when a hung test
+    # makes faulthandler end this process (pyproject's faulthandler_timeout) with no cleanup.
+    env = {**os.environ, **popen.pop("env", {}), "COLUMNS": "200", PARENT_ENV: str(os.getpid())}
     proc = subprocess.Popen(
         [KEYSHIFT, *args],
         cwd=cwd,

@@ -103,6 +103,14 @@ def applied_once(
     return Counter({k: len(v) for k, v in applied.items()}), set(seen)
 
 
+def emitted_by_output(out: Path, sources: int) -> list[int]:
+    """What each source of a drained job emitted, read off its output: drained, not lost, each
+    source's records are a whole prefix of its sequence (a record lost on the way leaves a gap
+    that `check_output` finds)."""
+    _, seen = applied_once(out)
+    return [1 + max((q for s, q in seen if s == source), default=-1) for source in range(sources)]
+
+
 def check_output(
     out: Path,
     source: dict[str, Any],
