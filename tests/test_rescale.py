@@ -103,22 +103,19 @@ def applied_once(
     return Counter({k: len(v) for k, v in applied.items()}), set(seen)
 
 
-def emitted_by_output(out: Path, sources: int) -> list[int]:
-    """What each source of a drained job emitted, read off its output: drained, not lost, each
-    source's records are a whole prefix of its sequence (a record lost on the way leaves a gap
-    that `check_output` finds)."""
-    _, seen = applied_once(out)
-    return [1 + max((q for s, q in seen if s == source), default=-1) for source in range(sources)]
-
-
 def check_output(
     out: Path,
     source: dict[str, Any],
-    emitted: list[int],
+    emitted: list[int] | None,
     track_output: Callable[[Any], Any] = lambda value: value,
 ) -> None:
-    """Exactly once, in order per key and sender, and the final counts equal the truth."""
+    """Exactly once, in order per key and sender, and the final counts equal the truth.
+    `emitted` None: a drained job's, read off the output (drained, not lost, each source's
+    records are a whole prefix of its sequence: a record lost on the way is a gap found here)."""
     counts, seen = applied_once(out, track_output)
+    if emitted is None:
+        sources = 1 + max((s for s, _ in seen), default=-1)
+        emitted = [1 + max((q for s, q in seen if s == i), default=-1) for i in range(sources)]
     counts_truth, records = truth(source, emitted)
     assert seen == records, f"{len(records - seen)} records lost"
     assert counts == counts_truth

@@ -32,7 +32,7 @@ from tests.prometheus_server import free_port
 from tests.s3_server import MotoServer, create_bucket, s3_bucket, s3_options
 from tests.small_disk import fill, small_disk
 from tests.test_recovery import Run, coordinator_metrics
-from tests.test_rescale import check_output, emitted_by_output, tracked_job
+from tests.test_rescale import check_output, tracked_job
 
 pytestmark = [pytest.mark.live, pytest.mark.slow]
 
@@ -113,7 +113,7 @@ def test_an_s3_outage_degrades_the_job_and_checkpoints_resume_after_it(tmp_path:
                 run.client.close()
         assert code == 0, run.output.text()
     assert "Traceback" not in run.output.text()
-    check_output(out, SOURCE, emitted_by_output(out, 2))
+    check_output(out, SOURCE, None)  # drained: what each source emitted is read off the output
 
 
 def test_a_full_output_disk_stalls_the_sink_with_the_reason_and_loses_nothing(
