@@ -265,14 +265,20 @@ def test_a_query_that_finds_nothing_is_a_reason_not_a_crash(
 def test_ds2_scales_out_a_sink_that_is_the_bottleneck_within_its_partitions(
     tmp_path: Path, prometheus: PrometheusServer
 ) -> None:
-    """1,200 records/s through a cheap keyed stage into a sink whose function takes 1.5 ms a
-    record (near 670/s an instance): DS2, from real Prometheus, wants ceil(1,200 / (670 *
-    0.8)) = 3 sink instances and gets the sink's 2 partitions; the keyed stage and the source
-    are not scaled, the source saying why."""
+    """1,600 records/s through a cheap keyed stage into a sink whose function takes 1.5 ms a
+    record (near 665/s an instance): DS2, from real Prometheus, wants ceil(1,600 / (665 *
+    0.8)) = 4 sink instances (3 while the keyed stage's selectivity reads under 1) and gets
+    the sink's 2 partitions; the keyed stage and the source are not scaled, the source saying
+    why.
+
+    The sink's target is the source's rate times the keyed stage's selectivity, its output over
+    its input in the window: under 1 (0.88 to 0.92 measured) while its output lags its input
+    under the sink's backpressure. At 1,200 records/s that put the wanted width at 1.99 to 2.1
+    instances, and a CI run got 2; at 1,600 a selectivity down to 0.67 still wants 3."""
     job = count_job(
         name="sinky",
         source={"config": {"kind": "generator", "keys": 2000, "seed": 4,
-                           "profile": {"rate": 1200}}},
+                           "profile": {"rate": 1600}}},
         keyed={"name": "counts", "parallelism": 1,
                "operator": {"kind": "process", "function": "tests.job_fns:track"}},
         sink={"name": "out", "parallelism": 1, "partitions": 2,
@@ -307,11 +313,12 @@ def test_ds2_scales_out_a_sink_that_is_the_bottleneck_within_its_partitions(
     acted = [d for d in made if d["action"] != "hold"]
     assert [(d["stage"], d["from"], d["to"]) for d in acted] == [("out", 1, 2)], (acted, text)
     (up,) = acted
-    assert up["recommended"] >= 3, up  # more if the machine's load slows the sink further
-    assert "bounded to [1, 2]: the most instances the stage can have" in up["reason"], up
-    assert up["inputs"]["target_rate"] == pytest.approx(1200, rel=0.1), up
+    why = (up["reason"], up["inputs"])
+    assert up["recommended"] >= 3, why  # more if the machine's load slows the sink further
+    assert "bounded to [1, 2]: the most instances the stage can have" in up["reason"], why
+    assert 0.67 * 1600 < up["inputs"]["target_rate"] <= 1600 * 1.01, why
     # At most the function's 667/s, less by the sink's own work per record.
-    assert 300 < up["inputs"]["true_rate_per_instance"] < 800, up
+    assert 300 < up["inputs"]["true_rate_per_instance"] < 700, why
     source = [d for d in made if d["stage"] == "source"]
     assert source and all("not sized" in d["reason"] for d in source)
     assert "rescale 1 of out 1->2" in text and "failed" not in text, text
