@@ -463,8 +463,10 @@ def moving_bottleneck(
                 "parallelism": 1, "operator": operator}  # fmt: skip
 
     sink = {"kind": "log", "path": str(out), "format": "jsonl"}
-    # Three ticks in a row before a scale-up: the step is out of the window by the third, whose
-    # answer the scale-up takes, so a stage is not sized for a mix of both phases' costs.
+    # Three ticks in a row before a scale-up, so one noisy window does not scale a stage. The 5 s
+    # window still holds some of phase 1 at the third tick after the step: the first decision
+    # for `second` may size it for a mix of both phases' costs, and a later one finishes (the
+    # test takes up to two).
     settings: dict[str, Any] = {"interval": 1, "metrics_window": 5, "warmup": 4, "activation": 3}
     if prometheus_url is not None:
         settings["prometheus_url"] = prometheus_url
