@@ -8,7 +8,8 @@ change of a keyed stage's or the sink's parallelism (an edit, or `kubectl scale`
 stage) rescales the running job live. A timer per job reads the coordinator's status, runs
 the autoscaling loop (`k8s_scaling`), applies replica changes and writes the status, with the
 memory a restarted operator reads back (the guards' state, the last rescale it handled, the
-rescales of a decision still to come); delete releases the job's parts.
+rescales of a decision still to come); delete releases the job's parts, as the operator's
+stop releases every job's.
 `keyshift operator` runs it (`run_operator`); tests build it with `build_registry` against an
 API emulator.
 """
@@ -83,12 +84,37 @@ class OperatorConfig:
     children: ChildOptions = field(default_factory=ChildOptions)
     exported: dict[str, AutoscalerMetrics] = field(default_factory=dict)
     metrics: OperatorMetrics = field(default_factory=OperatorMetrics)
+    # Each reconciled job's runtime parts, also in its kopf memo: kept here as well so that they
+    # can be closed when the operator stops (a scraping thread outlives kopf otherwise, and
+    # keeps knocking at the ports its job's pods had).
+    held: dict[str, KubeJob] = field(default_factory=dict)
 
     def metrics_for(self, namespace: str, job: str) -> AutoscalerMetrics:
         key = f"{namespace}/{job}"
         if key not in self.exported:
             self.exported[key] = AutoscalerMetrics(job, namespace)
         return self.exported[key]
+
+    def hold(self, namespace: str, job: str, kube: KubeJob) -> KubeJob:
+        """Keep a job's new runtime parts, closing the ones they replace."""
+        old = self.held.get(f"{namespace}/{job}")
+        if old is not None and old is not kube:
+            old.close()
+        self.held[f"{namespace}/{job}"] = kube
+        return kube
+
+    def release(self, namespace: str, job: str) -> None:
+        """A deleted job: close its runtime parts, and its series go away."""
+        self.metrics.forget(namespace, job)
+        self.exported.pop(f"{namespace}/{job}", None)
+        kube = self.held.pop(f"{namespace}/{job}", None)
+        if kube is not None:
+            kube.close()
+
+    def close(self) -> None:
+        """The operator has stopped: close every job's runtime parts."""
+        for key in list(self.held):
+            self.held.pop(key).close()
 
 
 def _invalid(spec: Mapping[str, Any]) -> tuple[StreamingJobSpec | None, list[str]]:
@@ -222,17 +248,16 @@ def build_registry(config: OperatorConfig) -> kopf.OperatorRegistry:
                 old.restarts,
                 old.executor.pending(),
             )
-            old.close()
         else:
             memory, unreadable = remembered(status)
             for problem in unreadable:
                 kopf.warn(body, reason="MemoryLost", message=problem)
         plan = MigrationPlan(parsed.strategy(), dict(parsed.migration.options))
-        memo["job"] = kube_job(
+        memo["job"] = config.hold(namespace, name, kube_job(
             name, namespace, job, config.coordinator_address(name, namespace),
             config.metrics_for(namespace, name), plan, memory, security,
             partial(sink_rescale_problem, parsed, job),
-        )  # fmt: skip
+        ))  # fmt: skip
         memo["spec"] = parsed
         patch.status["observedGeneration"] = generation
         patch.status["selector"] = stage_selector(name, job.keyed.name)
@@ -386,10 +411,8 @@ def build_registry(config: OperatorConfig) -> kopf.OperatorRegistry:
 
     @kopf.on.delete(*resource, registry=registry, id="release", optional=True)
     async def release(name: str, namespace: str | None, memo: kopf.Memo, **_: Any) -> None:
-        config.metrics.forget(namespace or "", name)
-        kube = memo.pop("job", None)
-        if isinstance(kube, KubeJob):
-            kube.close()
+        memo.pop("job", None)
+        config.release(namespace or "", name)
         log.info("released %s; its children go with it (owner references)", name)
 
     return registry
@@ -590,13 +613,16 @@ def run_operator(
     metrics = CollectorRegistry()
     metrics.register(_AllJobs())
     start_http_server(metrics_port, registry=metrics)
-    asyncio.run(
-        kopf.operator(
-            registry=registry,
-            settings=settings,
-            standalone=True,
-            clusterwide=not namespaces,
-            namespaces=namespaces,
-            liveness_endpoint=f"http://0.0.0.0:{liveness_port}/healthz",
+    try:
+        asyncio.run(
+            kopf.operator(
+                registry=registry,
+                settings=settings,
+                standalone=True,
+                clusterwide=not namespaces,
+                namespaces=namespaces,
+                liveness_endpoint=f"http://0.0.0.0:{liveness_port}/healthz",
+            )
         )
-    )
+    finally:
+        config.close()

@@ -390,6 +390,10 @@ class Coordinator:
                 if self._abort:
                     abort, self._abort = self._abort, None
                     raise RescaleError(f"{abort} while waiting for {what}")
+                if self.stopped.is_set():
+                    # Nothing a stopping coordinator waits for comes: the rescale ends now, not
+                    # at its timeout (and in a process that hosts it, its thread with it).
+                    raise RescaleError(f"the job is stopping, while waiting for {what}")
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     raise RescaleTimeout(f"timed out after {timeout:.0f} s waiting for {what}")
@@ -1143,14 +1147,15 @@ class Coordinator:
         return dict(local.replacing)
 
     def shutdown(self, request: Empty) -> Empty:
-        with self._lock:
+        with self._changed:
             if self.phase not in ("failed", "finished"):
                 self.phase = "stopping"
             self._drop_queued("the job was shut down")
             for record in self._records():
                 record.commands.put(Stop(reason="shutdown"))
                 record.commands.put(None)
-        self.stopped.set()
+            self.stopped.set()
+            self._changed.notify_all()
         return Empty()
 
     def record_recovery(self) -> None:

@@ -12,6 +12,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -278,10 +279,40 @@ def _refusing_live_programs(item: pytest.Item) -> Iterator[None]:
         subprocess.Popen.__init__ = start  # type: ignore[method-assign]
 
 
+def _target_module(thread: threading.Thread) -> str:
+    return str(getattr(getattr(thread, "_target", None), "__module__", ""))
+
+
+def _keyshift_threads() -> set[threading.Thread]:
+    """The live threads running keyshift's own code (a scraper, a reader, a checkpoint
+    driver...), known by their target's module."""
+    return {t for t in threading.enumerate() if _target_module(t).startswith("keyshift.")}
+
+
+_THREADS_BEFORE = pytest.StashKey[set[threading.Thread]]()
+
+
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_setup(item: pytest.Item) -> Iterator[None]:
+    item.stash[_THREADS_BEFORE] = _keyshift_threads()
     with _refusing_live_programs(item):
         return (yield)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item: pytest.Item) -> Iterator[None]:
+    """A keyshift thread a test started must be gone once it is torn down: one left behind
+    goes on in the test process (a leaked scraper knocked at the ports of jobs long gone, and
+    one of them had become Spark's)."""
+    result = yield
+    before = item.stash.get(_THREADS_BEFORE, set())
+    deadline = time.monotonic() + 10
+    while (left := _keyshift_threads() - before) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if left:
+        names = ", ".join(sorted(f"{t.name} ({_target_module(t)})" for t in left))
+        pytest.fail(f"{item.nodeid} left keyshift threads running: {names}", pytrace=False)
+    return result
 
 
 @pytest.hookimpl(wrapper=True)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import copy
+import threading
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,7 @@ from kubernetes_asyncio import client as k8s
 
 from keyshift.operator.k8s_children import ChildOptions, stage_stateful_set
 from keyshift.operator.k8s_operator import OperatorConfig, build_registry, observed_phase
+from keyshift.operator.scaling_metrics import ScrapeSource
 from keyshift.operator.streamingjob import StreamingJobSpec
 from tests.conftest import BATCHING
 from tests.kube_emulator import (
@@ -68,10 +70,9 @@ async def emu() -> AsyncIterator[Emulator]:
         yield handler
 
 
-@contextlib.asynccontextmanager
-async def running_operator(
+def operator_config(
     emu: Emulator, coordinator_address: Any = None, children: ChildOptions | None = None
-) -> AsyncIterator[OperatorThread]:
+) -> OperatorConfig:
     url = str(emu.url)
 
     async def api() -> k8s.ApiClient:
@@ -84,6 +85,17 @@ async def running_operator(
         config.coordinator_address = coordinator_address
     if children is not None:
         config.children = children
+    return config
+
+
+@contextlib.asynccontextmanager
+async def running_operator(
+    emu: Emulator,
+    coordinator_address: Any = None,
+    children: ChildOptions | None = None,
+    config: OperatorConfig | None = None,
+) -> AsyncIterator[OperatorThread]:
+    config = config or operator_config(emu, coordinator_address, children)
     operator = OperatorThread(build_registry(config))
     await operator.start()
     try:
@@ -95,6 +107,7 @@ async def running_operator(
         yield operator
     finally:
         await operator.stop()
+        config.close()  # as `keyshift operator` does once kopf has stopped
 
 
 async def scale_to(emu: Emulator, replicas: int, standby: int = 0) -> None:
@@ -264,6 +277,43 @@ async def test_create_update_resume_delete(emu: Emulator) -> None:
         reply = await emu.delete(f"{CR_API}/namespaces/{NS}/streamingjobs/clicks")
         assert reply.status == 200
         await eventually(lambda: stored(emu, CR, NS, "clicks") is None, 20, "the job to go")
+
+
+def scrapers() -> list[threading.Thread]:
+    """The operator's scraping threads (keyshift.operator.scaling_metrics) that are alive."""
+    return [
+        t
+        for t in threading.enumerate()
+        if getattr(getattr(t, "_target", None), "__module__", "") == ScrapeSource.__module__
+    ]
+
+
+async def test_a_deleted_job_and_a_stopped_operator_leave_nothing_running(emu: Emulator) -> None:
+    """A deleted job's runtime parts are closed (its scraper stops knocking at the ports its
+    pods had) and its autoscaler's series go; those the operator holds when it stops are
+    closed once kopf has stopped, as `keyshift operator` does."""
+    config = operator_config(emu)
+    autoscaled = {"interval": 1, "dry_run": True}
+    async with running_operator(emu, config=config):
+        clicks = streaming_job()
+        clicks["spec"]["job"]["autoscaler"] = autoscaled
+        reply = await create(emu, clicks)
+        assert reply.status in (200, 201), await reply.text()
+        await eventually(lambda: f"{NS}/clicks" in config.held and len(scrapers()) == 1, 20,
+                         "the job's autoscaler to scrape")  # fmt: skip
+        assert f"{NS}/clicks" in config.exported
+        reply = await emu.delete(f"{CR_API}/namespaces/{NS}/streamingjobs/clicks")
+        assert reply.status == 200
+        await eventually(lambda: not config.held and not scrapers(), 20, "the parts to close")
+        assert f"{NS}/clicks" not in config.exported
+
+        views = streaming_job("views")
+        views["spec"]["job"]["autoscaler"] = autoscaled
+        reply = await create(emu, views)
+        assert reply.status in (200, 201), await reply.text()
+        await eventually(lambda: f"{NS}/views" in config.held and len(scrapers()) == 1, 20,
+                         "the second job's autoscaler to scrape")  # fmt: skip
+    assert not config.held and not scrapers()
 
 
 ISOLATION = ChildOptions.model_validate(
