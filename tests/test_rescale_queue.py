@@ -139,7 +139,7 @@ def test_a_queued_request_that_cannot_start_any_more_fails_with_the_reason(
 @pytest.mark.parametrize("end", ["drain", "shutdown"])
 def test_draining_and_shutting_down_drop_what_waits(end: str) -> None:
     with played_job() as (coordinator, client):
-        rescale(client, "counts", 2)
+        running = rescale(client, "counts", 2)
         queued = rescale(client, "sink", 2)
         if end == "drain":
             assert client.call("Drain")["phase"] == "running"  # once the running rescale ends
@@ -148,10 +148,20 @@ def test_draining_and_shutting_down_drop_what_waits(end: str) -> None:
         else:
             client.call("Shutdown")
         assert coordinator.rescale_queue.waiting() == []
-        (dropped,) = coordinator.rescale_history
-        assert dropped.id == queued["id"] and dropped.phase == "failed"
+        (dropped,) = ended(coordinator, queued["id"])
+        assert dropped.phase == "failed"
         reason = "asked to drain" if end == "drain" else "shut down"
         assert dropped.error == f"not started: the job was {reason}"
+        if end == "shutdown":
+            # The running one ends too, at once: not when its new instance's registration
+            # times out (30 s here), nor never, as in a process that outlives the coordinator.
+            (stopped,) = wait_for(lambda: ended(coordinator, running["id"]), 10, "its end")
+            assert stopped.phase == "failed" and stopped.error is not None
+            assert "the job is stopping, while waiting for new instances" in stopped.error
+
+
+def ended(coordinator: Coordinator, id_: int) -> list[RescaleStatus]:
+    return [r for r in coordinator.rescale_history if r.id == id_]
 
 
 def test_a_recovery_from_a_checkpoint_drops_what_waits(tmp_path: Path) -> None:
