@@ -84,9 +84,9 @@ class OperatorConfig:
     children: ChildOptions = field(default_factory=ChildOptions)
     exported: dict[str, AutoscalerMetrics] = field(default_factory=dict)
     metrics: OperatorMetrics = field(default_factory=OperatorMetrics)
-    # Each reconciled job's runtime parts, also in its kopf memo: kept here as well so that they
-    # can be closed when the operator stops (a scraping thread outlives kopf otherwise, and
-    # keeps knocking at the ports its job's pods had).
+    # Each reconciled job's runtime parts, here rather than in its kopf memo so that they can be
+    # closed when the operator stops (a scraping thread outlives kopf otherwise, and keeps
+    # knocking at the ports its job's pods had).
     held: dict[str, KubeJob] = field(default_factory=dict)
 
     def metrics_for(self, namespace: str, job: str) -> AutoscalerMetrics:
@@ -95,13 +95,16 @@ class OperatorConfig:
             self.exported[key] = AutoscalerMetrics(job, namespace)
         return self.exported[key]
 
-    def hold(self, namespace: str, job: str, kube: KubeJob) -> KubeJob:
+    def job_of(self, namespace: str, job: str) -> KubeJob | None:
+        """A job's runtime parts, once it is reconciled."""
+        return self.held.get(f"{namespace}/{job}")
+
+    def hold(self, namespace: str, job: str, kube: KubeJob) -> None:
         """Keep a job's new runtime parts, closing the ones they replace."""
         old = self.held.get(f"{namespace}/{job}")
-        if old is not None and old is not kube:
-            old.close()
         self.held[f"{namespace}/{job}"] = kube
-        return kube
+        if old is not None:
+            old.close()
 
     def release(self, namespace: str, job: str) -> None:
         """A deleted job: close its runtime parts, and its series go away."""
@@ -237,8 +240,8 @@ def build_registry(config: OperatorConfig) -> kopf.OperatorRegistry:
         config.metrics.reconciled(namespace, name, "applied")
         for warning in parsed.deprecations():
             kopf.warn(body, reason="Deprecated", message=warning)
-        old = memo.get("job")
-        if isinstance(old, KubeJob):
+        old = config.job_of(namespace, name)
+        if old is not None:
             # A re-reconcile goes on from the live memory; a (re)started operator from the
             # status its predecessor wrote.
             memory = Memory(
@@ -253,7 +256,7 @@ def build_registry(config: OperatorConfig) -> kopf.OperatorRegistry:
             for problem in unreadable:
                 kopf.warn(body, reason="MemoryLost", message=problem)
         plan = MigrationPlan(parsed.strategy(), dict(parsed.migration.options))
-        memo["job"] = config.hold(namespace, name, kube_job(
+        config.hold(namespace, name, kube_job(
             name, namespace, job, config.coordinator_address(name, namespace),
             config.metrics_for(namespace, name), plan, memory, security,
             partial(sink_rescale_problem, parsed, job),
@@ -301,40 +304,43 @@ def build_registry(config: OperatorConfig) -> kopf.OperatorRegistry:
             raise kopf.TemporaryError(f"rescale to {new} not started: {exc}", delay=5) from exc
         kopf.info(body, reason="ManualRescale", message=f"{stage}: {current} -> {new}")
 
-    def reconciled(memo: kopf.Memo) -> tuple[KubeJob, StreamingJobSpec]:
-        kube = memo.get("job")
+    def reconciled(
+        memo: kopf.Memo, name: str, namespace: str | None
+    ) -> tuple[KubeJob, StreamingJobSpec]:
+        kube = config.job_of(namespace or "", name)
         parsed = memo.get("spec")
-        if not isinstance(kube, KubeJob) or not isinstance(parsed, StreamingJobSpec):
+        if kube is None or not isinstance(parsed, StreamingJobSpec):
             raise kopf.TemporaryError("the job is not reconciled yet", delay=2)
         return kube, parsed
 
     @kopf.on.field(*resource, field="spec.job.keyed.parallelism", registry=registry, id="rescale")
-    async def rescale(old: Any, new: Any, body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
+    async def rescale(old: Any, new: Any, body: kopf.Body, memo: kopf.Memo, name: str,
+                      namespace: str | None, **_: Any) -> None:  # fmt: skip
         """An edit or `kubectl scale` of the keyed stage: rescale the running job live."""
         if old is None or new is None or old == new:
             return
-        kube, parsed = reconciled(memo)
+        kube, parsed = reconciled(memo, name, namespace)
         await rescale_one(parsed.job_spec().keyed.name, new, parsed, kube, body)
 
     @kopf.on.field(
         *resource, field="spec.job.sink.parallelism", registry=registry, id="rescale-sink"
     )
-    async def rescale_sink(old: Any, new: Any, body: kopf.Body, memo: kopf.Memo, **_: Any
-                           ) -> None:  # fmt: skip
+    async def rescale_sink(old: Any, new: Any, body: kopf.Body, memo: kopf.Memo, name: str,
+                           namespace: str | None, **_: Any) -> None:  # fmt: skip
         """An edit of the sink's parallelism (a job of the older shape): rescale it live."""
         if old is None or new is None or old == new:
             return
-        kube, parsed = reconciled(memo)
+        kube, parsed = reconciled(memo, name, namespace)
         await rescale_one(parsed.job_spec().sink.name, new, parsed, kube, body)
 
     @kopf.on.field(*resource, field="spec.job.graph", registry=registry, id="rescale-graph")
-    async def rescale_graph(old: Any, new: Any, body: kopf.Body, memo: kopf.Memo, **_: Any
-                            ) -> None:  # fmt: skip
+    async def rescale_graph(old: Any, new: Any, body: kopf.Body, memo: kopf.Memo, name: str,
+                            namespace: str | None, **_: Any) -> None:  # fmt: skip
         """An edit of keyed stages' or the sink's parallelism in a graph job: rescale them
         live, one after another (the order of the graph)."""
         if not old or not new:
             return
-        kube, parsed = reconciled(memo)
+        kube, parsed = reconciled(memo, name, namespace)
         latest = kube.latest()
         steps = [
             (stage, parallelism)
@@ -363,9 +369,9 @@ def build_registry(config: OperatorConfig) -> kopf.OperatorRegistry:
         **_: Any,
     ) -> None:
         assert namespace is not None  # StreamingJob is a namespaced kind
-        kube = memo.get("job")
+        kube = config.job_of(namespace, name)
         parsed = memo.get("spec")
-        if not isinstance(kube, KubeJob) or not isinstance(parsed, StreamingJobSpec):
+        if kube is None or not isinstance(parsed, StreamingJobSpec):
             return  # not reconciled (or invalid): the reconcile handlers report why
         job = parsed.job_spec()
         try:
@@ -410,8 +416,7 @@ def build_registry(config: OperatorConfig) -> kopf.OperatorRegistry:
         config.metrics.phase(namespace, name, patch.status["phase"])
 
     @kopf.on.delete(*resource, registry=registry, id="release", optional=True)
-    async def release(name: str, namespace: str | None, memo: kopf.Memo, **_: Any) -> None:
-        memo.pop("job", None)
+    async def release(name: str, namespace: str | None, **_: Any) -> None:
         config.release(namespace or "", name)
         log.info("released %s; its children go with it (owner references)", name)
 

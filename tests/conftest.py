@@ -279,14 +279,15 @@ def _refusing_live_programs(item: pytest.Item) -> Iterator[None]:
         subprocess.Popen.__init__ = start  # type: ignore[method-assign]
 
 
-def _target_module(thread: threading.Thread) -> str:
+def target_module(thread: threading.Thread) -> str:
+    """The module of the code a thread runs ("" when it is not known)."""
     return str(getattr(getattr(thread, "_target", None), "__module__", ""))
 
 
 def _keyshift_threads() -> set[threading.Thread]:
     """The live threads running keyshift's own code (a scraper, a reader, a checkpoint
     driver...), known by their target's module."""
-    return {t for t in threading.enumerate() if _target_module(t).startswith("keyshift.")}
+    return {t for t in threading.enumerate() if target_module(t).startswith("keyshift.")}
 
 
 _THREADS_BEFORE = pytest.StashKey[set[threading.Thread]]()
@@ -310,7 +311,7 @@ def pytest_runtest_teardown(item: pytest.Item) -> Iterator[None]:
     while (left := _keyshift_threads() - before) and time.monotonic() < deadline:
         time.sleep(0.05)
     if left:
-        names = ", ".join(sorted(f"{t.name} ({_target_module(t)})" for t in left))
+        names = ", ".join(sorted(f"{t.name} ({target_module(t)})" for t in left))
         pytest.fail(f"{item.nodeid} left keyshift threads running: {names}", pytrace=False)
     return result
 

@@ -23,7 +23,7 @@ from keyshift.operator.k8s_children import ChildOptions, stage_stateful_set
 from keyshift.operator.k8s_operator import OperatorConfig, build_registry, observed_phase
 from keyshift.operator.scaling_metrics import ScrapeSource
 from keyshift.operator.streamingjob import StreamingJobSpec
-from tests.conftest import BATCHING
+from tests.conftest import BATCHING, target_module
 from tests.kube_emulator import (
     CR,
     CR_API,
@@ -281,11 +281,7 @@ async def test_create_update_resume_delete(emu: Emulator) -> None:
 
 def scrapers() -> list[threading.Thread]:
     """The operator's scraping threads (keyshift.operator.scaling_metrics) that are alive."""
-    return [
-        t
-        for t in threading.enumerate()
-        if getattr(getattr(t, "_target", None), "__module__", "") == ScrapeSource.__module__
-    ]
+    return [t for t in threading.enumerate() if target_module(t) == ScrapeSource.__module__]
 
 
 async def test_a_deleted_job_and_a_stopped_operator_leave_nothing_running(emu: Emulator) -> None:
